@@ -1,0 +1,1 @@
+"""Studies: search spaces, Optuna storage and workers, MLflow tracking, the picker and the CLI."""

@@ -1,0 +1,6 @@
+"""`python -m search` runs the CLI."""
+import sys
+
+from search.cli import main
+
+sys.exit(main())

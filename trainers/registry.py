@@ -1,0 +1,43 @@
+"""Name-keyed registries (models, losses, optimisers, schedulers): one per kind, no if-chains on strings."""
+from __future__ import annotations
+
+from typing import Callable, Generic, Iterator, TypeVar
+
+from trainers.errors import ConfigError, closest
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A mapping from a name to a builder; unknown names fail naming the closest registered one."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            if name in self._items:
+                raise ValueError(f"{self.kind} '{name}' registered twice")
+            self._items[name] = obj
+            return obj
+
+        return deco
+
+    def get(self, name: str) -> T:
+        try:
+            return self._items[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown {self.kind} '{name}'{closest(name, self._items)}; "
+                f"valid: {', '.join(sorted(self._items))}"
+            ) from None
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._items))
