@@ -1,0 +1,211 @@
+"""Search spaces: parse and validate `[space]` entries (float/int/categorical, conditions) and sample them from a trial.
+
+An entry is keyed by a config key and holds `type` ("float" | "int" | "categorical"), `low`/`high`/`log`/`step` or
+`choices`, and optionally `when`: a condition string (or list of them, all must hold) of the form
+`KEY OP VALUE` with OP in ==, !=, >, >=, <, <=, in (VALUE a Python literal), e.g. `"loss.slot_infonce.weight > 0"`.
+A knob whose condition is false is not sampled: it keeps its base value and is absent from the trial's params.
+"""
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from trainers.config import check_key, coerce, valid_keys
+from trainers.errors import ConfigError, closest
+
+OPS = {"==": operator.eq, "!=": operator.ne, ">": operator.gt, ">=": operator.ge, "<": operator.lt,
+       "<=": operator.le, "in": lambda a, b: a in b}
+_COND = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(==|!=|>=|<=|>|<|\bin\b)\s*(.+?)\s*$")
+TYPES = ("float", "int", "categorical")
+ENTRY_KEYS = {"type", "low", "high", "log", "step", "choices", "when"}
+
+
+@dataclass(frozen=True)
+class Condition:
+    key: str
+    op: str
+    value: Any
+
+    def holds(self, values: dict[str, Any]) -> bool:
+        return bool(OPS[self.op](values[self.key], self.value))
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.op} {self.value!r}"
+
+
+@dataclass(frozen=True)
+class Param:
+    key: str
+    type: str
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: float | None = None
+    choices: tuple | None = None
+    when: tuple[Condition, ...] = ()
+
+    def suggest(self, trial) -> Any:
+        if self.type == "categorical":
+            return trial.suggest_categorical(self.key, list(self.choices))
+        if self.type == "int":
+            return trial.suggest_int(self.key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
+        return trial.suggest_float(self.key, self.low, self.high, step=self.step, log=self.log)
+
+    def contains(self, value: Any) -> bool:
+        if self.type == "categorical":
+            return value in self.choices
+        return self.low <= value <= self.high
+
+
+def flatten_space(table: dict[str, Any], prefix: str = "") -> dict[str, dict]:
+    """Accept both quoted dotted keys ("loss.triplet.margin" = {...}) and nested TOML tables."""
+    out: dict[str, dict] = {}
+    for name, value in table.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict) and "type" not in value and not (set(value) & ENTRY_KEYS):
+            out.update(flatten_space(value, key + "."))
+        else:
+            out[key] = value
+    return out
+
+
+def parse_space(table: dict[str, Any], fixed: set[str], errors: list[str], where: str) -> list[Param]:
+    """Parse `[space]`; append one line per problem to `errors`; return params ordered so conditions come first."""
+    params: dict[str, Param] = {}
+    for key, spec in flatten_space(table).items():
+        param = _parse_param(key, spec, errors, where)
+        if param is not None:
+            params[key] = param
+    for param in params.values():
+        for cond in param.when:
+            if cond.key == param.key:
+                errors.append(f"{where}: space.{param.key}: condition on itself")
+            elif cond.key not in params and cond.key not in fixed:
+                hint = "" if cond.key in valid_keys() else closest(cond.key, valid_keys())
+                errors.append(f"{where}: space.{param.key}: condition on '{cond.key}', which is neither searched "
+                              f"nor fixed in [base]{hint}")
+    return _order(params, errors, where)
+
+
+def _parse_param(key: str, spec: Any, errors: list[str], where: str) -> Param | None:
+    at = f"{where}: space.{key}"
+    try:
+        check_key(key)
+    except ConfigError as exc:
+        errors.append(f"{where}: space: {exc}")
+        return None
+    if not isinstance(spec, dict):
+        errors.append(f"{at}: expected a table like {{type = \"float\", low = ..., high = ...}}, got {spec!r}")
+        return None
+    unknown = set(spec) - ENTRY_KEYS
+    if unknown:
+        name = sorted(unknown)[0]
+        errors.append(f"{at}: unknown field '{name}'{closest(name, ENTRY_KEYS)}")
+    kind = spec.get("type", "categorical" if "choices" in spec else None)
+    if kind not in TYPES:
+        errors.append(f"{at}: type must be one of {', '.join(TYPES)}{closest(str(kind), TYPES)}")
+        return None
+    when = _parse_conditions(spec.get("when", ()), at, errors)
+    if kind == "categorical":
+        return _parse_categorical(key, spec, when, at, errors)
+    return _parse_range(key, kind, spec, when, at, errors)
+
+
+def _parse_categorical(key, spec, when, at, errors) -> Param | None:
+    choices = spec.get("choices")
+    if not isinstance(choices, list) or not choices:
+        errors.append(f"{at}: categorical needs a non-empty list 'choices'")
+        return None
+    if len(set(map(repr, choices))) != len(choices):
+        errors.append(f"{at}: choices contain duplicates")
+    for choice in choices:
+        if isinstance(choice, (list, dict)):
+            errors.append(f"{at}: choice {choice!r}: use a string such as \"1024,1024\" for lists")
+            return None
+        _check_value(key, choice, at, errors)
+    return Param(key, "categorical", choices=tuple(choices), when=when)
+
+
+def _parse_range(key, kind, spec, when, at, errors) -> Param | None:
+    low, high = spec.get("low"), spec.get("high")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)):
+        errors.append(f"{at}: {kind} needs numeric 'low' and 'high'")
+        return None
+    log, step = bool(spec.get("log", False)), spec.get("step")
+    if low > high:
+        errors.append(f"{at}: inverted range: low {low} > high {high}")
+    elif low == high:
+        errors.append(f"{at}: empty range: low == high == {low} (fix it in [base] instead)")
+    if log and low <= 0:
+        errors.append(f"{at}: log scale needs low > 0, got {low}")
+    if log and step is not None:
+        errors.append(f"{at}: 'step' and 'log' cannot be combined (Optuna rejects it)")
+    if kind == "int" and not all(float(v).is_integer() for v in (low, high)):
+        errors.append(f"{at}: int range needs whole numbers")
+    if step is not None and (not isinstance(step, (int, float)) or step <= 0):
+        errors.append(f"{at}: step must be > 0")
+    for bound in (low, high):
+        _check_value(key, bound, at, errors)
+    return Param(key, kind, low=low, high=high, log=log, step=step, when=when)
+
+
+def _check_value(key: str, value: Any, at: str, errors: list[str]) -> None:
+    try:
+        coerce(key, value)
+    except ConfigError as exc:
+        errors.append(f"{at}: {exc}")
+
+
+def _parse_conditions(raw: Any, at: str, errors: list[str]) -> tuple[Condition, ...]:
+    items = [raw] if isinstance(raw, str) else list(raw)
+    out = []
+    for text in items:
+        match = _COND.match(text) if isinstance(text, str) else None
+        if match is None:
+            errors.append(f"{at}: condition {text!r} is not of the form 'KEY OP VALUE' (OP: {', '.join(OPS)})")
+            continue
+        key, op, literal = match.groups()
+        try:
+            value = ast.literal_eval(literal)
+        except (ValueError, SyntaxError):
+            errors.append(f"{at}: condition {text!r}: {literal!r} is not a literal (quote strings)")
+            continue
+        out.append(Condition(key, op, value))
+    return tuple(out)
+
+
+def _order(params: dict[str, Param], errors: list[str], where: str) -> list[Param]:
+    """Topological order: a knob comes after every searched knob its condition reads."""
+    ordered: list[Param] = []
+    placed: set[str] = set()
+    pending = dict(params)
+    while pending:
+        ready = [p for p in pending.values() if all(c.key in placed or c.key not in params for c in p.when)]
+        if not ready:
+            errors.append(f"{where}: space: conditions form a cycle among {', '.join(sorted(pending))}")
+            return ordered + list(pending.values())
+        for p in ready:
+            ordered.append(p)
+            placed.add(p.key)
+            del pending[p.key]
+    return ordered
+
+
+def sample(trial, space: list[Param], base_values: dict[str, Any]) -> dict[str, Any]:
+    """Suggest every active knob from `trial`; returns {key: value} for the sampled ones only."""
+    current = dict(base_values)
+    chosen: dict[str, Any] = {}
+    for param in space:
+        if all(c.holds(current) for c in param.when):
+            chosen[param.key] = current[param.key] = coerce(param.key, param.suggest(trial))
+    return chosen
+
+
+def active_values(space: list[Param], base_values: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The subset of `values` (e.g. an enqueued recipe) that the space would sample, in sampling order."""
+    current = {**base_values, **values}
+    return {p.key: values[p.key] for p in space
+            if p.key in values and all(c.holds(current) for c in p.when)}

@@ -1,0 +1,150 @@
+"""Study files (`studies/*.toml`): `[study]` settings, `[base]` config, `[space]` and `[[enqueue]]`, all validated at once.
+
+Every problem found is reported together, one line each, before any trial runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from search.samplers import check_settings
+from search.space import Param, active_values, parse_space
+from trainers.config import Config, flatten, from_dict, load_toml
+from trainers.errors import ConfigError, LatentsweepError, closest
+
+STUDY_KEYS = {"name", "objective", "direction", "sampler", "pruner", "n_trials", "timeout", "description"}
+TOP_KEYS = {"study", "base", "space", "enqueue"}
+DIRECTIONS = ("maximize", "minimize")
+
+
+@dataclass(frozen=True)
+class StudyFile:
+    path: Path
+    name: str
+    objective: str = "val/mrr"
+    direction: str = "maximize"
+    sampler: dict[str, Any] = field(default_factory=lambda: {"name": "tpe"})
+    pruner: dict[str, Any] = field(default_factory=lambda: {"name": "median"})
+    n_trials: int = 20
+    timeout: float | None = None
+    base: Config = field(default_factory=Config)
+    fixed: frozenset[str] = frozenset()  # keys set explicitly in [base]
+    space: tuple[Param, ...] = ()
+    enqueue: tuple[dict[str, Any], ...] = ()
+    description: str = ""
+
+
+def load_study_file(path: str | Path) -> StudyFile:
+    """Parse and validate a study file; raise ConfigError listing every problem (one per line)."""
+    path = Path(path)
+    raw = load_toml(path)
+    where = str(path)
+    errors: list[str] = []
+    for key in raw:
+        if key not in TOP_KEYS:
+            errors.append(f"{where}: unknown table [{key}]{closest(key, TOP_KEYS)}")
+    study = _study_settings(raw.get("study", {}), path, errors)
+    base, fixed = _base(raw.get("base", {}), where, errors)
+    space = parse_space(raw.get("space", {}), fixed, errors, where)
+    enqueue = [_enqueue_entry(e, i, path, base, space, errors) for i, e in enumerate(raw.get("enqueue", []))]
+    if errors:
+        raise ConfigError(f"{len(errors)} problem(s) in {where}:\n  " + "\n  ".join(errors))
+    return StudyFile(path=path, base=base, fixed=frozenset(fixed), space=tuple(space),
+                     enqueue=tuple(e for e in enqueue if e), **study)
+
+
+def _study_settings(table: dict, path: Path, errors: list[str]) -> dict[str, Any]:
+    where = str(path)
+    for key in table:
+        if key not in STUDY_KEYS:
+            errors.append(f"{where}: study.{key}: unknown setting{closest(key, STUDY_KEYS)}")
+    out: dict[str, Any] = {"name": str(table.get("name", path.stem))}
+    out["objective"] = str(table.get("objective", "val/mrr"))
+    out["description"] = str(table.get("description", ""))
+    direction = table.get("direction", "maximize")
+    if direction not in DIRECTIONS:
+        errors.append(f"{where}: study.direction: must be maximize or minimize{closest(str(direction), DIRECTIONS)}")
+    out["direction"] = direction
+    for kind in ("sampler", "pruner"):
+        sub = table.get(kind, {})
+        sub = {"name": sub} if isinstance(sub, str) else sub
+        if not isinstance(sub, dict):
+            errors.append(f"{where}: study.{kind}: expected a name or a table")
+            sub = {}
+        check_settings(kind, sub, errors, where)
+        out[kind] = sub or {"name": "tpe" if kind == "sampler" else "median"}
+    n_trials = table.get("n_trials", 20)
+    if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1:
+        errors.append(f"{where}: study.n_trials: must be a whole number >= 1, got {n_trials!r}")
+    out["n_trials"] = n_trials
+    timeout = table.get("timeout")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        errors.append(f"{where}: study.timeout: must be a positive number of seconds, got {timeout!r}")
+    out["timeout"] = timeout
+    return out
+
+
+def _base(table: dict, where: str, errors: list[str]) -> tuple[Config, set[str]]:
+    """The base config and the keys it sets explicitly (conditions may only read searched or fixed knobs)."""
+    try:
+        return from_dict(table, where=f"{where}: base"), set(_flat_entry(table))
+    except ConfigError as exc:
+        errors.append(str(exc))
+        return Config(), set()
+
+
+def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: list[Param],
+                   errors: list[str]) -> dict[str, Any]:
+    """A known-good config to try first: explicit knob values, or `recipe = "other.toml"` (its [base])."""
+    at = f"{path}: enqueue[{index}]"
+    searched = {p.key: p for p in space}
+    entry = dict(entry)
+    recipe = entry.pop("recipe", None)
+    values: dict[str, Any] = {}
+    if recipe is not None:
+        try:
+            other = load_study_file(path.parent / recipe)
+        except LatentsweepError as exc:
+            errors.append(f"{at}: recipe {recipe}: {str(exc).splitlines()[0]}")
+            return {}
+        mine, theirs = flatten(base), flatten(other.base)
+        for key, value in theirs.items():
+            if key in searched:
+                values[key] = value
+            elif value != mine[key] and key != "data.path":
+                errors.append(f"{at}: recipe {recipe} sets {key}={value!r} (base has {mine[key]!r}) "
+                              f"but {key} is not searched")
+    for key, value in _flat_entry(entry).items():
+        if key not in searched:
+            errors.append(f"{at}: '{key}' is not a searched knob{closest(key, searched)}")
+            continue
+        values[key] = value
+    active = active_values(space, flatten(base), values)
+    for key, value in active.items():
+        param = searched[key]
+        shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+        if not param.contains(shown if param.type == "categorical" else value):
+            errors.append(f"{at}: {key}={shown!r} lies outside the searched space")
+        elif isinstance(value, tuple):
+            active[key] = shown
+    return active
+
+
+def _flat_entry(entry: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in entry.items():
+        if isinstance(value, dict):
+            out.update(_flat_entry(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resolve_data_path(value: str | Path | None) -> Path:
+    """The train npz to use: the given path, else the bundled demo data."""
+    if value:
+        return Path(value).expanduser()
+    from trainers.demo import default_train_path
+
+    return default_train_path()

@@ -1,0 +1,87 @@
+"""Checkpoints: the Translator wrapper (input centring + model), atomic save, and safe (weights_only) load."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainers.config import Config, from_dict, to_dict
+from trainers.errors import LatentsweepError
+from trainers.models import ModelContext, build_model
+
+FORMAT_VERSION = 1
+
+
+class Translator(nn.Module):
+    """What is trained and saved: subtract the train text mean (zeros when centring is off), then the model."""
+
+    def __init__(self, inner: nn.Module, text_mean: torch.Tensor):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("text_mean", text_mean.detach().clone().float())
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.inner(x - self.text_mean)
+
+    def param_groups(self):
+        if hasattr(self.inner, "param_groups"):
+            return self.inner.param_groups()
+        return [("main", list(self.inner.parameters()), 1.0)]
+
+    def on_epoch_start(self, epoch: int) -> None:
+        if hasattr(self.inner, "on_epoch_start"):
+            self.inner.on_epoch_start(epoch)
+
+    def on_epoch_end(self, epoch: int, val_metric: float) -> None:
+        if hasattr(self.inner, "on_epoch_end"):
+            self.inner.on_epoch_end(epoch, val_metric)
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """Write to a temp file in the same directory, then rename: a crash never leaves a half-written checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def checkpoint_payload(model: Translator, cfg: Config, dims: tuple[int, int], meta: dict) -> dict:
+    """Plain types and tensors only, so that torch.load(weights_only=True) can read it back."""
+    return {
+        "format": FORMAT_VERSION,
+        "config": to_dict(cfg),
+        "dim_in": int(dims[0]),
+        "dim_out": int(dims[1]),
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "meta": meta,
+    }
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Translator, Config, dict]:
+    """Rebuild the model from a checkpoint (no closed-form refit: weights come from the state dict)."""
+    path = Path(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise LatentsweepError(f"{path}: checkpoint not found") from None
+    except Exception as exc:  # unpickling errors have many types; the message is what the user needs
+        raise LatentsweepError(f"{path}: not a readable latentsweep checkpoint ({type(exc).__name__})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
+        raise LatentsweepError(f"{path}: not a latentsweep checkpoint (format {FORMAT_VERSION} expected)")
+    cfg = from_dict(payload["config"], where=str(path))
+    ctx = ModelContext(payload["dim_in"], payload["dim_out"], fit_x=None, fit_y=None)
+    model = Translator(build_model(cfg, ctx), torch.zeros(payload["dim_in"]))
+    model.load_state_dict(payload["state_dict"])
+    return model.to(device).eval(), cfg, payload.get("meta", {})

@@ -1,0 +1,146 @@
+"""The training loop: pluggable task, model, losses, optimiser and schedule; best epoch by val MRR; per-epoch callback."""
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from trainers.checkpoint import Translator, atomic_torch_save, checkpoint_payload
+from trainers.config import Config
+from trainers.data import TrainSet
+from trainers.errors import LatentsweepError
+from trainers.losses import LossState, compute_losses
+from trainers.models import build_model
+from trainers.optim import build_optimizer
+from trainers.records import EpochLog
+from trainers.tasks import TASKS
+from trainers.validate import validate
+
+
+class TrainingDiverged(LatentsweepError):
+    """The loss became NaN/Inf: the configuration is unstable (a study marks such a trial failed)."""
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    epoch: int  # 0-based
+    metrics: dict[str, float]  # train/* terms, val/* metrics, lr
+    improved: bool  # val/mrr is the best so far
+
+
+@dataclass
+class TrainResult:
+    best_epoch: int
+    best_metrics: dict[str, float]
+    history: list[dict[str, float]]
+    model: Translator = field(repr=False)
+    checkpoint: Path | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LatentsweepError(f"train.device='{name}' but no CUDA device is available")
+    return device
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None] | None = None,
+          out_dir: str | Path | None = None, progress: bool = False) -> TrainResult:
+    """Train `cfg` on `data`; keep the best epoch by val/mrr; `callback` sees every epoch (and may raise to stop)."""
+    validate(cfg)
+    device = resolve_device(cfg.train.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    gen = seed_everything(cfg.train.seed)
+    task = TASKS.get(cfg.data.task)(cfg, data, device)
+    model = Translator(build_model(cfg, task.model_context()), task.text_mean).to(device)
+    state = LossState(cfg, task.dim_out).to(device)
+    steps = task.steps_per_epoch()
+    opt, schedule = build_optimizer(cfg, model, state, steps)
+    amp = cfg.train.amp and device.type == "cuda"
+    scaler = torch.amp.GradScaler(device.type, enabled=amp)
+    log = EpochLog(out_dir)
+    best, best_state, best_epoch, stale = -math.inf, None, -1, 0
+    epochs = tqdm(range(cfg.train.epochs), desc="epochs", disable=not progress, leave=False)
+    for epoch in epochs:
+        model.on_epoch_start(epoch)
+        state.epoch = epoch
+        task.on_epoch_start(model, state)
+        sums = _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, steps, amp)
+        metrics = {**sums, **task.evaluate(model), "lr": opt.param_groups[0]["lr"]}
+        score = metrics[task.metric_key]
+        improved = score > best
+        if improved:
+            best, best_epoch, stale = score, epoch, 0
+            best_state = copy.deepcopy(model.state_dict())
+            if out_dir is not None:
+                atomic_torch_save(checkpoint_payload(model, cfg, (task.dim_in, task.dim_out),
+                                                     {"epoch": epoch, "metrics": metrics,
+                                                      "data_fingerprint": data.fingerprint}),
+                                  Path(out_dir) / "best.pt")
+        else:
+            stale += 1
+        model.on_epoch_end(epoch, score)
+        schedule.after_epoch(score)
+        log.append(epoch, metrics)
+        epochs.set_postfix({"val/mrr": f"{score:.4f}", "best": f"{best:.4f}"})
+        if callback is not None:
+            callback(EpochReport(epoch, metrics, improved))
+        if cfg.train.early_stop and stale >= cfg.train.early_stop:
+            break
+    model.load_state_dict(best_state)
+    ckpt = Path(out_dir) / "best.pt" if out_dir is not None else None
+    return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt)
+
+
+def _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, steps, amp) -> dict[str, float]:
+    """One pass over the training batches; returns the mean of every loss term as train/<term>."""
+    model.train()
+    sums: dict[str, torch.Tensor] = {}
+    n = 0
+    use_queue = cfg.loss.queue_infonce.weight > 0
+    for i, batch in enumerate(task.batches(gen)):
+        state.progress = (epoch + i / steps) / cfg.train.epochs
+        with torch.autocast(task_device(batch), enabled=amp):
+            out = model(batch["x"])
+            if "neg_x" in batch:
+                out["neg_pred"] = model(batch["neg_x"])["pred"]
+        loss, terms = compute_losses(cfg, out, batch, state)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if cfg.train.grad_clip > 0:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        scaler.step(opt)
+        scaler.update()
+        schedule.after_step()
+        if use_queue:
+            state.enqueue(batch["y_n"])
+        # Sum on the device: no host sync per step (the .item() happens once per epoch).
+        for k, v in {"loss": loss.detach(), **terms}.items():
+            sums[k] = sums.get(k, 0) + v.detach().float()
+        n += 1
+    means = {f"train/{k}": float(v) / max(n, 1) for k, v in sums.items()}
+    if not all(math.isfinite(v) for v in means.values()):
+        raise TrainingDiverged(f"loss is not finite at epoch {epoch}: {means}")
+    return means
+
+
+def task_device(batch: dict) -> str:
+    return batch["x"].device.type

@@ -1,0 +1,139 @@
+"""Optimiser and LR-schedule registries: param groups with LR multipliers, warmup + cosine/step/plateau/constant."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainers.config import Config
+from trainers.registry import Registry
+
+OPTIMIZERS: Registry = Registry("optimizer")
+SCHEDULERS: Registry = Registry("scheduler")
+
+
+def param_groups(cfg: Config, model: nn.Module, extra: nn.Module | None = None) -> list[dict]:
+    """One torch param group per model group (`model.param_groups()` when defined), LR = optim.lr x multiplier.
+
+    Frozen parameters stay in their group: with requires_grad False their .grad stays None, which Adam/AdamW skip,
+    so a later unfreeze needs no optimiser rebuild. `extra` (the loss state: learnable logit scale) joins the first group.
+    """
+    groups = model.param_groups() if hasattr(model, "param_groups") else [("main", list(model.parameters()), 1.0)]
+    out = [{"name": name, "params": list(params), "lr": cfg.optim.lr * mult} for name, params, mult in groups]
+    if extra is not None:
+        out[0]["params"] += [p for p in extra.parameters()]
+    return [g for g in out if g["params"]]
+
+
+@OPTIMIZERS.register("adam")
+def _adam(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
+    o = cfg.optim
+    return torch.optim.Adam(groups, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+
+
+@OPTIMIZERS.register("adamw")
+def _adamw(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
+    o = cfg.optim
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+
+
+@OPTIMIZERS.register("sgd")
+def _sgd(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
+    o = cfg.optim
+    return torch.optim.SGD(groups, lr=o.lr, momentum=o.beta1, nesterov=o.beta1 > 0, weight_decay=o.weight_decay)
+
+
+class Schedule:
+    """Uniform face of every schedule: the loop calls after_step() each batch and after_epoch(val) each epoch."""
+
+    def __init__(self, per_step=None, per_epoch=None):
+        self.per_step, self.per_epoch = per_step, per_epoch
+
+    def after_step(self) -> None:
+        if self.per_step is not None:
+            self.per_step.step()
+
+    def after_epoch(self, val_metric: float) -> None:
+        if isinstance(self.per_epoch, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self.per_epoch.step(val_metric)
+        elif self.per_epoch is not None:
+            self.per_epoch.step()
+
+
+def _warmup_then(shape, warmup_steps: int):
+    """LR multiplier: linear warmup over `warmup_steps`, then `shape(t)` for t in [0, 1] of the remaining steps."""
+
+    def factor(step: int, total: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return shape(min(1.0, (step - warmup_steps) / max(1, total - warmup_steps)))
+
+    return factor
+
+
+def _lambda(opt, cfg: Config, steps_per_epoch: int, shape) -> torch.optim.lr_scheduler.LambdaLR:
+    total = cfg.train.epochs * steps_per_epoch
+    warmup = int(round(cfg.schedule.warmup_epochs * steps_per_epoch))
+    factor = _warmup_then(shape, warmup)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: factor(step, total))
+
+
+@SCHEDULERS.register("cosine")
+def _cosine(opt, cfg: Config, steps_per_epoch: int) -> Schedule:
+    floor = cfg.schedule.min_lr_ratio  # BigJump decays to 0.1x; the VSE++ team to 0
+    shape = lambda t: floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))  # noqa: E731
+    return Schedule(per_step=_lambda(opt, cfg, steps_per_epoch, shape))
+
+
+@SCHEDULERS.register("constant")
+def _constant(opt, cfg: Config, steps_per_epoch: int) -> Schedule:
+    return Schedule(per_step=_lambda(opt, cfg, steps_per_epoch, lambda t: 1.0))
+
+
+@SCHEDULERS.register("step")
+def _step(opt, cfg: Config, steps_per_epoch: int) -> Schedule:
+    s = cfg.schedule
+    # LambdaLR recomputes lr from the base each step, so the step decay lives inside the same lambda
+    warmup = int(round(s.warmup_epochs * steps_per_epoch))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return s.gamma ** (step // (s.step_epochs * steps_per_epoch))
+
+    return Schedule(per_step=torch.optim.lr_scheduler.LambdaLR(opt, factor))
+
+
+class _ManualWarmup:
+    """Linear warmup that writes group LRs directly, so it composes with ReduceLROnPlateau (which scales them later)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, warmup_steps: int):
+        self.opt, self.warmup, self.count = opt, warmup_steps, 0
+        self.targets = [g["lr"] for g in opt.param_groups]
+        self._apply()
+
+    def _apply(self) -> None:
+        if self.count <= self.warmup and self.warmup > 0:
+            for group, target in zip(self.opt.param_groups, self.targets):
+                group["lr"] = target * min(1.0, (self.count + 1) / self.warmup)
+
+    def step(self) -> None:
+        self.count += 1
+        self._apply()
+
+
+@SCHEDULERS.register("plateau")
+def _plateau(opt, cfg: Config, steps_per_epoch: int) -> Schedule:
+    s = cfg.schedule
+    warmup = _ManualWarmup(opt, int(round(s.warmup_epochs * steps_per_epoch)))
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        opt, mode="max", factor=s.plateau_factor, patience=s.plateau_patience
+    )
+    return Schedule(per_step=warmup, per_epoch=plateau)
+
+
+def build_optimizer(cfg: Config, model: nn.Module, extra: nn.Module | None, steps_per_epoch: int):
+    """(optimizer, Schedule) from the registries named in cfg.optim.name / cfg.schedule.name."""
+    opt = OPTIMIZERS.get(cfg.optim.name)(param_groups(cfg, model, extra), cfg)
+    return opt, SCHEDULERS.get(cfg.schedule.name)(opt, cfg, steps_per_epoch)

@@ -1,0 +1,181 @@
+"""Tasks: how a TrainSet becomes device tensors, batches and per-epoch validation metrics (translate, multilabel)."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainers import metrics
+from trainers.config import Config
+from trainers.data import TrainSet, captions_of, kfold_by_image, split_by_hash
+from trainers.errors import ConfigError, DataError
+from trainers.models import ModelContext
+from trainers.registry import Registry
+
+TASKS: Registry = Registry("task")
+
+# Rows per forward pass at evaluation time: bounds activation memory (4096 x 2048 floats = 32 MB per layer).
+EVAL_CHUNK = 4096
+
+
+def split_images(cfg: Config, data: TrainSet) -> tuple[np.ndarray, np.ndarray]:
+    """(train image indices, val image indices): always by image, never by caption."""
+    d = cfg.data
+    if d.split == "kfold":
+        if d.fold >= d.n_folds:
+            raise ConfigError(f"data.fold={d.fold} must be < data.n_folds={d.n_folds}")
+        return kfold_by_image(data.image_names, d.n_folds, d.fold, seed=0)
+    return split_by_hash(data.image_names, d.val_ratio, salt=d.salt)
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Eval-mode outputs ("pred") of `model` for x [N, D_in], in chunks; restores the previous mode."""
+    was_training = model.training
+    model.eval()
+    out = torch.cat([model(x[i : i + EVAL_CHUNK])["pred"].float() for i in range(0, len(x), EVAL_CHUNK)])
+    model.train(was_training)
+    return out
+
+
+class Task:
+    """Base: holds the split's tensors on the device and the batch generator."""
+
+    dim_in: int
+    dim_out: int
+    metric_key = "val/mrr"
+
+    def model_context(self) -> ModelContext:
+        raise NotImplementedError
+
+    def steps_per_epoch(self) -> int:
+        raise NotImplementedError
+
+    def batches(self, generator: torch.Generator) -> Iterator[dict]:
+        raise NotImplementedError
+
+    def on_epoch_start(self, model: torch.nn.Module, state) -> None:
+        """Hook for per-epoch work (e.g. the global negative bank); nothing by default."""
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        raise NotImplementedError
+
+
+@TASKS.register("translate")
+class TranslateTask(Task):
+    """Caption embedding -> image embedding; validation ranks val captions against val images."""
+
+    def __init__(self, cfg: Config, data: TrainSet, device: torch.device):
+        self.cfg, self.device = cfg, device
+        train_img, val_img = split_images(cfg, data)
+        if len(train_img) == 0 or len(val_img) == 0:
+            raise DataError(f"{data.path}: split leaves no train or no val images (val_ratio={cfg.data.val_ratio})")
+        self.x, self.img = self._captions(data, train_img)  # [N, Dt], [N] local train image index
+        self.images = torch.as_tensor(data.image[train_img], device=device)  # [Ni, Di] raw
+        self.images_n = F.normalize(self.images, dim=1)
+        self.val_x, self.val_img = self._captions(data, val_img)
+        self.val_images = torch.as_tensor(data.image[val_img], device=device)
+        self.dim_in, self.dim_out = data.text.shape[1], data.image.shape[1]
+        self.text_mean = self.x.mean(0) if cfg.data.center_text else torch.zeros(self.dim_in, device=device)
+        order = torch.argsort(self.img, stable=True)  # CSR of captions by image, for image sampling
+        self.by_image = order
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
+                                  torch.bincount(self.img, minlength=len(self.images)).cumsum(0)])
+
+    def _captions(self, data: TrainSet, img_idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        caps = captions_of(data.cap2img, img_idx)
+        local = np.full(len(data.image), -1, dtype=np.int64)
+        local[img_idx] = np.arange(len(img_idx))
+        x = torch.as_tensor(data.text[caps], device=self.device)
+        return x, torch.as_tensor(local[data.cap2img[caps]], device=self.device)
+
+    def model_context(self) -> ModelContext:
+        return ModelContext(self.dim_in, self.dim_out, fit_x=self.x - self.text_mean, fit_y=self.images[self.img])
+
+    def steps_per_epoch(self) -> int:
+        return max(1, len(self.x) // self.cfg.train.batch_size)  # both samplers visit every caption once
+
+    def batches(self, generator: torch.Generator) -> Iterator[dict]:
+        rows = self._caption_order(generator) if self.cfg.train.sampler == "caption" else self._image_order(generator)
+        b = self.cfg.train.batch_size
+        # Drop the ragged tail: a 1-row batch has no negatives; every full batch is seen next epoch anyway.
+        for start in range(0, max(1, len(rows) - b + 1), b):
+            idx = rows[start : start + b]
+            img = self.img[idx]
+            yield {"x": self.x[idx], "y": self.images[img], "y_n": self.images_n[img], "img": img}
+
+    def _caption_order(self, generator: torch.Generator) -> torch.Tensor:
+        return torch.randperm(len(self.x), generator=generator).to(self.device)
+
+    def _image_order(self, generator: torch.Generator) -> torch.Tensor:
+        """Captions grouped by image (all captions of an image together), images in random order."""
+        perm = torch.randperm(len(self.images), generator=generator).to(self.device)
+        counts = (self.offsets[1:] - self.offsets[:-1])[perm]
+        starts = self.offsets[:-1][perm]
+        within = torch.arange(int(counts.sum()), device=self.device) - torch.repeat_interleave(
+            counts.cumsum(0) - counts, counts)
+        return self.by_image[torch.repeat_interleave(starts, counts) + within]
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        pred = predict(model, self.val_x)
+        e = self.cfg.eval
+        scores = metrics.evaluate(pred, self.val_images, self.val_img, gallery_size=e.gallery_size, seed=e.seed)
+        return {f"val/{k}": float(v) for k, v in scores.items()}
+
+
+@TASKS.register("multilabel")
+class MultiLabelTask(Task):
+    """Image -> embedding where images sharing labels are close; validation is label retrieval among val images."""
+
+    def __init__(self, cfg: Config, data: TrainSet, device: torch.device):
+        if data.image_labels is None:
+            raise DataError(f"{data.path}: data.task='multilabel' needs per-image labels (key images/labels)")
+        self.cfg, self.device = cfg, device
+        train_img, val_img = split_images(cfg, data)
+        self.x = torch.as_tensor(data.image[train_img], device=device)
+        self.labels = torch.as_tensor(data.image_labels[train_img], device=device)
+        self.val_x = torch.as_tensor(data.image[val_img], device=device)
+        self.val_labels = torch.as_tensor(data.image_labels[val_img], device=device)
+        self.dim_in = data.image.shape[1]
+        self.dim_out = cfg.model.out_dim or self.dim_in
+        self.text_mean = torch.zeros(self.dim_in, device=device)
+        if len(self.x) < 2 or len(self.val_x) < 2:
+            raise DataError(f"{data.path}: split leaves fewer than 2 train or val images")
+
+    def model_context(self) -> ModelContext:
+        # Closed-form fits regress each item onto itself when dims agree (geometry keeps the space), else no fit.
+        fit = self.dim_out == self.dim_in
+        return ModelContext(self.dim_in, self.dim_out, fit_x=self.x if fit else None, fit_y=self.x if fit else None)
+
+    def steps_per_epoch(self) -> int:
+        return max(1, len(self.x) // self.cfg.train.batch_size)
+
+    def batches(self, generator: torch.Generator) -> Iterator[dict]:
+        perm = torch.randperm(len(self.x), generator=generator).to(self.device)
+        b = min(self.cfg.train.batch_size, len(self.x))
+        random_negs = self.cfg.loss.multilabel_triplet.negatives == "random"
+        for start in range(0, len(perm) - b + 1, b):
+            idx = perm[start : start + b]
+            batch = {"x": self.x[idx], "labels": self.labels[idx], "img": idx}
+            if random_negs:
+                batch["neg_x"] = self.x[self._random_negatives(idx, generator)]
+            yield batch
+
+    def _random_negatives(self, idx: torch.Tensor, generator: torch.Generator, tries: int = 16) -> torch.Tensor:
+        """For each anchor, a random training item sharing no label (first of `tries` candidates that qualifies)."""
+        cand = torch.randint(len(self.x), (len(idx), tries), generator=generator).to(self.device)
+        shares = (self.labels[idx, None, :] & self.labels[cand]).any(-1)  # [B, tries]
+        first_ok = torch.argmax((~shares).int(), dim=1)  # falls back to candidate 0 when none qualifies
+        return cand[torch.arange(len(idx), device=self.device), first_ok]
+
+    def on_epoch_start(self, model: torch.nn.Module, state) -> None:
+        if self.cfg.loss.multilabel_triplet.negatives == "global_hard":
+            state.bank = predict(model, self.x)
+            state.bank_labels = self.labels
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        emb = predict(model, self.val_x)
+        scores = metrics.label_retrieval(emb, self.val_labels, k=self.cfg.eval.recall_k)
+        return {f"val/{k}": float(v) for k, v in scores.items()}
