@@ -103,12 +103,15 @@ def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: lis
     recipe = entry.pop("recipe", None)
     values: dict[str, Any] = {}
     if recipe is not None:
-        try:
-            other = load_study_file(path.parent / recipe)
-        except LatentsweepError as exc:
-            errors.append(f"{at}: recipe {recipe}: {str(exc).splitlines()[0]}")
-            return {}
-        mine, theirs = flatten(base), flatten(other.base)
+        if (path.parent / recipe).resolve() == path.resolve():
+            other_base = base  # the file's own recipe: its [base] is the known-good config
+        else:
+            try:
+                other_base = load_study_file(path.parent / recipe).base
+            except LatentsweepError as exc:
+                errors.append(f"{at}: recipe {recipe}: {str(exc).splitlines()[0]}")
+                return {}
+        mine, theirs = flatten(base), flatten(other_base)
         for key, value in theirs.items():
             if key in searched:
                 values[key] = value

@@ -42,6 +42,7 @@ class TrainResult:
     history: list[dict[str, float]]
     model: Translator = field(repr=False)
     checkpoint: Path | None = None
+    val_ranks: np.ndarray | None = field(default=None, repr=False)  # [Nval] exact ranks of the best model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,7 +107,7 @@ def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None
             break
     model.load_state_dict(best_state)
     ckpt = Path(out_dir) / "best.pt" if out_dir is not None else None
-    return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt)
+    return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, task.val_ranks(model))
 
 
 def _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, steps, amp) -> dict[str, float]:

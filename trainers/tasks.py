@@ -62,6 +62,10 @@ class Task:
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         raise NotImplementedError
 
+    def val_ranks(self, model: torch.nn.Module):
+        """Ranks for the rank-distribution plot; None where the task has no single true item."""
+        return None
+
 
 @TASKS.register("translate")
 class TranslateTask(Task):
@@ -123,6 +127,10 @@ class TranslateTask(Task):
         e = self.cfg.eval
         scores = metrics.evaluate(pred, self.val_images, self.val_img, gallery_size=e.gallery_size, seed=e.seed)
         return {f"val/{k}": float(v) for k, v in scores.items()}
+
+    def val_ranks(self, model: torch.nn.Module):
+        """Exact ranks of every val caption's image among all val images (global protocol), for the rank plot."""
+        return metrics.ranks(predict(model, self.val_x), self.val_images, self.val_img.cpu().numpy())
 
 
 @TASKS.register("multilabel")

@@ -1,0 +1,120 @@
+"""Optuna RDB storage: engines with small pools, SQLite busy timeouts and WAL, heartbeats, retries, a budget lock.
+
+SQLite is the embedded default; several local worker processes share it safely because every connection waits up to
+SQLITE_TIMEOUT_S for the write lock (instead of failing with "database is locked") and the file is in WAL mode, so
+readers never block the writer. PostgreSQL is the choice for many workers and several machines.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import re
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import optuna
+import sqlalchemy as sa
+
+from trainers.errors import LatentsweepError
+
+SQLITE_TIMEOUT_S = 120  # a trial's tell() can wait behind another worker's write burst; 2 min is ample
+POOL_SIZE = 2  # per worker process: one for the trial loop, one for the heartbeat thread
+_PASSWORD = re.compile(r"(?P<head>[a-z0-9+.-]+://[^:/@]+:)(?P<pw>[^@]+)(?P<tail>@)", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """postgresql://user:secret@host/db -> postgresql://user:***@host/db (for logs, params and tags)."""
+    return _PASSWORD.sub(lambda m: f"{m['head']}***{m['tail']}", url)
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    url: str
+    heartbeat_interval: int = 60  # seconds; trials run minutes, so a minute keeps the write load negligible
+    grace_period: int = 180  # three missed heartbeats before a trial counts as dead
+    max_retry: int = 2  # a trial whose worker died is retried at most twice
+
+
+def is_sqlite(url: str) -> bool:
+    return url.startswith("sqlite")
+
+
+def sqlite_path(url: str) -> Path | None:
+    if not is_sqlite(url):
+        return None
+    path = url.split(":///", 1)[1].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _engine_kwargs(url: str) -> dict:
+    if is_sqlite(url):
+        return {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
+    return {"pool_size": POOL_SIZE, "max_overflow": 0, "pool_pre_ping": True, "pool_recycle": 1800}
+
+
+def _prepare_sqlite(url: str) -> None:
+    path = sqlite_path(url)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.closing(sqlite3.connect(path, timeout=SQLITE_TIMEOUT_S)) as conn:
+            conn.execute("PRAGMA journal_mode=WAL")  # persistent in the file: every later connection uses it
+    except (OSError, sqlite3.Error) as exc:
+        raise LatentsweepError(f"cannot open SQLite storage {path}: {exc}") from None
+
+
+def open_storage(settings: StorageSettings) -> optuna.storages.RDBStorage:
+    """An RDBStorage with heartbeats and automatic retry of trials whose worker died; one-line error if unreachable."""
+    _prepare_sqlite(settings.url)
+    try:
+        return optuna.storages.RDBStorage(
+            settings.url,
+            engine_kwargs=_engine_kwargs(settings.url),
+            heartbeat_interval=settings.heartbeat_interval,
+            grace_period=settings.grace_period,
+            failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=settings.max_retry),
+        )
+    except (sa.exc.SQLAlchemyError, ImportError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LatentsweepError(f"cannot open Optuna storage {redact_url(settings.url)}: {reason}") from None
+
+
+def dispose(storage: optuna.storages.RDBStorage) -> None:
+    """Close the pool at exit (PostgreSQL counts idle connections against max_connections)."""
+    engine = getattr(storage, "engine", None)
+    if engine is not None:
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def budget_lock(storage: optuna.storages.RDBStorage, study_name: str) -> Iterator[None]:
+    """Serialise "count trials, then ask for one" across workers so the trial budget is exact.
+
+    PostgreSQL: a session-level advisory lock keyed by the study name (works across machines).
+    SQLite: an flock on a file beside the database (all SQLite workers share one machine by construction).
+    """
+    url = str(storage.engine.url)
+    path = sqlite_path(url)
+    if path is not None:
+        with open(path.with_suffix(path.suffix + ".lock"), "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+        return
+    if storage.engine.dialect.name == "postgresql":
+        key = int.from_bytes(hashlib.sha256(study_name.encode()).digest()[:8], "big", signed=True)
+        with storage.engine.connect() as conn:
+            conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            try:
+                yield
+            finally:
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                conn.commit()
+        return
+    yield  # other databases: best effort (the budget may overshoot by at most workers - 1)

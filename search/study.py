@@ -1,0 +1,166 @@
+"""Running studies: create/load an Optuna study, claim trials within an exact budget, run them, track them in MLflow."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from search.objective import ERROR_ATTR, TrialRunner
+from search.samplers import build_pruner, build_sampler
+from search.storage import StorageSettings, budget_lock, dispose, open_storage
+from search.studyfile import StudyFile
+from search.tracking import Tracker
+from trainers.errors import LatentsweepError
+
+PARENT_ATTR = "mlflow_parent_run_id"
+ENQUEUED_ATTR = "latentsweep.enqueued"
+# The budget counts finished trials: complete, pruned, and failed by themselves (a config that cannot train).
+# Trials failed by a dead or interrupted worker are retried instead, so they do not count.
+COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker process needs (picklable: workers are spawned)."""
+    study_file: str
+    name: str
+    storage: StorageSettings
+    tracking_uri: str
+    artifact_root: str | None
+    state_dir: str
+    data_path: str
+    n_trials: int
+    timeout: float | None
+    threads: int = 0
+    progress: bool = True
+
+
+def load_or_create(sf: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True) -> optuna.Study:
+    """The study named spec.name (created with the file's sampler/pruner if absent), its parent run and enqueued recipes."""
+    storage = open_storage(spec.storage)
+    sampler, pruner = build_sampler(sf.sampler), build_pruner(sf.pruner)
+    if create:
+        study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner,
+                                    direction=sf.direction, load_if_exists=True)
+    else:
+        try:
+            study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
+        except KeyError:
+            raise LatentsweepError(f"study '{spec.name}' does not exist in {spec.storage.url}: "
+                                   f"create it with `latentsweep study create`") from None
+    attrs = study.user_attrs
+    if PARENT_ATTR in attrs:
+        tracker.attach_study(spec.name, attrs[PARENT_ATTR])
+    else:
+        settings = {"study_file": str(sf.path), "objective": sf.objective, "direction": sf.direction,
+                    "sampler": sf.sampler.get("name", "tpe"), "pruner": sf.pruner.get("name", "median"),
+                    "n_trials": str(spec.n_trials), "data": spec.data_path}
+        study.set_user_attr(PARENT_ATTR, tracker.ensure_study(spec.name, settings))
+    if not attrs.get(ENQUEUED_ATTR):
+        for values in sf.enqueue:
+            study.enqueue_trial(values, user_attrs={"latentsweep.enqueued": True}, skip_if_exists=True)
+        study.set_user_attr(ENQUEUED_ATTR, True)
+    study.set_user_attr("objective", sf.objective)
+    return study
+
+
+def counted(study: optuna.Study, extra: tuple[TrialState, ...] = ()) -> int:
+    trials = study.get_trials(deepcopy=False)
+    return sum(t.state in COUNTED + extra or (t.state == TrialState.FAIL and ERROR_ATTR in t.user_attrs)
+               for t in trials)
+
+
+def claim_trial(study: optuna.Study, n_trials: int) -> optuna.Trial | None:
+    """Under the budget lock: fail dead workers' trials (they get retried), then ask for a trial if budget remains."""
+    with budget_lock(study._storage, study.study_name):
+        optuna.storages.fail_stale_trials(study)
+        if counted(study, (TrialState.RUNNING,)) >= n_trials:
+            return None
+        return study.ask()
+
+
+class Heartbeat:
+    """Record a heartbeat for a running trial every interval from a daemon thread (ask/tell runs have none)."""
+
+    def __init__(self, storage, trial_id: int):
+        self.storage, self.trial_id = storage, trial_id
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self) -> None:
+        interval = self.storage.get_heartbeat_interval() or 60
+        while not self.stop.is_set():
+            self.storage.record_heartbeat(self.trial_id)
+            self.stop.wait(interval)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def worker_loop(sf: StudyFile, spec: RunSpec, study: optuna.Study, runner: TrialRunner,
+                on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None) -> int:
+    """Claim and run trials until the budget or the timeout is reached; returns how many this worker ran."""
+    start, ran = time.monotonic(), 0
+    while spec.timeout is None or time.monotonic() - start < spec.timeout:
+        trial = claim_trial(study, spec.n_trials)
+        if trial is None:
+            break
+        try:
+            with Heartbeat(study._storage, trial._trial_id):
+                state, value = runner.run(trial)
+        except KeyboardInterrupt:
+            runner.retry(study, study.tell(trial, state=TrialState.FAIL))
+            raise
+        frozen = study.tell(trial, value, state=state)
+        ran += 1
+        if on_trial is not None:
+            on_trial(frozen)
+    return ran
+
+
+def interrupt_as_keyboard() -> None:
+    """SIGTERM (docker stop, a scheduler) behaves like Ctrl-C: the running trial is closed cleanly and retried."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cpu_threads(workers: int) -> int:
+    """Split this machine's cores among local workers (at least one thread each)."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
+def with_threads(spec: RunSpec, threads: int) -> RunSpec:
+    return replace(spec, threads=threads)
+
+
+def best_summary(study: optuna.Study) -> dict[str, Any]:
+    """Trials by state and the best trial (when any completed), for the parent run and the CLI."""
+    trials = study.get_trials(deepcopy=False)
+    summary: dict[str, Any] = {f"trials_{s.name.lower()}": sum(t.state == s for t in trials) for s in TrialState}
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    if complete:
+        best = study.best_trial
+        summary.update(best_value=best.value, best_trial=best.number, best_params=dict(best.params))
+    return summary
+
+
+def study_dir(state_dir: str | Path, name: str) -> Path:
+    return Path(state_dir) / "studies" / name
+
+
+def dispose_study(study: optuna.Study) -> None:
+    dispose(study._storage)

@@ -1,0 +1,415 @@
+"""Tests for trainers.losses (every registered loss), LossState (temperature, queue) and the multi-label triplet."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainers.config import Config, LossCfg, with_values
+from trainers.errors import ConfigError
+from trainers.loss_state import LossState
+from trainers.losses import LOSSES, compute_losses, validate
+from trainers.losses_multilabel import negative_mask, positive_mask
+
+DIN, D, K, L = 8, 6, 3, 4
+IMG = torch.tensor([0, 0, 1, 2, 2, 3])  # two images with two captions each
+LABELS = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0], [1, 1, 1, 0], [0, 0, 0, 1]]).bool()
+
+
+class Tiny(nn.Module):
+    """Shared trunk with a main head (pred/raw) and a slot head, like build_model's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(DIN, 16)
+        self.head = nn.Linear(16, D)
+        self.slot = nn.Linear(16, K * D)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        raw = self.head(h)
+        slots = F.normalize(self.slot(h).view(x.shape[0], K, D), dim=-1)
+        return {"pred": F.normalize(raw, dim=-1), "raw": raw, "slots": slots}
+
+
+def make_cfg(values: dict | None = None) -> Config:
+    base = {"slots.k": K, "queue.size": 8, "queue.warmup_epochs": 0, "loss.queue_infonce.weight": 1.0}
+    return with_values(Config(), {**base, **(values or {})})
+
+
+def make_batch(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(4, D, generator=g)[IMG]
+    return {"x": torch.randn(len(IMG), DIN, generator=g), "y": y, "y_n": F.normalize(y, dim=-1), "img": IMG,
+            "labels": LABELS, "neg_x": torch.randn(len(IMG), DIN, generator=g)}
+
+
+def make_state(cfg: Config) -> LossState:
+    state = LossState(cfg, D)
+    state.enqueue(F.normalize(torch.randn(10, D), dim=-1))
+    state.epoch = 3
+    state.bank = torch.randn(12, D)
+    state.bank_labels = torch.rand(12, L) > 0.6
+    return state
+
+
+def unit(x):
+    return F.normalize(torch.as_tensor(x, dtype=torch.float32), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------- every loss
+
+def test_registry_names_match_config_fields():
+    assert LOSSES.names() == sorted(f.name for f in dataclasses.fields(LossCfg))
+
+
+@pytest.mark.parametrize("name", LOSSES.names())
+def test_loss_terms_finite_and_give_gradients(name):
+    torch.manual_seed(0)
+    cfg = make_cfg({"loss.triplet.margin": 1.5, "loss.slot_triplet.margin": 1.5, "loss.slot_diversity.delta": -1.0,
+                    "loss.multilabel_triplet.margin": 1.5, "temperature.mode": "learnable"})
+    model, batch, state = Tiny(), make_batch(), make_state(cfg)
+    out = model(batch["x"])
+    out["neg_pred"] = model(batch["neg_x"])["pred"]
+    terms = LOSSES.get(name)(out, batch, getattr(cfg.loss, name), state)
+    assert terms, f"{name} returned no terms"
+    for key, value in terms.items():
+        assert key.startswith(name) and value.dim() == 0 and torch.isfinite(value), (key, value)
+    sum(terms.values()).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+@pytest.mark.parametrize("negatives", ["batch_hard", "global_hard", "random"])
+def test_multilabel_negative_modes_give_gradients(negatives):
+    cfg = make_cfg({"loss.multilabel_triplet.negatives": negatives, "loss.multilabel_triplet.margin": 1.5})
+    model, batch, state = Tiny(), make_batch(), make_state(cfg)
+    out = model(batch["x"])
+    out["neg_pred"] = model(batch["neg_x"])["pred"]
+    loss = LOSSES.get("multilabel_triplet")(out, batch, cfg.loss.multilabel_triplet, state)["multilabel_triplet"]
+    loss.backward()
+    assert float(loss.detach()) > 0 and float(model.trunk.weight.grad.abs().sum()) > 0
+
+
+def test_compute_losses_weights_and_logs_terms():
+    cfg = make_cfg({"loss.cosine.weight": 2.0, "loss.triplet.weight": 0.5, "loss.queue_infonce.weight": 0.0})
+    model, batch = Tiny(), make_batch()
+    out, state = model(batch["x"]), make_state(cfg)
+    total, logged = compute_losses(cfg, out, batch, state)
+    assert set(logged) == {"cosine", "triplet_c2i", "triplet_i2c"}
+    expected = 2.0 * logged["cosine"] + 0.5 * (logged["triplet_c2i"] + logged["triplet_i2c"])
+    assert torch.allclose(total, expected) and total.requires_grad
+    assert not any(v.requires_grad for v in logged.values())
+
+
+def test_losses_are_float32_under_autocast():
+    cfg = make_cfg()
+    model, batch = Tiny(), make_batch()
+    out, state = model(batch["x"]), make_state(cfg)
+    plain = LOSSES.get("infonce")(out, batch, cfg.loss.infonce, state)["infonce"]
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        cast = LOSSES.get("infonce")(out, batch, cfg.loss.infonce, state)["infonce"]
+    assert cast.dtype == torch.float32 and torch.allclose(plain, cast, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- triplet family
+
+def test_triplet_zero_only_when_positives_beat_negatives_by_margin():
+    y = torch.eye(4)
+    batch = {"y_n": y, "img": torch.arange(4)}
+    out = {"pred": y.clone()}  # positive cos 1, negative cos 0: a gap of exactly 1
+    for hardest in (True, False):
+        for margin, positive in ((0.5, False), (1.5, True)):
+            cfg = make_cfg({"loss.triplet.margin": margin, "loss.triplet.max_violation": hardest}).loss.triplet
+            terms = LOSSES.get("triplet")(out, batch, cfg, None)
+            assert (float(sum(terms.values())) > 0) == positive, (hardest, margin)
+
+
+def test_triplet_masks_same_image_captions():
+    y = unit([[1.0, 0.0], [1.0, 0.0]])
+    cfg = make_cfg({"loss.triplet.margin": 1.0}).loss.triplet
+    same = LOSSES.get("triplet")({"pred": y}, {"y_n": y, "img": torch.tensor([0, 0])}, cfg, None)
+    distinct = LOSSES.get("triplet")({"pred": y}, {"y_n": y, "img": torch.tensor([0, 1])}, cfg, None)
+    assert float(sum(same.values())) == 0.0 and float(sum(distinct.values())) > 0
+
+
+def test_slot_triplet_uses_best_slot_and_needs_slots():
+    y = torch.eye(3)
+    junk = unit([[-1.0, -1.0, -1.0]]).expand(3, 3)
+    slots = torch.stack([junk, y], dim=1)  # slot 0 junk, slot 1 exactly the image
+    cfg = make_cfg({"loss.slot_triplet.margin": 0.5}).loss.slot_triplet
+    batch = {"y_n": y, "img": torch.arange(3)}
+    terms = LOSSES.get("slot_triplet")({"pred": y, "slots": slots}, batch, cfg, None)
+    assert float(sum(terms.values())) == 0.0
+    assert LOSSES.get("slot_triplet")({"pred": y}, batch, cfg, None) == {}
+
+
+def test_condensation_and_diversity_definitions():
+    pred = unit(torch.randn(4, D)).requires_grad_()
+    slots = pred.detach()[:, None, :].expand(4, K, D).clone().requires_grad_()
+    cfg = make_cfg()
+    cond = LOSSES.get("condensation")({"pred": pred, "slots": slots}, {}, cfg.loss.condensation, None)["condensation"]
+    assert abs(float(cond.detach())) < 1e-6
+    (cond + (slots * 0).sum()).backward()
+    assert pred.grad is None  # pred is a stop-gradient target
+    div = make_cfg({"loss.slot_diversity.delta": 0.5}).loss.slot_diversity
+    # identical slots: every pair has cos 1 -> relu(1 - 0.5) = 0.5; orthogonal slots: 0.
+    same = LOSSES.get("slot_diversity")({"pred": pred, "slots": slots}, {}, div, None)["slot_diversity"]
+    assert math.isclose(float(same.detach()), 0.5, rel_tol=1e-5)
+    ortho = torch.eye(D)[:K].expand(4, K, D)
+    assert float(LOSSES.get("slot_diversity")({"pred": pred, "slots": ortho}, {}, div, None)["slot_diversity"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------- InfoNCE family
+
+def _three_captions():
+    """Captions 0 and 1 describe image A, caption 2 image B; each prediction sits exactly on its image."""
+    y = torch.eye(3)[[0, 0, 1]]
+    return {"pred": y.clone()}, {"y_n": y}
+
+
+def test_multipos_infonce_counts_same_image_captions_as_positives():
+    cfg = make_cfg({"temperature.tau": 0.5})
+    state = LossState(cfg, 3)
+    out, batch = _three_captions()
+    loss = LOSSES.get("multipos_infonce")
+    same = loss(out, {**batch, "img": torch.tensor([0, 0, 1])}, cfg.loss.multipos_infonce, state)
+    split = loss(out, {**batch, "img": torch.tensor([0, 1, 2])}, cfg.loss.multipos_infonce, state)
+    assert float(same["multipos_infonce"]) < float(split["multipos_infonce"])
+    # Hand computation with logits 1/tau = 2 for matches, 0 otherwise.
+    e = math.exp(2.0)
+    c2i = (2 * -math.log(e / (e + 1)) + -math.log(e / (e + 1))) / 3  # 3 captions over 2 distinct images
+    i2c_a = -math.log(e / (2 * e + 1))  # image A: both captions are positives, averaged
+    i2c_b = -math.log(e / (e + 2))
+    expected = 0.5 * (c2i + 0.5 * (i2c_a + i2c_b))
+    assert math.isclose(float(same["multipos_infonce"]), expected, rel_tol=1e-5)
+
+
+def test_multipos_equals_symmetric_infonce_when_images_are_distinct():
+    cfg = make_cfg()
+    state = LossState(cfg, D)
+    batch = {"y_n": unit(torch.randn(5, D)), "img": torch.arange(5)}
+    out = {"pred": unit(torch.randn(5, D))}
+    a = LOSSES.get("multipos_infonce")(out, batch, cfg.loss.multipos_infonce, state)["multipos_infonce"]
+    b = LOSSES.get("infonce")(out, batch, cfg.loss.infonce, state)["infonce"]
+    assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_infonce_masks_false_negatives_and_smoothing():
+    cfg = make_cfg({"temperature.tau": 0.5})
+    state = LossState(cfg, 3)
+    out, batch = _three_captions()
+    masked = LOSSES.get("infonce")(out, {**batch, "img": torch.tensor([0, 0, 1])}, cfg.loss.infonce, state)["infonce"]
+    unmasked = LOSSES.get("infonce")(out, {**batch, "img": torch.tensor([0, 1, 2])}, cfg.loss.infonce, state)["infonce"]
+    e = math.exp(2.0)
+    # Rows of captions 0, 1 keep their target (logit 2) and image B (logit 0); caption 2's row keeps both copies of
+    # image A (a different image) and its target. By symmetry both directions give the same value.
+    a, b = -math.log(e / (e + 1)), -math.log(e / (e + 2))
+    assert math.isclose(float(masked), (2 * a + b) / 3, rel_tol=1e-5)
+    assert float(unmasked) > float(masked)
+    smooth = make_cfg({"loss.infonce.label_smoothing": 0.2}).loss.infonce
+    smoothed = LOSSES.get("infonce")(out, {**batch, "img": torch.tensor([0, 0, 1])}, smooth, state)["infonce"]
+    # smoothing mass goes only to the kept columns: 0.8 nll + 0.2 * mean(-logp over kept columns)
+    row_a = 0.8 * a + 0.2 * 0.5 * (a - math.log(1 / (e + 1)))
+    row_b = 0.8 * b + 0.2 * (b - 2 * math.log(1 / (e + 2))) / 3
+    assert math.isclose(float(smoothed), (2 * row_a + row_b) / 3, rel_tol=1e-5)
+
+
+def test_queue_infonce_degrades_to_in_batch_during_warmup():
+    cfg = make_cfg({"queue.warmup_epochs": 2, "loss.infonce.symmetric": False})
+    state = make_state(cfg)
+    state.epoch = 1
+    model, batch = Tiny(), make_batch()
+    out = model(batch["x"])
+    q = LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]
+    b = LOSSES.get("infonce")(out, batch, cfg.loss.infonce, state)["infonce"]
+    assert torch.allclose(q, b)
+    state.epoch = 2
+    later = LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]
+    assert not torch.allclose(later, b)
+
+
+def test_queue_infonce_masks_queued_copies_of_the_own_image():
+    cfg = make_cfg({"temperature.tau": 1.0})
+    state = LossState(cfg, 3)
+    y = unit([[1.0, 0.0, 0.0]]).expand(2, 3)
+    batch, out = {"y_n": y, "img": torch.tensor([4, 4])}, {"pred": y.clone()}
+    state.enqueue(y[:1])  # a copy of the batch's own image
+    assert float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]) < 1e-6
+    state.enqueue(unit([[0.0, 1.0, 0.0]]))  # a genuine negative
+    assert float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]) > 1e-6
+
+
+# ---------------------------------------------------------------------------------------------- LossState queue
+
+def rows(start: int, stop: int) -> torch.Tensor:
+    """Rows whose first coordinate is their index, to read the FIFO order back."""
+    return torch.arange(start, stop, dtype=torch.float32)[:, None].repeat(1, 3)
+
+
+def queue_ids(state: LossState) -> list[int]:
+    return state.queue_negatives()[:, 0].long().tolist()
+
+
+def test_queue_fifo_wraps_around():
+    state = LossState(make_cfg(), 3)
+    state.enqueue(rows(0, 5))
+    assert queue_ids(state) == list(range(5)) and int(state.queue_count) == 5
+    state.enqueue(rows(5, 10))
+    state.enqueue(rows(10, 15))
+    assert queue_ids(state) == list(range(7, 15)) and int(state.queue_count) == 8
+
+
+def test_queue_batch_larger_than_queue_keeps_newest():
+    state = LossState(make_cfg(), 3)
+    state.enqueue(rows(0, 3))
+    state.enqueue(rows(3, 14))
+    assert queue_ids(state) == list(range(6, 14))
+    state.enqueue(rows(14, 16))
+    assert queue_ids(state) == list(range(8, 16))
+
+
+def test_queue_survives_state_dict_round_trip():
+    cfg = make_cfg()
+    state = LossState(cfg, 3)
+    state.enqueue(rows(0, 11))
+    state.enqueue(rows(11, 13))
+    restored = LossState(cfg, 3)
+    restored.load_state_dict(state.state_dict())
+    assert queue_ids(restored) == queue_ids(state) == list(range(5, 13))
+    restored.enqueue(rows(13, 14))
+    assert queue_ids(restored) == list(range(6, 14))
+
+
+def test_queue_warmup_returns_no_negatives():
+    state = LossState(make_cfg({"queue.warmup_epochs": 2}), 3)
+    state.enqueue(rows(0, 4))
+    state.epoch = 1
+    assert state.queue_negatives().shape == (0, 3)
+    state.epoch = 2
+    assert state.queue_negatives().shape == (4, 3)
+
+
+def test_queue_slice_curriculum_grows_from_newest():
+    cfg = make_cfg({"queue.warmup_epochs": 1, "queue.slice_start": 0.25, "queue.slice_epochs": 3})
+    state = LossState(cfg, 3)
+    state.enqueue(rows(0, 8))
+    sizes = {}
+    for epoch in (1, 2, 3, 4, 9):
+        state.epoch = epoch
+        sizes[epoch] = len(queue_ids(state))
+    assert sizes == {1: 2, 2: 4, 3: 6, 4: 8, 9: 8}
+    state.epoch = 1
+    assert queue_ids(state) == [6, 7]  # the newest quarter
+    small = LossState(cfg, 3)
+    small.enqueue(rows(0, 1))
+    small.epoch = 1
+    assert queue_ids(small) == [0]  # round(0.25 * 1) = 0 -> at least one
+
+
+def test_queue_not_allocated_without_queue_loss():
+    state = LossState(make_cfg({"loss.queue_infonce.weight": 0.0}), 3)
+    state.enqueue(rows(0, 4))
+    assert state.queue.shape == (0, 3) and state.queue_negatives().shape == (0, 3)
+
+
+# ---------------------------------------------------------------------------------------------- temperature
+
+def test_tau_fixed_and_curriculum_endpoints():
+    assert math.isclose(float(LossState(make_cfg({"temperature.tau": 0.07}), 3).tau()), 0.07, rel_tol=1e-6)
+    state = LossState(make_cfg({"temperature.mode": "curriculum", "temperature.tau_start": 0.2,
+                                "temperature.tau_end": 0.02}), 3)
+    for progress, expected in ((0.0, 0.2), (0.5, 0.11), (1.0, 0.02)):
+        state.progress = progress
+        assert math.isclose(float(state.tau().detach()), expected, rel_tol=1e-5)
+
+
+def test_learnable_tau_moves_with_a_gradient_step_and_is_clamped():
+    cfg = make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1, "loss.infonce.weight": 1.0})
+    state = LossState(cfg, D)
+    assert math.isclose(float(state.tau().detach()), 0.1, rel_tol=1e-5) and state.logit_scale.requires_grad
+    batch = make_batch()
+    out = Tiny()(batch["x"])
+    LOSSES.get("infonce")(out, batch, cfg.loss.infonce, state)["infonce"].backward()
+    torch.optim.SGD(state.parameters(), lr=0.5).step()
+    assert not math.isclose(float(state.tau().detach()), 0.1, rel_tol=1e-4)
+    with torch.no_grad():
+        state.logit_scale.fill_(math.log(1000.0))
+    assert math.isclose(float(state.tau().detach()), 1 / cfg.temperature.max_logit_scale, rel_tol=1e-5)
+    assert not LossState(make_cfg(), D).logit_scale.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------- multi-label triplet
+
+def test_multilabel_positive_and_negative_rules():
+    labels = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0],
+                           [1, 1, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0]]).bool()
+    idx = lambda m, i: torch.nonzero(m[i]).flatten().tolist()  # noqa: E731
+    all_ = positive_mask(labels, "all")
+    assert idx(all_, 0) == [1] and idx(all_, 1) == [0]  # identical label sets
+    assert idx(all_, 2) == [0, 1, 4]  # no identical partner: falls back to sharing any label
+    assert idx(all_, 5) == [] and idx(all_, 6) == []
+    any_ = positive_mask(labels, "any")
+    assert idx(any_, 0) == [1, 2, 4] and idx(any_, 3) == [4]
+    neg = negative_mask(labels, labels)
+    assert idx(neg, 0) == [3, 5, 6] and idx(neg, 4) == [5, 6] and idx(neg, 6) == list(range(7))
+
+
+def test_multilabel_batch_hard_value():
+    e0, e1 = [1.0, 0.0], [0.0, 1.0]
+    out = {"pred": unit([e0, e0, e0, e1])}
+    batch = {"labels": torch.tensor([[1, 0], [1, 0], [0, 1], [0, 1]]).bool()}
+    cfg = make_cfg({"loss.multilabel_triplet.margin": 0.2}).loss.multilabel_triplet
+    loss = LOSSES.get("multilabel_triplet")(out, batch, cfg, None)["multilabel_triplet"]
+    # anchors 0, 1: d_ap 0, hardest negative (item 2) d 0 -> 0.2; anchor 2: d_ap 1, d_an 0 -> 1.2; anchor 3: 0.2.
+    assert math.isclose(float(loss), 0.45, rel_tol=1e-5)
+
+
+def test_multilabel_global_hard_uses_bank_negatives_only():
+    e0, e1 = [1.0, 0.0], [0.0, 1.0]
+    cfg = make_cfg({"loss.multilabel_triplet.negatives": "global_hard"}).loss.multilabel_triplet
+    out, batch = {"pred": unit([e0, e0])}, {"labels": torch.tensor([[1, 0], [1, 0]]).bool()}
+    state = LossState(make_cfg(), 2)
+    state.bank, state.bank_labels = unit([e0, e1]), torch.tensor([[1, 0], [0, 1]]).bool()
+    # the bank copy of e0 shares the label: not a negative; e1 is at distance 1 > margin.
+    assert float(LOSSES.get("multilabel_triplet")(out, batch, cfg, state)["multilabel_triplet"]) == 0.0
+    state.bank, state.bank_labels = unit([e0, e1, e0]), torch.tensor([[1, 0], [0, 1], [0, 1]]).bool()
+    assert math.isclose(float(LOSSES.get("multilabel_triplet")(out, batch, cfg, state)["multilabel_triplet"]),
+                        cfg.margin, rel_tol=1e-5)
+
+
+def test_multilabel_random_uses_neg_pred():
+    cfg = make_cfg({"loss.multilabel_triplet.negatives": "random"}).loss.multilabel_triplet
+    pred = unit([[1.0, 0.0], [1.0, 0.0]])
+    batch = {"labels": torch.tensor([[1, 0], [1, 0]]).bool()}
+    far = LOSSES.get("multilabel_triplet")({"pred": pred, "neg_pred": -pred}, batch, cfg, None)
+    near = LOSSES.get("multilabel_triplet")({"pred": pred, "neg_pred": pred}, batch, cfg, None)
+    assert float(far["multilabel_triplet"]) == 0.0
+    assert math.isclose(float(near["multilabel_triplet"]), cfg.margin, rel_tol=1e-5)
+    with pytest.raises(ConfigError, match="neg_pred"):
+        LOSSES.get("multilabel_triplet")({"pred": pred}, batch, cfg, None)
+
+
+# ---------------------------------------------------------------------------------------------- validate
+
+@pytest.mark.parametrize("values, message", [
+    ({"loss.slot_triplet.weight": 1.0}, "slots.k > 0"),
+    ({"loss.condensation.weight": 1.0}, "slots.k > 0"),
+    ({"loss.slot_diversity.weight": 1.0, "slots.k": 1}, "slots.k >= 2"),
+    ({"loss.multilabel_triplet.weight": 1.0}, "data.task"),
+    ({}, "no loss has a positive weight"),
+])
+def test_validate_rejects_inconsistent_configs(values, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(with_values(Config(), values))
+
+
+def test_validate_accepts_consistent_configs():
+    validate(with_values(Config(), {"loss.infonce.weight": 1.0}))
+    validate(with_values(Config(), {"loss.slot_diversity.weight": 1.0, "slots.k": 2}))
+    validate(with_values(Config(), {"loss.multilabel_triplet.weight": 1.0, "data.task": "multilabel"}))

@@ -1,0 +1,82 @@
+"""The multi-label retrieval triplet loss ("multilabel_triplet"), registered into trainers.losses.LOSSES.
+
+Batch: "labels" [B, L] bool; out["pred"] [B, D] item embeddings; for negatives = "random" also out["neg_pred"] [B, D]
+(the model's output for batch["neg_x"]: one random item per anchor sharing no label with it, drawn by the loop).
+Label rules (for anchor a and candidate c):
+  positive, positives = "all": identical non-empty label sets. If the anchor has no such partner in the batch it falls
+      back to the "any" rule for that anchor.
+  positive, positives = "any": at least one shared label.
+  negative: no shared label (the anchor itself is never its own positive or negative).
+Distance d = 1 - cos. Per anchor: hinge relu(margin + d(a, hardest positive) - d(a, negative)) where the negative is
+  batch_hard: the closest in-batch negative; global_hard: the closest negative in state.bank [N, D] (labels
+  state.bank_labels [N, L]; detached, refreshed by the loop each epoch; before the first refresh, bank is None and
+  the in-batch hardest negative is used); random: out["neg_pred"] of the same row.
+Anchors without a positive or a negative are skipped; the loss is the mean over the remaining anchors (0 if none).
+"""
+from __future__ import annotations
+
+import torch
+
+from trainers.errors import ConfigError
+from trainers.losses import register_loss, unit, zero_like
+
+
+def label_relations(labels_a: torch.Tensor, labels_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(same [A, C]: identical non-empty label sets, shares_any [A, C], shares_none [A, C]) for bool label rows."""
+    a, b = labels_a.float(), labels_b.float()
+    shared = a @ b.T  # [A, C] number of shared labels
+    shares_any = shared > 0
+    same = shares_any & (shared == a.sum(dim=1)[:, None]) & (shared == b.sum(dim=1)[None, :])
+    return same, shares_any, ~shares_any
+
+
+def positive_mask(labels: torch.Tensor, rule: str) -> torch.Tensor:
+    """[B, B] bool in-batch positives of each anchor (self excluded) under rule "all" (with fallback) or "any"."""
+    same, shares_any, _ = label_relations(labels, labels)
+    not_self = ~torch.eye(labels.shape[0], dtype=torch.bool, device=labels.device)
+    pos_any = shares_any & not_self
+    if rule == "any":
+        return pos_any
+    pos_all = same & not_self
+    return torch.where(pos_all.any(dim=1, keepdim=True), pos_all, pos_any)
+
+
+def negative_mask(labels_a: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
+    """[A, C] bool: candidate c shares no label with anchor a."""
+    return label_relations(labels_a, labels_c)[2]
+
+
+def _hardest_negative_distance(p, labels, cfg_term, state, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d(a, negative) [B], has_negative [B] bool) for the configured mining mode."""
+    b = p.shape[0]
+    if cfg_term.negatives == "random":
+        if out.get("neg_pred") is None:
+            raise ConfigError("loss.multilabel_triplet.negatives = 'random' needs out['neg_pred'] "
+                              "(the loop must supply batch['neg_x'])")
+        dist = 1.0 - (p * unit(out["neg_pred"])).sum(dim=-1)
+        return dist, torch.ones(b, dtype=torch.bool, device=p.device)
+    if cfg_term.negatives == "global_hard" and state.bank is not None:
+        bank = unit(state.bank.detach().to(p.device))
+        neg = negative_mask(labels, state.bank_labels.to(p.device).bool())
+        dist = 1.0 - p @ bank.T  # [B, N]
+    else:
+        neg = negative_mask(labels, labels) & ~torch.eye(b, dtype=torch.bool, device=p.device)
+        dist = 1.0 - p @ p.T  # [B, B]
+    # Cosine distance lies in [0, 2]; 3 marks "not a negative" so min() never picks it.
+    return dist.masked_fill(~neg, 3.0).min(dim=1).values, neg.any(dim=1)
+
+
+@register_loss("multilabel_triplet")
+def multilabel_triplet(out, batch, cfg_term, state):
+    """Hinge triplet on cosine distance with label-defined positives and mined negatives (see module docstring)."""
+    p = unit(out["pred"])
+    labels = batch["labels"].to(p.device).bool()
+    pos = positive_mask(labels, cfg_term.positives)
+    # Cosine distance lies in [0, 2]; -1 marks "not a positive" so max() never picks it.
+    d_ap = (1.0 - p @ p.T).masked_fill(~pos, -1.0).max(dim=1).values
+    d_an, has_neg = _hardest_negative_distance(p, labels, cfg_term, state, out)
+    valid = pos.any(dim=1) & has_neg
+    if not bool(valid.any()):
+        return {"multilabel_triplet": zero_like(p)}
+    hinge = (cfg_term.margin + d_ap[valid] - d_an[valid]).clamp(min=0)
+    return {"multilabel_triplet": hinge.mean()}
