@@ -79,7 +79,7 @@ def counted(study: optuna.Study, extra: tuple[TrialState, ...] = ()) -> int:
 
 def claim_trial(study: optuna.Study, n_trials: int) -> optuna.Trial | None:
     """Under the budget lock: fail dead workers' trials (they get retried), then ask for a trial if budget remains."""
-    with budget_lock(study._storage, study.study_name):
+    with budget_lock(rdb(study), study.study_name):
         optuna.storages.fail_stale_trials(study)
         if counted(study, (TrialState.RUNNING,)) >= n_trials:
             return None
@@ -118,7 +118,7 @@ def worker_loop(sf: StudyFile, spec: RunSpec, study: optuna.Study, runner: Trial
         if trial is None:
             break
         try:
-            with Heartbeat(study._storage, trial._trial_id):
+            with Heartbeat(rdb(study), trial._trial_id):
                 state, value = runner.run(trial)
         except KeyboardInterrupt:
             runner.retry(study, study.tell(trial, state=TrialState.FAIL))
@@ -162,5 +162,10 @@ def study_dir(state_dir: str | Path, name: str) -> Path:
     return Path(state_dir) / "studies" / name
 
 
+def rdb(study: optuna.Study) -> optuna.storages.RDBStorage:
+    """The RDBStorage behind a study (Optuna wraps it in a private caching layer)."""
+    return getattr(study._storage, "_backend", study._storage)
+
+
 def dispose_study(study: optuna.Study) -> None:
-    dispose(study._storage)
+    dispose(rdb(study))

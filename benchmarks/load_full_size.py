@@ -1,0 +1,104 @@
+"""Benchmark: write and load a challenge-size train.npz; report wall time and peak RSS against the float arrays' size.
+
+Usage: python benchmarks/load_full_size.py [--dir DIR] [--small] [--rebuild]
+The file is built once with trainers.synthetic (cached in DIR, default a temp dir) and loaded in a child process,
+whose peak RSS (resource.getrusage ru_maxrss) is compared with the bytes of the float arrays it must hold.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Real challenge train.npz: 25,000 images x 5 captions, text dim 1024, image dim 1536 (shared/data-sources.md).
+FULL = {"n_images": 25_000, "captions_per_image": 5, "dim_text": 1024, "dim_image": 1536}
+SMALL = {"n_images": 2_000, "captions_per_image": 5, "dim_text": 1024, "dim_image": 1536}
+GOAL_RATIO = 1.5  # peak RSS of the loader / bytes of the float arrays
+MB = 2 ** 20
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports kilobytes
+
+
+def child_build(out_dir: str, params: dict) -> dict:
+    from trainers.synthetic import write_synthetic
+
+    start = time.perf_counter()
+    write_synthetic(out_dir, **params)
+    return {"wall_s": time.perf_counter() - start, "peak_rss": _peak_rss_bytes()}
+
+
+def child_load(path: str) -> dict:
+    from trainers.data import fingerprint, load_train
+
+    baseline = _peak_rss_bytes()  # interpreter + numpy, before any data
+    start, cpu_start = time.perf_counter(), time.process_time()
+    ts = load_train(path)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = _peak_rss_bytes()
+    start = time.perf_counter()
+    fingerprint(path)
+    return {"wall_s": wall, "cpu_s": cpu, "fingerprint_s": time.perf_counter() - start, "peak_rss": peak,
+            "baseline_rss": baseline,
+            "float_bytes": ts.text.nbytes + ts.image.nbytes, "text_bytes": ts.caption_text.nbytes,
+            "n_captions": len(ts.text), "n_images": len(ts.image)}
+
+
+def _run_child(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", help="where to build / find train.npz (default: a fixed temp dir)")
+    ap.add_argument("--small", action="store_true", help=f"quick run: {SMALL['n_images']} images instead of 25,000")
+    ap.add_argument("--rebuild", action="store_true", help="rebuild the file even if cached")
+    ap.add_argument("--child-build", nargs=2, metavar=("DIR", "PARAMS"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-load", metavar="PATH", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child_build:
+        print(json.dumps(child_build(args.child_build[0], json.loads(args.child_build[1]))))
+        return 0
+    if args.child_load:
+        print(json.dumps(child_load(args.child_load)))
+        return 0
+
+    params = SMALL if args.small else FULL
+    out_dir = Path(args.dir or Path(tempfile.gettempdir()) / f"latentsweep-bench-{'small' if args.small else 'full'}")
+    train, stamp = out_dir / "train.npz", out_dir / "params.json"
+    cached = train.exists() and stamp.exists() and json.loads(stamp.read_text()) == params
+    if args.rebuild or not cached:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stamp.unlink(missing_ok=True)
+        built = _run_child("--child-build", str(out_dir), json.dumps(params))
+        stamp.write_text(json.dumps(params))
+        print(f"built {train} in {built['wall_s']:.1f} s, writer peak RSS {built['peak_rss'] / MB:.0f} MB")
+    else:
+        print(f"using cached {train}")
+
+    r = _run_child("--child-load", str(train))
+    dense_label = r["n_captions"] * r["n_images"]
+    ratio = r["peak_rss"] / r["float_bytes"]
+    print(f"file: {train.stat().st_size / MB:.0f} MB on disk; {r['n_captions']} captions x {r['n_images']} images; "
+          f"dense label would be {dense_label / MB:.0f} MB")
+    print(f"load_train wall time: {r['wall_s']:.1f} s, CPU time {r['cpu_s']:.1f} s "
+          f"(sha256 fingerprint alone: {r['fingerprint_s']:.1f} s wall)")
+    print(f"float arrays: {r['float_bytes'] / MB:.0f} MB; caption strings: {r['text_bytes'] / MB:.0f} MB; "
+          f"interpreter baseline RSS: {r['baseline_rss'] / MB:.0f} MB")
+    print(f"peak RSS of loader: {r['peak_rss'] / MB:.0f} MB")
+    verdict = "met" if ratio <= GOAL_RATIO else "NOT met"
+    print(f"ratio peak_rss / float_bytes = {ratio:.2f} (goal <= {GOAL_RATIO}: {verdict})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,480 @@
+"""Challenge data files: read, validate and write train/test/answers npz files, and split them by image."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import numbers
+import os
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numpy.lib import format as npformat
+
+from trainers.errors import ConfigError, DataError, closest
+
+# Dense-label bytes decoded (or encoded) per step: the real label is 125000 x 25000 bools = 3.1 GB, so it is streamed.
+LABEL_CHUNK_BYTES = 32 << 20
+# Rows per step for finiteness checks, so the temporary bool mask stays at ROW_CHUNK x dim.
+ROW_CHUNK = 8192
+# Sparse label convention (CSR, scipy.sparse.save_npz names behind the prefix "captions/label_"):
+#   captions/label_indptr int [Nc+1], captions/label_indices int [nnz] (image index of each stored entry),
+#   optional captions/label_data [nnz] (entries equal to 0 are ignored),
+#   optional captions/label_shape int [2] = (Nc, Ni), optional captions/label_format str "csr".
+SPARSE_PREFIX = "captions/label_"
+# Errors that mean the zip container or a member's bytes are damaged.
+_READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError, NotImplementedError)
+
+
+@dataclass(frozen=True)
+class TrainSet:
+    path: str
+    fingerprint: str
+    caption_ids: np.ndarray  # int64 [Nc]
+    caption_text: np.ndarray  # str [Nc]
+    text: np.ndarray  # float32 [Nc, Dt]
+    image: np.ndarray  # float32 [Ni, Di]
+    cap2img: np.ndarray  # int64 [Nc], image index of each caption
+    image_names: np.ndarray  # str [Ni]
+    image_labels: np.ndarray | None = None  # bool [Ni, L]
+    label_names: np.ndarray | None = None  # str [L]
+
+
+@dataclass(frozen=True)
+class TestSet:
+    path: str
+    fingerprint: str
+    ids: np.ndarray  # int64 [N]
+    text: np.ndarray  # str [N]
+    embeddings: np.ndarray  # float32 [N, Dt]
+
+
+class _Npz:
+    """An open npz (zip of .npy members): headers, whole arrays and streamed reads, every failure a DataError."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        if not os.path.isfile(self.path):
+            raise DataError(f"{self.path}: file not found")
+        try:
+            self.zip = zipfile.ZipFile(self.path)
+        except _READ_ERRORS as exc:
+            raise DataError(f"{self.path}: not a readable npz (zip) file, truncated or corrupt ({exc})") from None
+        self.keys = {name[:-4]: name for name in self.zip.namelist() if name.endswith(".npy")}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.zip.close()
+
+    def error(self, key: str, message: str) -> DataError:
+        return DataError(f"{self.path}: key '{key}': {message}")
+
+    def require(self, key: str) -> str:
+        if key not in self.keys:
+            raise DataError(f"{self.path}: missing key '{key}'{closest(key, self.keys)}")
+        return self.keys[key]
+
+    @contextlib.contextmanager
+    def open(self, key: str, to_end: bool = True):
+        """Open one member; damaged bytes become a DataError naming the key.
+
+        to_end: on a clean exit, require the member to end there (reading to the end makes zipfile check its CRC).
+        """
+        try:
+            with self.zip.open(self.require(key)) as f:
+                yield f
+                if to_end and f.read(1):
+                    raise ValueError("trailing bytes after the array")
+        except DataError:
+            raise
+        except _READ_ERRORS as exc:
+            raise self.error(key, f"cannot read, file truncated or corrupt ({exc})") from None
+
+    def header(self, key: str):
+        """(shape, fortran_order, dtype) of a member, reading only its first bytes."""
+        with self.open(key, to_end=False) as f:
+            return _read_header(f)
+
+    def array(self, key: str) -> np.ndarray:
+        with self.open(key) as f:
+            return npformat.read_array(f, allow_pickle=False)
+
+    def vector(self, key: str, kinds: str, n: int | None = None, ref: str = "") -> np.ndarray:
+        """A rank-1 array of dtype kind in `kinds` ('i' ints, 'U' text, 'b' bool), optionally of length n."""
+        arr = self.array(key)
+        _check_kind(self, key, arr, kinds, rank=1)
+        if n is not None and len(arr) != n:
+            raise self.error(key, f"has {len(arr)} rows but {ref} has {n}")
+        if "i" in kinds and arr.dtype.kind in "iu":
+            return arr.astype(np.int64, copy=False)
+        if "U" in kinds and arr.dtype.kind == "S":
+            return arr.astype(str)
+        return arr
+
+    def matrix(self, key: str) -> np.ndarray:
+        """A non-empty, finite float32 [N, D] embedding matrix."""
+        arr = self.array(key)
+        _check_kind(self, key, arr, "f", rank=2)
+        arr = arr.astype(np.float32, copy=False)
+        for start in range(0, len(arr), ROW_CHUNK):
+            bad = ~np.isfinite(arr[start:start + ROW_CHUNK]).all(axis=1)
+            if bad.any():
+                raise self.error(key, f"row {start + int(np.argmax(bad))} has NaN or Inf values")
+        return arr
+
+
+def _read_header(f):
+    """(shape, fortran_order, dtype) from an open .npy stream, leaving it at the first data byte."""
+    version = npformat.read_magic(f)
+    return (npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0)(f)
+
+
+_KIND_NAMES = {"f": "float", "i": "integer", "U": "unicode text", "b": "bool"}
+
+
+def _check_kind(npz: _Npz, key: str, arr: np.ndarray, kinds: str, rank: int) -> None:
+    ok_kinds = kinds + ("u" if "i" in kinds else "") + ("S" if "U" in kinds else "")
+    if arr.dtype.kind not in ok_kinds:
+        want = " or ".join(_KIND_NAMES[k] for k in kinds)
+        raise npz.error(key, f"has dtype {arr.dtype}, expected {want}")
+    if arr.ndim != rank:
+        raise npz.error(key, f"has rank {arr.ndim} (shape {arr.shape}), expected rank {rank}")
+    if arr.size == 0:
+        raise npz.error(key, f"is empty (shape {arr.shape})")
+
+
+def fingerprint(path) -> str:
+    """First 16 hex characters of the sha256 of the file bytes (read in 1 MB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def _check_one_per_row(npz: _Npz, key: str, count: np.ndarray) -> None:
+    bad = np.flatnonzero(count != 1)
+    if bad.size:
+        row = int(bad[0])
+        raise npz.error(key, f"row {row} has {int(count[row])} images, expected exactly one "
+                             f"({bad.size} such rows in all)")
+
+
+def _dense_cap2img(npz: _Npz, nc: int, ni: int, chunk_rows: int | None) -> np.ndarray:
+    """Stream a dense bool [Nc, Ni] one-hot label out of its zip member, chunk by chunk, into int64 [Nc]."""
+    key = "captions/label"
+    cap2img = np.full(nc, -1, np.int64)
+    count = np.zeros(nc, np.int64)
+    with npz.open(key) as f:
+        shape, fortran, _ = _read_header(f)
+        if tuple(shape) != (nc, ni):
+            raise npz.error(key, f"has shape {tuple(shape)} but captions/embeddings x images/embeddings "
+                                 f"rows give ({nc}, {ni})")
+        # Storage order decides what a contiguous "row" of bytes is: a caption (C order) or an image (Fortran).
+        major, minor = (ni, nc) if fortran else (nc, ni)
+        step = chunk_rows or max(1, LABEL_CHUNK_BYTES // minor)
+        for start in range(0, major, step):
+            rows = min(step, major - start)
+            buf = f.read(rows * minor)
+            if len(buf) != rows * minor:
+                raise npz.error(key, f"data ends at row {start + len(buf) // minor}, truncated")
+            block = np.frombuffer(buf, np.bool_).reshape(rows, minor)
+            if not fortran:
+                # Fast path (argmax on bools is ~4x faster than nonzero): a True at every row's argmax and as
+                # many Trues as rows means exactly one per row.
+                first = block.argmax(axis=1)
+                if np.count_nonzero(block) == rows and block[np.arange(rows), first].all():
+                    cap2img[start:start + rows], count[start:start + rows] = first, 1
+                    continue
+            r, c = np.nonzero(block)  # general path: Fortran order, or a chunk with a bad row to count exactly
+            cap, img = (c, r + start) if fortran else (r + start, c)
+            count += np.bincount(cap, minlength=nc)
+            cap2img[cap] = img
+    _check_one_per_row(npz, key, count)
+    return cap2img
+
+
+def _index_cap2img(npz: _Npz, nc: int, ni: int) -> np.ndarray:
+    key = "captions/label"
+    cap2img = npz.vector(key, "i", nc, "captions/embeddings")
+    bad = np.flatnonzero((cap2img < 0) | (cap2img >= ni))
+    if bad.size:
+        raise npz.error(key, f"row {int(bad[0])} has image index {int(cap2img[bad[0]])}, "
+                             f"outside [0, {ni}) of images/embeddings")
+    return cap2img
+
+
+def _sparse_cap2img(npz: _Npz, nc: int, ni: int) -> np.ndarray:
+    """Read the CSR label (see SPARSE_PREFIX) into int64 [Nc]."""
+    p = SPARSE_PREFIX
+    if p + "format" in npz.keys:
+        fmt = npz.array(p + "format").reshape(-1)[0]
+        fmt = fmt.decode() if isinstance(fmt, bytes) else str(fmt)
+        if fmt != "csr":
+            raise npz.error(p + "format", f"is '{fmt}', only 'csr' is supported")
+    shape = tuple(int(v) for v in npz.vector(p + "shape", "i")) if p + "shape" in npz.keys else (nc, ni)
+    if shape != (nc, ni):
+        raise npz.error(p + "shape", f"is {shape}, expected ({nc}, {ni}) from captions/embeddings x "
+                                     "images/embeddings rows")
+    indptr = npz.vector(p + "indptr", "i", nc + 1, "captions/embeddings (+1)")
+    indices = npz.vector(p + "indices", "i")
+    if indptr[0] != 0 or indptr[-1] != len(indices) or np.any(np.diff(indptr) < 0):
+        raise npz.error(p + "indptr", f"must start at 0, never decrease and end at {len(indices)} "
+                                      f"(length of {p}indices)")
+    keep = np.ones(len(indices), bool)
+    if p + "data" in npz.keys:
+        keep = npz.vector(p + "data", "ibf", len(indices), p + "indices") != 0
+    bad = np.flatnonzero((indices < 0) | (indices >= ni))
+    if bad.size:
+        raise npz.error(p + "indices", f"entry {int(bad[0])} is image {int(indices[bad[0]])}, outside [0, {ni})")
+    rows = np.repeat(np.arange(nc), np.diff(indptr))[keep]
+    _check_one_per_row(npz, "captions/label", np.bincount(rows, minlength=nc))
+    cap2img = np.empty(nc, np.int64)
+    cap2img[rows] = indices[keep]
+    return cap2img
+
+
+def _read_cap2img(npz: _Npz, nc: int, ni: int, chunk_rows: int | None) -> np.ndarray:
+    if "captions/label" not in npz.keys and SPARSE_PREFIX + "indptr" in npz.keys:
+        return _sparse_cap2img(npz, nc, ni)
+    shape, _, dtype = npz.header("captions/label")
+    if len(shape) == 1 and dtype.kind in "iu":
+        return _index_cap2img(npz, nc, ni)
+    if len(shape) == 2 and dtype == np.bool_:
+        return _dense_cap2img(npz, nc, ni, chunk_rows)
+    raise npz.error("captions/label", f"has dtype {dtype} and shape {tuple(shape)}, expected dense bool "
+                                      "[Nc, Ni] one-hot or integer [Nc] image index")
+
+
+def _check_metadata(npz: _Npz, expected: dict[str, tuple[int, str]]) -> None:
+    """Metadata keys are optional; when present they must agree with the arrays."""
+    for name, (value, source) in expected.items():
+        key = f"metadata/{name}"
+        if key in npz.keys:
+            arr = npz.array(key)
+            if arr.dtype.kind not in "iu" or arr.size != 1:
+                raise npz.error(key, f"has dtype {arr.dtype} and shape {arr.shape}, expected one integer")
+            if int(arr.reshape(-1)[0]) != value:
+                raise npz.error(key, f"says {int(arr.reshape(-1)[0])} but {source} gives {value}")
+
+
+def load_train(path, *, label_chunk_rows: int | None = None) -> TrainSet:
+    """Read and validate a challenge train.npz; the dense label is streamed, never held whole."""
+    with _Npz(path) as npz:
+        text = npz.matrix("captions/embeddings")
+        nc = len(text)
+        ids = npz.vector("captions/ids", "i", nc, "captions/embeddings")
+        caption_text = npz.vector("captions/text", "U", nc, "captions/embeddings")
+        image = npz.matrix("images/embeddings")
+        ni = len(image)
+        names = npz.vector("images/names", "U", ni, "images/embeddings")
+        cap2img = _read_cap2img(npz, nc, ni, label_chunk_rows)
+        labels = label_names = None
+        if "images/labels" in npz.keys:
+            labels = npz.array("images/labels")
+            _check_kind(npz, "images/labels", labels, "b", rank=2)
+            if len(labels) != ni:
+                raise npz.error("images/labels", f"has {len(labels)} rows but images/embeddings has {ni}")
+            if "images/label_names" in npz.keys:
+                label_names = npz.vector("images/label_names", "U", labels.shape[1], "images/labels (columns)")
+        _check_metadata(npz, {
+            "num_captions": (nc, "captions/embeddings rows"), "num_images": (ni, "images/embeddings rows"),
+            "embedding_dim_text": (text.shape[1], "captions/embeddings columns"),
+            "embedding_dim_image": (image.shape[1], "images/embeddings columns")})
+    return TrainSet(str(path), fingerprint(path), ids, caption_text, text, image, cap2img, names, labels, label_names)
+
+
+def _unique_ids(npz: _Npz, key: str, ids: np.ndarray) -> np.ndarray:
+    order = np.argsort(ids, kind="stable")
+    dup = np.flatnonzero(ids[order][1:] == ids[order][:-1])
+    if dup.size:
+        raise npz.error(key, f"row {int(order[dup[0] + 1])} repeats id {int(ids[order[dup[0]]])}")
+    return ids
+
+
+def load_test(path) -> TestSet:
+    """Read and validate a test.clean.npz (captions only)."""
+    with _Npz(path) as npz:
+        emb = npz.matrix("captions/embeddings")
+        ids = _unique_ids(npz, "captions/ids", npz.vector("captions/ids", "i", len(emb), "captions/embeddings"))
+        text = npz.vector("captions/text", "U", len(emb), "captions/embeddings")
+        _check_metadata(npz, {"num_captions": (len(emb), "captions/embeddings rows"),
+                              "embedding_dim_text": (emb.shape[1], "captions/embeddings columns")})
+    return TestSet(str(path), fingerprint(path), ids, text, emb)
+
+
+def load_answers(path) -> tuple[np.ndarray, np.ndarray]:
+    """Read an answer key: (ids int64 [N], true image embedding of each test caption float32 [N, Di])."""
+    with _Npz(path) as npz:
+        image = npz.matrix("images/embeddings")
+        ids = _unique_ids(npz, "captions/ids", npz.vector("captions/ids", "i", len(image), "images/embeddings"))
+        if "images/names" in npz.keys:
+            npz.vector("images/names", "U", len(image), "images/embeddings")
+    return ids, image
+
+
+def check_compatible(train: TrainSet, test: TestSet) -> None:
+    """Raise DataError when a test file's text embeddings cannot be fed to a model trained on `train`."""
+    dt_train, dt_test = train.text.shape[1], test.embeddings.shape[1]
+    if dt_train != dt_test:
+        raise DataError(f"{test.path}: key 'captions/embeddings': text dim {dt_test} differs from "
+                        f"{dt_train} in {train.path}")
+
+
+def describe_npz(path) -> dict:
+    """{'kind': 'train'|'test'|'answers', 'label_format': ..., 'keys': {key: (shape, dtype)}} from headers only."""
+    with _Npz(path) as npz:
+        keys = {}
+        for key in npz.keys:
+            shape, _, dtype = npz.header(key)
+            keys[key] = (tuple(shape), dtype)
+    if "captions/label" in keys:
+        fmt = "index" if len(keys["captions/label"][0]) == 1 else "dense"
+    else:
+        fmt = "sparse" if SPARSE_PREFIX + "indptr" in keys else None
+    if fmt is not None:
+        kind = "train"
+    elif "captions/embeddings" in keys:
+        kind = "test"
+    elif "images/embeddings" in keys:
+        kind = "answers"
+    else:
+        raise DataError(f"{path}: cannot tell the file kind: no key 'captions/label' (train), "
+                        f"'captions/embeddings' (test) or 'images/embeddings' (answers); keys: {sorted(keys)}")
+    return {"kind": kind, "label_format": fmt, "keys": keys}
+
+
+# ---- writing -------------------------------------------------------------------------------------------------------
+
+def _write_npz(path, members: list[tuple[str, object]]) -> Path:
+    """Write (key, array-or-writer) members as a compressed npz (np.savez_compressed layout), atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, allowZip64=True) as zf:
+            for key, value in members:
+                with zf.open(key + ".npy", "w", force_zip64=True) as f:
+                    if callable(value):
+                        value(f)
+                    else:
+                        npformat.write_array(f, np.asanyarray(value), allow_pickle=False)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _dense_label_writer(cap2img: np.ndarray, ni: int, chunk_rows: int | None):
+    """A member writer emitting the one-hot bool [Nc, Ni] label in row chunks (never the whole matrix)."""
+    def write(f) -> None:
+        nc = len(cap2img)
+        npformat.write_array_header_1_0(f, {"descr": npformat.dtype_to_descr(np.dtype(bool)),
+                                            "fortran_order": False, "shape": (nc, ni)})
+        step = chunk_rows or max(1, LABEL_CHUNK_BYTES // max(ni, 1))
+        for start in range(0, nc, step):
+            idx = cap2img[start:start + step]
+            block = np.zeros((len(idx), ni), np.uint8)  # uint8 0/1 has the same bytes as numpy bool
+            block[np.arange(len(idx)), idx] = 1
+            f.write(memoryview(block.reshape(-1)))
+    return write
+
+
+def _label_members(cap2img: np.ndarray, ni: int, label_format: str, chunk_rows: int | None) -> list:
+    nc = len(cap2img)
+    if label_format == "dense":
+        return [("captions/label", _dense_label_writer(cap2img, ni, chunk_rows))]
+    if label_format == "index":
+        return [("captions/label", cap2img)]
+    if label_format == "sparse":
+        p = SPARSE_PREFIX
+        return [(p + "data", np.ones(nc, bool)), (p + "indices", cap2img), (p + "indptr", np.arange(nc + 1)),
+                (p + "shape", np.array([nc, ni], np.int64)), (p + "format", np.array("csr"))]
+    raise ConfigError(f"label_format '{label_format}' is unknown{closest(label_format, ['dense', 'index', 'sparse'])}")
+
+
+def _metadata(**values: int) -> list:
+    return [(f"metadata/{k}", np.array([v], np.int64)) for k, v in values.items()]
+
+
+def write_train_npz(path, *, caption_ids, caption_text, text, image, cap2img, image_names, image_labels=None,
+                    label_names=None, label_format: str = "dense", label_chunk_rows: int | None = None) -> Path:
+    """Write a challenge-layout train.npz; the dense label is encoded in row chunks straight into the zip member.
+
+    label_format: 'dense' (the challenge layout), or 'index' / 'sparse' (the other layouts load_train accepts).
+    """
+    text, image = np.asarray(text, np.float32), np.asarray(image, np.float32)
+    cap2img = np.asarray(cap2img, np.int64)
+    nc, ni = len(text), len(image)
+    if len(cap2img) != nc or (nc and (cap2img.min() < 0 or cap2img.max() >= ni)):
+        raise DataError(f"{path}: key 'captions/label': cap2img needs {nc} image indices in [0, {ni})")
+    members = _metadata(num_captions=nc, num_images=ni, embedding_dim_text=text.shape[1],
+                        embedding_dim_image=image.shape[1])
+    members += [("captions/ids", np.asarray(caption_ids, np.int64)), ("captions/text", np.asarray(caption_text, str)),
+                ("captions/embeddings", text)]
+    members += _label_members(cap2img, ni, label_format, label_chunk_rows)
+    members += [("images/names", np.asarray(image_names, str)), ("images/embeddings", image)]
+    if image_labels is not None:
+        members.append(("images/labels", np.asarray(image_labels, bool)))
+        if label_names is not None:
+            members.append(("images/label_names", np.asarray(label_names, str)))
+    return _write_npz(path, members)
+
+
+def write_test_npz(path, *, ids, text, embeddings) -> Path:
+    """Write a test.clean.npz: captions only (ids, text, embeddings) plus metadata."""
+    emb = np.asarray(embeddings, np.float32)
+    return _write_npz(path, _metadata(num_captions=len(emb), embedding_dim_text=emb.shape[1]) + [
+        ("captions/ids", np.asarray(ids, np.int64)), ("captions/text", np.asarray(text, str)),
+        ("captions/embeddings", emb)])
+
+
+def write_answers_npz(path, *, ids, image, image_names) -> Path:
+    """Write an answer key: the true image embedding (and name) of each test caption, in test order."""
+    return _write_npz(path, [("captions/ids", np.asarray(ids, np.int64)),
+                             ("images/embeddings", np.asarray(image, np.float32)),
+                             ("images/names", np.asarray(image_names, str))])
+
+
+# ---- splits (always by image, so no image has captions on both sides) ------------------------------------------------
+
+def _md5_unit(text: str) -> float:
+    """Map a string to [0, 1) through the first 8 bytes of its MD5 (same value on every machine)."""
+    return int.from_bytes(hashlib.md5(text.encode("utf-8")).digest()[:8], "big") / 2.0 ** 64
+
+
+def split_by_hash(image_names, val_ratio: float, salt: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(train_img_idx, val_img_idx): an image goes to validation when MD5(salt + name) in [0, 1) < val_ratio."""
+    if isinstance(val_ratio, bool) or not isinstance(val_ratio, numbers.Real) or not 0 < val_ratio < 1:
+        raise ConfigError(f"val_ratio must be a number in (0, 1), got {val_ratio!r}")
+    unit = np.array([_md5_unit(f"{salt}{name}") for name in image_names], np.float64)
+    train, val = np.flatnonzero(unit >= val_ratio), np.flatnonzero(unit < val_ratio)
+    if not len(train) or not len(val):
+        raise ConfigError(f"val_ratio={val_ratio} leaves an empty {'validation' if not len(val) else 'training'} "
+                          f"side out of {len(unit)} images (salt '{salt}')")
+    return train, val
+
+
+def kfold_by_image(image_names, n_folds: int, fold: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(train_img_idx, val_img_idx) of fold `fold`: images sorted by MD5(seed:name), dealt round-robin into folds."""
+    n = len(image_names)
+    if isinstance(n_folds, bool) or not isinstance(n_folds, numbers.Integral) or not 2 <= n_folds <= max(n, 2):
+        raise ConfigError(f"n_folds must be an integer in [2, {max(n, 2)}] (number of images), got {n_folds!r}")
+    if isinstance(fold, bool) or not isinstance(fold, numbers.Integral) or not 0 <= fold < n_folds:
+        raise ConfigError(f"fold must be an integer in [0, {n_folds}), got {fold!r}")
+    keys = [hashlib.md5(f"{seed}:{name}".encode("utf-8")).digest() for name in image_names]
+    fold_of = np.empty(n, np.int64)
+    fold_of[sorted(range(n), key=keys.__getitem__)] = np.arange(n) % n_folds  # balanced: sizes differ by <= 1
+    return np.flatnonzero(fold_of != fold), np.flatnonzero(fold_of == fold)
+
+
+def captions_of(cap2img, img_idx) -> np.ndarray:
+    """Indices (int64, ascending) of the captions whose image is in img_idx."""
+    cap2img, img_idx = np.asarray(cap2img, np.int64), np.asarray(img_idx, np.int64)
+    size = int(max(cap2img.max(initial=-1), img_idx.max(initial=-1))) + 1
+    mask = np.zeros(size, bool)
+    mask[img_idx] = True
+    return np.flatnonzero(mask[cap2img]) if len(cap2img) else np.zeros(0, np.int64)
