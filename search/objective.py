@@ -11,7 +11,7 @@ import optuna
 from optuna.trial import TrialState
 
 from search.space import sample
-from search.storage import redact_url
+from search.storage import redact_url, retry_callback
 from search.studyfile import StudyFile
 from search.tracking import Tracker
 from trainers.config import dump_toml, flatten, with_values
@@ -81,8 +81,8 @@ class TrialRunner:
             raise optuna.TrialPruned(f"pruned at epoch {report.epoch}")
 
     def _tags(self, trial: optuna.Trial, cfg) -> dict[str, str]:
-        retry_of = optuna.storages.RetryFailedTrialCallback.retried_trial_number(trial.study._storage.get_trial(
-            trial._trial_id))
+        # Optuna's retry callback marks the WAITING copy with system attr "failed_trial" = the retried number
+        retry_of = trial.study._storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
         tags = {"optuna.trial_number": str(trial.number), "optuna.study": self.spec.name,
                 "git_commit": git_commit(), "seed": str(cfg.train.seed), "data_fingerprint": self.data.fingerprint,
                 "data_path": self.spec.data_path, "optuna.state": "RUNNING"}
@@ -109,4 +109,4 @@ class TrialRunner:
 
     def retry(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
         """An interrupted trial is retried on resume, exactly like a trial whose worker died."""
-        optuna.storages.RetryFailedTrialCallback(max_retry=self.spec.storage.max_retry)(study, frozen)
+        retry_callback(self.spec.storage.max_retry)(study, frozen)

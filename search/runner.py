@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
+import warnings
 from dataclasses import replace
 
 import optuna
@@ -22,11 +23,19 @@ POLL_S = 2.0  # how often the main process refreshes the study bar from the stor
 
 
 def quiet_optuna() -> None:
+    """Optuna's INFO lines duplicate our progress bar; heartbeats/stale-trial handling are 'experimental' in Optuna
+    but relied on knowingly here (ask/tell with our own heartbeat thread)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
 
-def run_worker(spec: RunSpec, create: bool = False) -> int:
-    """One worker: load the study (created beforehand), reap dead trials, run trials until the budget is spent."""
+def run_worker(spec: RunSpec, create: bool = False, study: optuna.Study | None = None,
+               tracker: Tracker | None = None) -> int:
+    """One worker: load the study (created beforehand), reap dead trials, run trials until the budget is spent.
+
+    `study`/`tracker` may be passed in by a caller that already opened them (saves MLflow's slow first connection).
+    """
     import torch
 
     from trainers.data import load_train
@@ -37,8 +46,9 @@ def run_worker(spec: RunSpec, create: bool = False) -> int:
         torch.set_num_threads(spec.threads)
     sf = load_study_file(spec.study_file)
     data = load_train(spec.data_path)
-    tracker = make_tracker(spec.tracking_uri, spec.artifact_root)
-    study = load_or_create(sf, spec, tracker, create=create)
+    owned = study is None
+    tracker = tracker or make_tracker(spec.tracking_uri, spec.artifact_root)
+    study = study or load_or_create(sf, spec, tracker, create=create)
     bar = _StudyBar(spec, study) if spec.progress else None
     try:
         reap(study, tracker)
@@ -47,7 +57,8 @@ def run_worker(spec: RunSpec, create: bool = False) -> int:
     finally:
         if bar:
             bar.close()
-        dispose_study(study)
+        if owned:
+            dispose_study(study)
 
 
 def _worker_entry(spec: RunSpec) -> None:
@@ -100,7 +111,7 @@ def run_study(spec: RunSpec, workers: int = 1) -> dict:
     interrupted = False
     try:
         if workers <= 1:
-            run_worker(replace(spec, threads=spec.threads or 0))
+            run_worker(spec, study=study, tracker=tracker)
         else:
             _run_spawned(spec, study, workers)
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import re
 import sqlite3
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -67,17 +68,26 @@ def _prepare_sqlite(url: str) -> None:
         raise LatentsweepError(f"cannot open SQLite storage {path}: {exc}") from None
 
 
+def retry_callback(max_retry: int):
+    """Optuna's own retry: a WAITING copy of the failed trial (params kept, system attr 'failed_trial' = its number)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+
+
 def open_storage(settings: StorageSettings) -> optuna.storages.RDBStorage:
     """An RDBStorage with heartbeats and automatic retry of trials whose worker died; one-line error if unreachable."""
     _prepare_sqlite(settings.url)
     try:
-        return optuna.storages.RDBStorage(
-            settings.url,
-            engine_kwargs=_engine_kwargs(settings.url),
-            heartbeat_interval=settings.heartbeat_interval,
-            grace_period=settings.grace_period,
-            failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=settings.max_retry),
-        )
+        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.8; we rely on them knowingly
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(
+                settings.url,
+                engine_kwargs=_engine_kwargs(settings.url),
+                heartbeat_interval=settings.heartbeat_interval,
+                grace_period=settings.grace_period,
+                heartbeat_stale_trial_callback=retry_callback(settings.max_retry),
+            )
     except (sa.exc.SQLAlchemyError, ImportError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LatentsweepError(f"cannot open Optuna storage {redact_url(settings.url)}: {reason}") from None

@@ -1,0 +1,236 @@
+"""Tests of trainers.metrics: ranks against a naive oracle, summaries, and the global / leaderboard protocols."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from trainers import metrics as M
+
+
+def oracle_ranks(queries, gallery, target):
+    """Plain per-query ranking: 1 + count of gallery items with strictly higher cosine similarity (float64)."""
+    q = np.asarray(queries, dtype=np.float64)
+    g = np.asarray(gallery, dtype=np.float64)
+    q = q / np.linalg.norm(q, axis=1, keepdims=True)
+    g = g / np.linalg.norm(g, axis=1, keepdims=True)
+    out = []
+    for i in range(len(q)):
+        sims = g @ q[i]
+        order = np.argsort(-sims, kind="stable")
+        true = sims[target[i]]
+        position = int(np.flatnonzero(order == target[i])[0])
+        # Walk back over items sorted before the true one that only tie with it: ties favour the true item.
+        while position > 0 and sims[order[position - 1]] == true:
+            position -= 1
+        out.append(position + 1)
+    return np.array(out)
+
+
+def sign_vectors(rng, n, d=64):
+    """±1 vectors: norm sqrt(64) = 8 exactly, so normalised dot products are exact k/64 and ties are exact."""
+    return rng.choice([-1.0, 1.0], size=(n, d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_ranks_match_oracle_with_exact_ties(chunk):
+    rng = np.random.default_rng(1)
+    gallery = sign_vectors(rng, 40)
+    gallery[10] = gallery[3]                      # duplicate gallery vectors
+    gallery[20] = gallery[3]
+    queries = sign_vectors(rng, 57)
+    queries[:5] = gallery[[3, 10, 20, 0, 1]]      # queries exactly equal to (duplicated) gallery items
+    target = rng.integers(0, 40, size=57)
+    target[:3] = [3, 10, 20]
+    got = M.ranks(queries, gallery, target, chunk=chunk)
+    want = oracle_ranks(queries, gallery, target)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, want)
+    assert (got[:3] == 1).all()                   # exact duplicates never push the true item down
+    sims = (queries / 8.0) @ (gallery / 8.0).T
+    assert any(np.sum(row == row[t]) > 1 for row, t in zip(sims, target))  # ties really happen
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 500])
+def test_ranks_match_oracle_on_gaussian_data(chunk):
+    rng = np.random.default_rng(2)
+    gallery = rng.standard_normal((60, 24)).astype(np.float32)
+    queries = rng.standard_normal((90, 24)).astype(np.float32)
+    target = rng.integers(0, 60, size=90)
+    got = M.ranks(torch.from_numpy(queries), torch.from_numpy(gallery), torch.from_numpy(target), chunk=chunk)
+    want = oracle_ranks(queries, gallery, target)
+    # float32 vs float64 may only disagree when two similarities are closer than float32 resolution.
+    g = gallery / np.linalg.norm(gallery, axis=1, keepdims=True)
+    q = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+    sims = q @ g.T
+    gap = np.abs(sims - sims[np.arange(90), target][:, None])
+    gap[np.arange(90), target] = np.inf
+    clear = gap.min(axis=1) > 1e-5
+    assert clear.sum() > 80
+    np.testing.assert_array_equal(got[clear], want[clear])
+
+
+def test_true_item_compared_within_its_own_row():
+    # The query is the true image scaled: its cosine is 1 up to rounding, and so is a duplicate of that image.
+    rng = np.random.default_rng(3)
+    gallery = rng.standard_normal((30, 17)).astype(np.float32)
+    gallery[7] = gallery[4]
+    queries = gallery[[4, 7, 4]] * np.float32(3.7)
+    assert (M.ranks(queries, gallery, [4, 7, 7], chunk=2) == 1).all()
+
+
+def test_degenerate_queries_get_the_worst_rank():
+    rng = np.random.default_rng(4)
+    gallery = rng.standard_normal((12, 8)).astype(np.float32)
+    queries = gallery[:3].copy()
+    queries[1] = 0.0                              # would tie with everything
+    queries[2, 0] = np.nan
+    np.testing.assert_array_equal(M.ranks(queries, gallery, [0, 1, 2]), [1, 12, 12])
+
+
+def test_degenerate_gallery_rows():
+    rng = np.random.default_rng(8)
+    gallery = rng.standard_normal((10, 8)).astype(np.float32)
+    queries = gallery[:3].copy()
+    gallery[5, 2] = np.inf                        # a broken distractor never outranks anything
+    gallery[6] = 0.0                              # a zero true image cannot be found
+    got = M.ranks(queries, gallery, [0, 1, 6])
+    np.testing.assert_array_equal(got, [1, 1, 10])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_inputs_give_the_same_results():
+    rng = np.random.default_rng(9)
+    image = rng.standard_normal((120, 16)).astype(np.float32)
+    cap2img = rng.integers(0, 120, size=400)
+    pred = image[cap2img] + rng.standard_normal((400, 16)).astype(np.float32)
+    cpu = M.evaluate(pred, image, cap2img, gallery_size=50)
+    gpu = M.evaluate(torch.from_numpy(pred).cuda(), torch.from_numpy(image).cuda(), cap2img, gallery_size=50)
+    assert gpu == pytest.approx(cpu, abs=0.01)    # TF32 matmuls may move near-ties
+
+
+def test_ranks_reject_bad_shapes():
+    with pytest.raises(ValueError):
+        M.ranks(np.ones((3, 4)), np.ones((5, 3)), [0, 1, 2])
+    with pytest.raises(ValueError):
+        M.ranks(np.ones((3, 4)), np.ones((5, 4)), [0, 1, 5])
+
+
+def test_summarize_hand_values():
+    out = M.summarize([1, 2, 4, 101])
+    assert out["mrr"] == pytest.approx((1 + 1 / 2 + 1 / 4 + 1 / 101) / 4)
+    assert out["r1"] == 0.25 and out["r5"] == 0.75 and out["r10"] == 0.75 and out["r50"] == 0.75
+    assert out["ndcg100"] == pytest.approx((1 + 1 / math.log2(3) + 1 / math.log2(5) + 0) / 4)
+    assert out["median_rank"] == 3.0
+    assert out["p75_rank"] == pytest.approx(np.percentile([1, 2, 4, 101], 75))
+    assert set(out) == set(M.METRIC_KEYS)
+
+
+def test_known_tiny_example():
+    image = np.array([[1, 0], [0, 1], [-1, 0]], dtype=np.float32)
+    pred = np.array([[1, 0],      # caption of image 0: rank 1
+                     [1, 0.1],    # caption of image 1: image 0 is closer, rank 2
+                     [0, 1]],     # caption of image 2: image 1 closer, image 0 only ties, rank 2
+                    dtype=np.float32)
+    out = M.evaluate_global(pred, image, [0, 1, 2])
+    assert out["mrr"] == pytest.approx(2 / 3)
+    assert out["r1"] == pytest.approx(1 / 3)
+    assert out["median_rank"] == 2.0
+
+
+def check_galleries(cap2img, n_images, size, seed):
+    galleries, owner, views = M.leaderboard_galleries(cap2img, n_images, size, seed)
+    captioned = np.unique(cap2img)
+    expect = min(size, captioned.size)
+    assert galleries.shape[1] == expect
+    for row in galleries:
+        assert len(set(row.tolist())) == expect   # never a repeated image inside a gallery
+    assert np.isin(galleries, captioned).all()
+    np.testing.assert_array_equal(np.sort(galleries[owner]), captioned)  # each captioned image queried once
+    assert views.shape == (np.bincount(cap2img).max(), *galleries.shape)
+    for view in views:
+        assert (view[~owner] == -1).all()
+        np.testing.assert_array_equal(cap2img[view[owner]], galleries[owner])  # one caption of its own image
+    return galleries, owner, views
+
+
+@pytest.mark.parametrize("n_images,size", [(250, 100), (300, 100), (37, 100), (101, 10), (5, 1)])
+def test_leaderboard_galleries_distinct_and_full(n_images, size):
+    rng = np.random.default_rng(n_images)
+    counts = rng.integers(1, 7, size=n_images)
+    cap2img = np.repeat(np.arange(n_images), counts)
+    rng.shuffle(cap2img)
+    galleries, owner, views = check_galleries(cap2img, n_images + 3, size, seed=0)   # 3 uncaptioned images
+    assert owner.sum() == n_images
+    for img in range(n_images):                   # views cycle through every caption of every image
+        slot = np.argwhere((galleries == img) & owner)[0]
+        assert set(views[:, slot[0], slot[1]].tolist()) == set(np.flatnonzero(cap2img == img).tolist())
+
+
+def test_leaderboard_galleries_depend_on_seed_only():
+    cap2img = np.repeat(np.arange(230), 5)
+    a = M.leaderboard_galleries(cap2img, 230, 100, seed=0)[0]
+    b = M.leaderboard_galleries(cap2img, 230, 100, seed=0)[0]
+    c = M.leaderboard_galleries(cap2img, 230, 100, seed=1)[0]
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_leaderboard_matches_per_gallery_oracle():
+    rng = np.random.default_rng(5)
+    n_img, dim = 130, 16
+    image = rng.standard_normal((n_img, dim)).astype(np.float32)
+    cap2img = np.repeat(np.arange(n_img), rng.integers(1, 6, size=n_img))
+    pred = image[cap2img] + rng.standard_normal((cap2img.size, dim)).astype(np.float32)
+    galleries, owner, views = M.leaderboard_galleries(cap2img, n_img, 50, seed=3)
+    per_view = []
+    for view in views:
+        r = [oracle_ranks(pred[view[b][owner[b]]], image[galleries[b]], np.flatnonzero(owner[b]))
+             for b in range(len(galleries))]
+        per_view.append(M.summarize(np.concatenate(r)))
+    want = {k: np.mean([m[k] for m in per_view]) for k in M.METRIC_KEYS}
+    got = M.evaluate_leaderboard(pred, image, cap2img, gallery_size=50, seed=3, chunk=7)
+    for k in M.METRIC_KEYS:
+        assert got[k] == pytest.approx(want[k]), k
+    assert 0.2 < got["mrr"] < 0.99               # informative, not trivially perfect
+
+
+def test_five_copies_trap_does_not_occur():
+    # 5 consecutive captions per image: cutting captions into chunks of 100 would put 5 copies of an image in a gallery.
+    rng = np.random.default_rng(6)
+    image = rng.standard_normal((200, 32)).astype(np.float32)
+    cap2img = np.repeat(np.arange(200), 5)
+    galleries, _, views = check_galleries(cap2img, 200, 100, seed=0)
+    assert all(len(set(cap2img[v[b]].tolist())) == 100 for v in views for b in range(len(galleries)))
+    perfect = image[cap2img]
+    out = M.evaluate(perfect, image, cap2img)
+    assert out["mrr"] == 1.0 and out["mrr_global"] == 1.0
+
+
+def test_evaluate_keys_and_global_part():
+    rng = np.random.default_rng(7)
+    image = rng.standard_normal((80, 12)).astype(np.float32)
+    cap2img = rng.integers(0, 80, size=300)
+    pred = image[cap2img] + 1.5 * rng.standard_normal((300, 12)).astype(np.float32)
+    out = M.evaluate(torch.from_numpy(pred), image, cap2img, gallery_size=30, seed=2)
+    assert set(out) == set(M.METRIC_KEYS) | {k + "_global" for k in M.METRIC_KEYS}
+    glob = M.summarize(oracle_ranks(pred, image, cap2img))
+    for k in M.METRIC_KEYS:
+        assert out[k + "_global"] == pytest.approx(glob[k])
+    lead = M.evaluate_leaderboard(pred, image, cap2img, gallery_size=30, seed=2)
+    assert all(out[k] == pytest.approx(lead[k]) for k in M.METRIC_KEYS)
+    assert out["mrr"] > out["mrr_global"]          # 30 distractors are easier than 79
+
+
+@pytest.mark.parametrize("n", [100, 250, 37])
+def test_leaderboard_from_ordered_matches_chunk_oracle(n):
+    rng = np.random.default_rng(n)
+    truth = rng.standard_normal((n, 10)).astype(np.float32)
+    truth[5] = truth[6]                            # the same image twice in a chunk ties, never penalised
+    pred = truth + rng.standard_normal((n, 10)).astype(np.float32)
+    want = np.concatenate([oracle_ranks(pred[s:s + 100], truth[s:s + 100], np.arange(min(100, n - s)))
+                           for s in range(0, n, 100)])
+    got = M.leaderboard_from_ordered(pred, truth, gallery_size=100)
+    for k, v in M.summarize(want).items():
+        assert got[k] == pytest.approx(v), k
+    assert M.leaderboard_from_ordered(truth, truth)["mrr"] == 1.0

@@ -1,0 +1,293 @@
+"""Tracking: MlflowTracker against a real SQLite MLflow store, InMemoryTracker, redaction helpers and figures."""
+from __future__ import annotations
+
+import logging
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import optuna
+import pytest
+
+from search import plots
+from search.tracking import (
+    PARAM_VALUE_MAX,
+    InMemoryTracker,
+    MlflowTracker,
+    make_tracker,
+    redact_url,
+    redact_values,
+    study_summary,
+)
+from trainers.errors import LatentsweepError
+
+SECRET = "s3cr3t-pw"
+PG_URL = f"postgresql+psycopg2://alice:{SECRET}@db.example:5432/optuna"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One MLflow SQLite store per module: creating its schema takes 10-30 s, so tests share it (distinct studies)."""
+    root = tmp_path_factory.mktemp("mlflow")
+    return f"sqlite:///{root / 'mlflow.db'}", (root / "artifacts").as_uri()
+
+
+@pytest.fixture(scope="module")
+def tracker(store):
+    return MlflowTracker(*store)
+
+
+@pytest.fixture
+def batch_limits(tracker, monkeypatch):
+    """Fail a log_batch over the per-request limits a tracking server enforces (the SQLite store does not check)."""
+    real = tracker.client.log_batch
+    calls = []
+
+    def checked(run_id, metrics=(), params=(), tags=(), **kwargs):
+        assert len(params) <= 100 and len(tags) <= 100 and len(metrics) <= 1000
+        assert len(params) + len(tags) + len(metrics) <= 1000
+        calls.append((len(params), len(tags), len(metrics)))
+        return real(run_id, metrics=metrics, params=params, tags=tags, **kwargs)
+
+    monkeypatch.setattr(tracker.client, "log_batch", checked)
+    return calls
+
+
+def _study(n_complete: int, vary: bool = True) -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="plots", sampler=optuna.samplers.RandomSampler(seed=0))
+    for i in range(n_complete):
+        study.enqueue_trial({"x": 0.1 * i if vary else 0.5, "k": "a"})
+    study.optimize(lambda t: (t.suggest_float("x", 0, 1) - 0.3) ** 2 + (t.suggest_categorical("k", ["a"]) == "a"),
+                   n_trials=n_complete)
+    return study
+
+
+# ---------------------------------------------------------------- helpers (no MLflow)
+
+
+def test_redact_url_hides_passwords_only():
+    assert redact_url("postgresql+psycopg2://user:secret@host/db") == "postgresql+psycopg2://user:***@host/db"
+    assert redact_url("mysql://:pw@h:3306/d") == "mysql://:***@h:3306/d"
+    assert redact_url("x=http://u:p@ss/word@h:5/db?a=1 y") == "x=http://u:***@h:5/db?a=1 y"
+    for plain in ("http://host:8080/path", "sqlite:////tmp/a.db", "http://user@host/", "not a url"):
+        assert redact_url(plain) == plain
+
+
+def test_redact_values_masks_urls_and_secret_keys():
+    values = {"storage": PG_URL, "db.password": "hunter2", "s3/aws_secret_key": "k", "model.n_token": 4, "lr": 0.1}
+    assert redact_values(values) == {"storage": PG_URL.replace(SECRET, "***"), "db.password": "***",
+                                     "s3/aws_secret_key": "***", "model.n_token": 4, "lr": 0.1}
+
+
+def test_make_tracker_memory_and_derived_artifact_root(tmp_path):
+    assert isinstance(make_tracker("memory"), InMemoryTracker)
+    from search.tracking import default_artifact_root
+
+    assert default_artifact_root(f"sqlite:///{tmp_path}/m.db") == (tmp_path / "artifacts").as_uri()
+    assert default_artifact_root("http://localhost:5000") is None
+
+
+# ---------------------------------------------------------------- InMemoryTracker
+
+
+def test_in_memory_tracker_records_runs(tmp_path):
+    tr = InMemoryTracker()
+    parent = tr.ensure_study("s", {"sampler": "tpe", "storage": PG_URL})
+    assert tr.ensure_study("s", {"sampler": "tpe"}) == parent
+    assert tr.runs[parent]["params"]["storage"] == PG_URL.replace(SECRET, "***")
+    runs = [tr.start_trial(i, {"optim": {"lr": 0.1 * (i + 1)}}, {"seed": i}) for i in range(3)]
+    assert tr.runs[runs[0]]["name"] == "trial-0" and tr.runs[runs[0]]["params"] == {"optim.lr": "0.1"}
+    assert tr.runs[runs[1]]["tags"]["mlflow.parentRunId"] == parent
+    for step in range(3):
+        tr.log_epoch(runs[0], {"val/mrr": 0.1 * step}, step)
+    assert tr.runs[runs[0]]["metrics"]["val/mrr"] == [(0, 0.0), (1, 0.1), (2, 0.2)]
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.pt").write_bytes(b"x")
+    tr.log_artifacts(runs[0], [tmp_path / "ckpt"], "out")
+    assert tr.runs[runs[0]]["artifacts"] == ["out/ckpt/model.pt"]
+    tr.end_trial(runs[0], "COMPLETE")
+    tr.end_trial(runs[1], optuna.trial.TrialState.PRUNED)
+    assert [tr.runs[r]["status"] for r in runs] == ["FINISHED", "KILLED", "RUNNING"]
+    assert tr.close_stale_runs(alive_numbers=set()) == [runs[2]]
+    assert tr.runs[runs[2]]["tags"]["latentsweep.reaped"] == "true"
+    assert tr.find_trial_run(1) == runs[1] and tr.find_trial_run(7) is None
+    tr.end_study({"trials_complete": 1, "trials_total": 3, "best_params": {"optim.lr": 0.1}}, {})
+    assert tr.runs[parent]["status"] == "FINISHED" and tr.runs[parent]["tags"]["best.optim.lr"] == "0.1"
+    assert tr.runs[parent]["metrics"]["trials_complete"] == [(3, 1.0)]
+
+
+# ---------------------------------------------------------------- MlflowTracker on SQLite
+
+
+def test_ensure_study_is_idempotent_across_instances(store, tracker):
+    parent = tracker.ensure_study("idem study", {"sampler": "tpe", "n_trials": 5})
+    other = MlflowTracker(*store)
+    assert other.ensure_study("idem study", {"sampler": "tpe", "n_trials": 9}) == parent
+    other.attach_study("idem study", parent)
+    client = tracker.client
+    exps = [e for e in client.search_experiments() if e.name == "idem study"]
+    assert len(exps) == 1
+    assert exps[0].artifact_location == f"{store[1]}/idem_study"
+    parents = client.search_runs([exps[0].experiment_id], "tags.`latentsweep.role` = 'parent'")
+    assert [r.info.run_id for r in parents] == [parent]
+    run = client.get_run(parent)
+    assert run.info.run_name == "study-idem study" and run.info.status == "RUNNING"
+    assert run.data.params == {"sampler": "tpe", "n_trials": "5"}  # params are immutable: the change is a tag
+    assert run.data.tags["setting.n_trials"] == "9"
+    assert run.data.tags["latentsweep.study"] == "idem study"
+
+
+def test_attach_unknown_parent_raises(tracker):
+    tracker.ensure_study("attach study", {})
+    with pytest.raises(LatentsweepError, match="not found"):
+        MlflowTracker(tracker.tracking_uri, tracker.artifact_root).attach_study("attach study", "0" * 32)
+
+
+def test_start_trial_creates_nested_running_run(tracker, batch_limits):
+    parent = tracker.ensure_study("trial study", {})
+    params = {f"p{i:03d}": i for i in range(150)}  # more than one log_batch (100 params per request)
+    params["long"] = "v" * (PARAM_VALUE_MAX + 10)
+    run_id = tracker.start_trial(0, params, {"device": "cpu", "mlflow.parentRunId": "spoofed"})
+    run = tracker.client.get_run(run_id)
+    assert run.info.run_name == "trial-0" and run.info.status == "RUNNING"
+    assert run.data.tags["mlflow.parentRunId"] == parent
+    assert run.data.tags["optuna.trial_number"] == "0" and run.data.tags["latentsweep.role"] == "trial"
+    assert run.data.tags["device"] == "cpu"
+    assert len(run.data.params) == 151 and run.data.params["p149"] == "149"
+    assert sum(p for p, _, _ in batch_limits) == 151
+    assert len(run.data.params["long"]) == PARAM_VALUE_MAX and "truncated" in run.data.params["long"]
+
+
+def test_log_epoch_round_trips_through_metric_history(tracker, batch_limits):
+    tracker.ensure_study("epoch study", {})
+    run_id = tracker.start_trial(0, {}, {})
+    values = [0.25, 0.5, 0.75]
+    for step, value in enumerate(values):
+        tracker.log_epoch(run_id, {"val/mrr": value, "train/loss": 1.0 - value}, step)
+    tracker.log_epoch(run_id, {f"m/{i}": float(i) for i in range(1200)}, 3)  # more than 1000 metrics per request
+    history = tracker.client.get_metric_history(run_id, "val/mrr")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == list(enumerate(values))
+    assert tracker.client.get_run(run_id).data.metrics["m/1199"] == 1199.0
+    assert sum(m for _, _, m in batch_limits) == 2 * len(values) + 1200
+
+
+def test_log_epoch_survives_tracking_failures(tracker, monkeypatch, caplog):
+    from mlflow.exceptions import MlflowException
+
+    tracker.ensure_study("flaky study", {})
+    run_id = tracker.start_trial(0, {}, {})
+    errors = iter([MlflowException("database is locked"), ConnectionError("refused")])
+
+    def broken(*args, **kwargs):
+        raise next(errors)
+
+    monkeypatch.setattr(tracker.client, "log_batch", broken)
+    monkeypatch.setattr(tracker, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="search.tracking"):
+        tracker.log_epoch(run_id, {"val/mrr": 0.1}, 0)
+        tracker.log_epoch(run_id, {"val/mrr": 0.2}, 1)
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    monkeypatch.undo()
+    tracker.end_trial(run_id, "COMPLETE")  # the tracker still works afterwards
+    assert tracker.client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_end_trial_maps_optuna_states(tracker):
+    tracker.ensure_study("state study", {})
+    expected = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED", "WAITING": "FAILED"}
+    for number, (state, status) in enumerate(expected.items()):
+        run_id = tracker.start_trial(number, {}, {})
+        tracker.end_trial(run_id, getattr(optuna.trial.TrialState, state))
+        run = tracker.client.get_run(run_id)
+        assert (run.info.status, run.data.tags["optuna.state"]) == (status, state)
+        assert run.info.end_time is not None
+
+
+def test_artifacts_and_figures_are_listed(tracker, tmp_path):
+    tracker.ensure_study("artifact study", {})
+    run_id = tracker.start_trial(0, {}, {})
+    (tmp_path / "config.toml").write_text("x = 1\n")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.pt").write_bytes(b"weights")
+    tracker.log_artifacts(run_id, [tmp_path / "config.toml", tmp_path / "ckpt"])
+    fig = plots.rank_histogram(np.array([1, 1, 2, 5, 40]), "val")
+    tracker.log_figure(run_id, fig, "plots/ranks.png")
+    client = tracker.client
+    assert {f.path for f in client.list_artifacts(run_id)} == {"config.toml", "ckpt", "plots"}
+    assert [f.path for f in client.list_artifacts(run_id, "ckpt")] == ["ckpt/model.pt"]
+    assert [f.path for f in client.list_artifacts(run_id, "plots")] == ["plots/ranks.png"]
+    assert client.get_run(run_id).info.artifact_uri.startswith(f"{tracker.artifact_root}/artifact_study/")
+    with pytest.raises(LatentsweepError, match="does not exist"):
+        tracker.log_artifacts(run_id, [tmp_path / "missing.bin"])
+
+
+def test_close_stale_runs_only_closes_dead_running_trials(tracker):
+    tracker.ensure_study("reap study", {})
+    ids = [tracker.start_trial(i, {}, {}) for i in range(4)]
+    tracker.end_trial(ids[0], "COMPLETE")
+    closed = tracker.close_stale_runs(alive_numbers={2})
+    assert sorted(closed) == sorted([ids[1], ids[3]])
+    runs = {i: tracker.client.get_run(r) for i, r in enumerate(ids)}
+    assert [runs[i].info.status for i in range(4)] == ["FINISHED", "FAILED", "RUNNING", "FAILED"]
+    assert runs[1].data.tags["latentsweep.reaped"] == "true" and "latentsweep.reaped" not in runs[2].data.tags
+    assert tracker.close_stale_runs(alive_numbers={2}) == []
+
+
+def test_find_trial_run_returns_newest(tracker):
+    tracker.ensure_study("find study", {})
+    tracker.start_trial(3, {}, {})
+    time.sleep(0.01)  # start times are in milliseconds
+    second = tracker.start_trial(3, {}, {})
+    assert tracker.find_trial_run(3) == second
+    assert tracker.find_trial_run(4) is None
+
+
+def test_secrets_never_reach_mlflow(tracker):
+    parent = tracker.ensure_study("secret study", {"storage": PG_URL, "auth.password": SECRET})
+    run_id = tracker.start_trial(0, {"data": {"path": PG_URL}}, {"storage": PG_URL})
+    tracker.set_tags(run_id, {"note": f"copied from {PG_URL}"})
+    for rid in (parent, run_id):
+        data = tracker.client.get_run(rid).data
+        assert SECRET not in repr(data.params) + repr(data.tags)
+    assert tracker.client.get_run(run_id).data.params["data.path"] == PG_URL.replace(SECRET, "***")
+
+
+def test_end_study_writes_summary_and_plots(tracker):
+    parent = tracker.ensure_study("summary study", {})
+    study = _study(3)
+    summary = study_summary(study)
+    assert summary["trials_complete"] == 3 and summary["best_params"] == study.best_params
+    figures = plots.study_figures(study)
+    assert set(figures) == {"optimization_history.png", "parallel_coordinate.png", "param_importances.png"}
+    tracker.end_study(summary, figures)
+    assert plt.get_fignums() == []  # logged figures are closed
+    run = tracker.client.get_run(parent)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["trials_complete"] == 3 and run.data.metrics["trials_failed"] == 0
+    assert run.data.metrics["best_value"] == pytest.approx(study.best_value)
+    assert run.data.tags["best.x"] == str(study.best_params["x"])
+    listed = {f.path for f in tracker.client.list_artifacts(parent, "plots")}
+    assert listed == {f"plots/{name}" for name in figures}
+    tracker.attach_study("summary study", parent)  # a resumed study runs again
+    assert tracker.client.get_run(parent).info.status == "RUNNING"
+
+
+# ---------------------------------------------------------------- figures
+
+
+def test_rank_histogram_titles_mrr():
+    fig = plots.rank_histogram(np.array([1, 2, 4, 100, 3000]), "global")
+    title = fig.axes[0].get_title()
+    assert f"MRR {np.mean(1 / np.array([1, 2, 4, 100, 3000])):.4f}" in title and "n=5" in title
+    assert fig.axes[0].get_xscale() == "log"
+    with pytest.raises(ValueError):
+        plots.rank_histogram(np.array([0, 1]), "bad")
+
+
+def test_study_figures_skips_importances_without_variation():
+    assert plots.study_figures(_study(0)) == {}
+    figures = plots.study_figures(_study(2, vary=False))
+    assert set(figures) == {"optimization_history.png", "parallel_coordinate.png"}
+    for fig in figures.values():
+        plt.close(fig)

@@ -1,0 +1,259 @@
+"""The one metrics module: retrieval ranks, their summary, and the global and leaderboard evaluation protocols.
+
+Rank rule (used everywhere in latentsweep):
+    rank = 1 + number of gallery items whose cosine similarity to the query is STRICTLY higher than the true item's.
+Ties therefore favour the true item: an exact duplicate of the true image never pushes it down. The true item's
+similarity is gathered from the same similarity row that it is compared against, so float differences between two
+computations can never make the true item "strictly higher than itself".
+
+Degenerate rows (zero norm or any non-finite value): such a query, or a query whose true item is such a row, gets the
+worst rank, the gallery size (with the tie rule above a zero query ties with everything and would otherwise score
+rank 1); such a gallery row never counts as higher than the true item.
+
+Protocols:
+  * global: every caption is ranked against all images of the split.
+  * leaderboard (imitates the challenge scoring): galleries of `gallery_size` DISTINCT images, one caption per image per
+    view, every view averaged. See `leaderboard_galleries` and `evaluate_leaderboard`.
+  * leaderboard_from_ordered: the real test protocol, captions in id order cut into consecutive chunks of
+    `gallery_size`; each caption is ranked against the images of its own chunk (used by submission scoring).
+
+Inputs may be numpy arrays or torch tensors; work happens in float32 torch on the device of the prediction tensor
+(numpy inputs run on the CPU), chunked over queries so that memory stays bounded. Only gallery rows are normalised:
+dividing a query's similarity row by its (positive) norm cannot change which items are strictly higher, so the
+queries are used as they are (saving a copy of the largest input). The leaderboard similarities are read out of the
+same blocks as the global ones, so `evaluate` gets both protocols from one matmul pass.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Queries per similarity block: a block holds chunk x G float32, 1024 x 25000 = 100 MB at full challenge scale.
+DEFAULT_CHUNK = 1024
+# Recall cut-offs and the NDCG depth reported for the challenge (MRR is the leaderboard metric).
+RECALL_AT = (1, 5, 10, 50)
+NDCG_DEPTH = 100
+# The challenge's gallery size (test captions are scored in chunks of 100).
+GALLERY_SIZE = 100
+
+METRIC_KEYS = ("mrr", "r1", "r5", "r10", "r50", "ndcg100", "median_rank", "p75_rank")
+
+
+def _as_tensor(x, device=None) -> torch.Tensor:
+    """float32 tensor on `device` (default: the tensor's own device, CPU for numpy)."""
+    # detach: evaluation never builds an autograd graph; ascontiguousarray: from_numpy rejects negative strides.
+    t = x.detach() if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+    return t.to(device=device if device is not None else t.device, dtype=torch.float32)
+
+
+def _as_index(x) -> np.ndarray:
+    """int64 numpy vector from numpy / torch / list."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(x).astype(np.int64, copy=False).reshape(-1))
+
+
+def _usable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row norms [N] and a bool [N] marking usable rows: a NaN or inf anywhere makes the norm non-finite."""
+    norm = torch.linalg.vector_norm(x, dim=1)
+    return norm, torch.isfinite(norm) & (norm > 0)
+
+
+def _normalise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalised gallery rows [N, D] and their usable mask [N].
+
+    Unusable rows become all-NaN: their similarities compare False, so as distractors they never outrank anything,
+    and the rank functions give the worst rank to a query whose target is one of them.
+    """
+    norm, valid = _usable(x)
+    scale = torch.where(valid, norm, torch.full_like(norm, float("nan")))
+    return x / scale[:, None], valid
+
+
+def _block_ranks(q, q_ok, g, g_ok, target, chunk, galleries=None, query_gallery=None):
+    """Ranks of target[i] [Q] for queries q [Q, D] against normalised gallery g [G, D], in blocks of `chunk` queries.
+
+    With galleries [B, S] (rows of g) and query_gallery [Q] (each query's gallery, which holds its target) it also
+    returns the rank inside the query's S gallery columns, read from the same similarity block.
+    Returns (global ranks [Q], leaderboard ranks [Q] or None).
+    """
+    n = q.shape[0]
+    out = torch.empty(n, dtype=torch.int64, device=q.device)
+    lb = None if galleries is None else torch.empty(n, dtype=torch.int64, device=q.device)
+    for start in range(0, n, chunk):
+        rows = slice(start, min(start + chunk, n))
+        sims = q[rows] @ g.T                                          # [c, G]
+        true = sims.gather(1, target[rows, None])                     # [c, 1], same row as the comparison
+        out[rows] = 1 + (sims > true).sum(dim=1)
+        if lb is not None:
+            cols = galleries[query_gallery[rows]]                     # [c, S] columns of each query's gallery
+            lb[rows] = 1 + (sims.gather(1, cols) > true).sum(dim=1)
+    # A degenerate query or target (NaN true similarity compares False everywhere) gets the worst rank.
+    bad = ~q_ok | ~g_ok[target]
+    out = torch.where(bad, torch.full_like(out, g.shape[0]), out)
+    if lb is not None:
+        lb = torch.where(bad, torch.full_like(lb, galleries.shape[1]), lb)
+    return out, lb
+
+
+def ranks(queries, gallery, target, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """Rank [Q] (int64, 1 = best) of gallery row target[i] for query i under cosine similarity and the strict rule.
+
+    queries [Q, D], gallery [G, D] (numpy or torch), target [Q] int indices into gallery.
+    Work runs on the queries' device in blocks of `chunk` queries.
+    """
+    q = _as_tensor(queries)
+    g = _as_tensor(gallery, q.device)
+    tgt = _as_index(target)
+    if q.ndim != 2 or g.ndim != 2 or q.shape[1] != g.shape[1]:
+        raise ValueError(f"ranks: queries {tuple(q.shape)} and gallery {tuple(g.shape)} must be [Q, D] and [G, D]")
+    if tgt.shape[0] != q.shape[0]:
+        raise ValueError(f"ranks: {tgt.shape[0]} targets for {q.shape[0]} queries")
+    if tgt.size and (tgt.min() < 0 or tgt.max() >= g.shape[0]):
+        raise ValueError(f"ranks: target out of range [0, {g.shape[0]})")
+    if chunk < 1:
+        raise ValueError(f"ranks: chunk must be >= 1, got {chunk}")
+    gn, g_ok = _normalise(g)
+    out, _ = _block_ranks(q, _usable(q)[1], gn, g_ok, torch.from_numpy(tgt).to(q.device), chunk)
+    return out.cpu().numpy()
+
+
+def summarize(rank_values) -> dict[str, float]:
+    """Metrics of a rank vector: MRR, recall@1/5/10/50, NDCG@100 (single relevant item), median and p75 rank."""
+    r = np.asarray(rank_values, dtype=np.float64).reshape(-1)
+    if r.size == 0:
+        raise ValueError("summarize: no ranks to summarise")
+    out = {"mrr": float(np.mean(1.0 / r))}
+    for k in RECALL_AT:
+        out[f"r{k}"] = float(np.mean(r <= k))
+    # Binary relevance with one target: DCG = 1/log2(rank+1) and the ideal DCG is 1.
+    out[f"ndcg{NDCG_DEPTH}"] = float(np.mean(np.where(r <= NDCG_DEPTH, 1.0 / np.log2(r + 1.0), 0.0)))
+    out["median_rank"] = float(np.median(r))
+    out["p75_rank"] = float(np.percentile(r, 75))
+    return out
+
+
+def _check_pairing(pred: torch.Tensor, image: torch.Tensor, cap2img: np.ndarray, fn: str) -> None:
+    if pred.ndim != 2 or image.ndim != 2 or pred.shape[1] != image.shape[1]:
+        raise ValueError(f"{fn}: pred {tuple(pred.shape)} and image {tuple(image.shape)} must be [Q, D] and [G, D]")
+    if cap2img.shape[0] != pred.shape[0]:
+        raise ValueError(f"{fn}: cap2img has {cap2img.shape[0]} entries for {pred.shape[0]} captions")
+    if cap2img.size == 0:
+        raise ValueError(f"{fn}: no captions to evaluate")
+    if cap2img.min() < 0 or cap2img.max() >= image.shape[0]:
+        raise ValueError(f"{fn}: cap2img out of range [0, {image.shape[0]})")
+
+
+def evaluate_global(pred, image, cap2img, chunk: int = DEFAULT_CHUNK) -> dict[str, float]:
+    """Global protocol: each caption's prediction pred[i] ranked against all images; its true image is cap2img[i]."""
+    return summarize(ranks(pred, image, cap2img, chunk=chunk))
+
+
+def leaderboard_galleries(cap2img, n_images: int, gallery_size: int = GALLERY_SIZE, seed: int = 0):
+    """Galleries and queries of the leaderboard protocol (index bookkeeping only, numpy).
+
+    Only images that have at least one caption take part. They are shuffled with `seed` and cut into galleries of
+    `gallery_size`; when their number is not a multiple of gallery_size, the last gallery is topped up with distinct
+    images drawn from earlier galleries, so every gallery holds min(gallery_size, n) distinct images and none repeats
+    an image. Topped-up images are distractors only: a gallery's queries are its own images' captions.
+    View v picks, for every image, its v-th caption (in caption order, cycling modulo the image's caption count);
+    n_views = the largest caption count of an image.
+
+    Returns (galleries int64 [B, S] image indices, owner bool [B, S] (True where the slot's image is a query of this
+    gallery), views int64 [V, B, S] caption index per slot and view, -1 where the slot is not a query).
+    """
+    if gallery_size < 1:
+        raise ValueError(f"leaderboard_galleries: gallery_size must be >= 1, got {gallery_size}")
+    cap2img = _as_index(cap2img)
+    counts = np.bincount(cap2img, minlength=n_images)                # captions per image
+    order = np.argsort(cap2img, kind="stable")                        # caption indices grouped by image
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])             # start of each image's run in `order`
+    imgs = np.flatnonzero(counts)
+    imgs = imgs[np.random.default_rng(seed).permutation(imgs.size)]
+    size = min(gallery_size, imgs.size)
+    n_gal = -(-imgs.size // size)
+    fill = n_gal * size - imgs.size
+    # Top-up images come from the start of the shuffle: they sit in earlier galleries, so never in the last one.
+    slots = np.concatenate([imgs, imgs[:fill]])
+    galleries = slots.reshape(n_gal, size)
+    owner = np.ones(n_gal * size, dtype=bool)
+    owner[imgs.size:] = False
+    owner = owner.reshape(n_gal, size)
+    n_views = int(counts.max())
+    v = np.arange(n_views)[:, None, None]                             # [V, 1, 1]
+    caps = order[first[galleries][None] + v % counts[galleries][None]]  # [V, B, S]
+    views = np.where(owner[None], caps, -1)
+    return galleries, owner, views
+
+
+def _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, fn):
+    """Global ranks [Q] and leaderboard ranks [Q] of every caption (one pass), plus the galleries' views and owner."""
+    p = _as_tensor(pred)
+    img = _as_tensor(image, p.device)
+    c2i = _as_index(cap2img)
+    _check_pairing(p, img, c2i, fn)
+    if chunk < 1:
+        raise ValueError(f"{fn}: chunk must be >= 1, got {chunk}")
+    galleries, owner, views = leaderboard_galleries(c2i, img.shape[0], gallery_size, seed)
+    # A caption's leaderboard gallery is its image's (fixed across views): rank every caption once, views only select.
+    gal_of = np.full(img.shape[0], -1, dtype=np.int64)                # owning gallery of each captioned image
+    gal_of[galleries[owner]] = np.nonzero(owner)[0]
+    dev = p.device
+    gn, g_ok = _normalise(img)
+    glob, lb = _block_ranks(p, _usable(p)[1], gn, g_ok, torch.from_numpy(c2i).to(dev), chunk,
+                            torch.from_numpy(galleries).to(dev), torch.from_numpy(gal_of[c2i]).to(dev))
+    return glob.cpu().numpy(), lb.cpu().numpy(), views, owner
+
+
+def _average_views(lb_ranks: np.ndarray, views: np.ndarray, owner: np.ndarray) -> dict[str, float]:
+    """Summaries of each view (one caption per captioned image) averaged over the views."""
+    per_view = [summarize(lb_ranks[view[owner]]) for view in views]
+    return {k: float(np.mean([m[k] for m in per_view])) for k in METRIC_KEYS}
+
+
+def evaluate_leaderboard(pred, image, cap2img, gallery_size: int = GALLERY_SIZE, seed: int = 0,
+                         chunk: int = DEFAULT_CHUNK) -> dict[str, float]:
+    """Leaderboard protocol: galleries of `gallery_size` distinct images (see `leaderboard_galleries`), one caption
+    per image per view; the metrics of every view are averaged (each view has one query per captioned image).
+
+    Costs as much as the global protocol (its similarities are read out of the full blocks); `evaluate` gives both.
+    """
+    _, lb, views, owner = _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, "evaluate_leaderboard")
+    return _average_views(lb, views, owner)
+
+
+def evaluate(pred, image, cap2img, gallery_size: int = GALLERY_SIZE, seed: int = 0,
+             chunk: int = DEFAULT_CHUNK) -> dict[str, float]:
+    """Per-epoch validation: leaderboard metrics under the plain keys ("mrr", "r1", ...) and the global protocol's
+    under the same keys suffixed "_global" ("mrr_global", ...), both from one pass over the similarities."""
+    glob, lb, views, owner = _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, "evaluate")
+    out = _average_views(lb, views, owner)
+    out.update({f"{k}_global": v for k, v in summarize(glob).items()})
+    return out
+
+
+def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GALLERY_SIZE) -> dict[str, float]:
+    """The real test protocol: captions in id order cut into consecutive chunks of `gallery_size` (the last chunk may
+    be shorter); caption i is ranked against the true images of the captions of its chunk, its own being the target.
+
+    pred [N, D] predicted image embeddings, image_of_each_caption [N, D] the true image embedding of each caption.
+    An image that appears twice in a chunk ties with itself, which the strict rank rule does not penalise.
+    """
+    p = _as_tensor(pred)
+    img = _as_tensor(image_of_each_caption, p.device)
+    if p.shape != img.shape or p.ndim != 2:
+        raise ValueError(f"leaderboard_from_ordered: pred {tuple(p.shape)} and images {tuple(img.shape)} differ")
+    if p.shape[0] == 0 or gallery_size < 1:
+        raise ValueError(f"leaderboard_from_ordered: {p.shape[0]} captions, gallery_size {gallery_size}")
+    p_ok = _usable(p)[1]
+    gn, g_ok = _normalise(img)
+    out = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
+    for start in range(0, p.shape[0], gallery_size):                  # one small matmul per chunk of captions
+        rows = slice(start, min(start + gallery_size, p.shape[0]))
+        slot = torch.arange(rows.stop - start, device=p.device)        # caption j's true image is row j of its chunk
+        out[rows] = _block_ranks(p[rows], p_ok[rows], gn[rows], g_ok[rows], slot, DEFAULT_CHUNK)[0]
+    return summarize(out.cpu().numpy())
+
+
+__all__ = ["ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "evaluate", "leaderboard_galleries",
+           "leaderboard_from_ordered", "METRIC_KEYS", "GALLERY_SIZE", "DEFAULT_CHUNK"]
