@@ -234,3 +234,36 @@ def test_leaderboard_from_ordered_matches_chunk_oracle(n):
     for k, v in M.summarize(want).items():
         assert got[k] == pytest.approx(v), k
     assert M.leaderboard_from_ordered(truth, truth)["mrr"] == 1.0
+
+
+def _naive_label_retrieval(emb, labels, k):
+    """Oracle: sort every other item by cosine (stable, relevant first among ties), find the first relevant one."""
+    e = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    sim = e @ e.T
+    rr, hits = [], []
+    for q in range(len(e)):
+        others = [j for j in range(len(e)) if j != q]
+        rel = {j for j in others if (labels[q] & labels[j]).any()}
+        if not rel:
+            continue
+        best = max(sim[q, j] for j in rel)
+        rank = 1 + sum(1 for j in others if j not in rel and sim[q, j] > best)
+        rr.append(1 / rank)
+        hits.append(rank <= k)
+    return float(np.mean(rr)), float(np.mean(hits)), len(rr)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_label_retrieval_matches_naive_oracle(chunk):
+    from trainers.metrics import label_retrieval
+
+    rng = np.random.default_rng(3)
+    emb = rng.normal(size=(40, 6)).astype(np.float32)
+    emb[5] = emb[7]  # an exact tie
+    labels = rng.random((40, 4)) < 0.25
+    labels[0] = False  # a query with no relevant item is left out
+    got = label_retrieval(emb, labels, k=5, chunk=chunk)
+    mrr, recall, n = _naive_label_retrieval(emb, labels, 5)
+    assert got["mrr"] == pytest.approx(mrr)
+    assert got["recall@5"] == pytest.approx(recall)
+    assert got["queries"] == n

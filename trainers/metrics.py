@@ -257,3 +257,31 @@ def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GA
 
 __all__ = ["ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "evaluate", "leaderboard_galleries",
            "leaderboard_from_ordered", "METRIC_KEYS", "GALLERY_SIZE", "DEFAULT_CHUNK"]
+
+
+def label_retrieval(emb, labels, k: int = 10, chunk: int = DEFAULT_CHUNK) -> dict[str, float]:
+    """Item-to-item retrieval judged by labels (the multilabel task): each item queries all the others.
+
+    emb [N, D], labels [N, L] bool. An item is relevant to a query when they share at least one label; the query
+    itself is excluded. `mrr`: mean over queries of 1 / rank of the first relevant item, with the same strict rule
+    (rank = 1 + number of irrelevant items scoring strictly higher than the best relevant one). `recall@k`: fraction of
+    queries with a relevant item in the top k. Queries with no relevant item anywhere are left out.
+    """
+    e = _as_tensor(emb)
+    lab = torch.as_tensor(np.asarray(labels) if not torch.is_tensor(labels) else labels, device=e.device).bool()
+    en, _ = _normalise(e)
+    first = []
+    for start in range(0, len(en), chunk):
+        sim = en[start : start + chunk] @ en.T  # [c, N]
+        rows = torch.arange(start, min(start + chunk, len(en)), device=e.device)
+        relevant = (lab[rows].float() @ lab.T.float()) > 0  # [c, N] shares >= 1 label
+        relevant[torch.arange(len(rows)), rows] = False
+        sim[torch.arange(len(rows)), rows] = -torch.inf  # the query never retrieves itself
+        best_rel = torch.where(relevant, sim, torch.full_like(sim, -torch.inf)).max(1).values
+        higher = ((sim > best_rel[:, None]) & ~relevant).sum(1)
+        first.append(torch.where(relevant.any(1), higher + 1, torch.zeros_like(higher)))
+    rank = torch.cat(first).cpu().numpy() if first else np.zeros(0, dtype=np.int64)
+    rank = rank[rank > 0]
+    if rank.size == 0:
+        return {"mrr": 0.0, f"recall@{k}": 0.0, "queries": 0.0}
+    return {"mrr": float(np.mean(1.0 / rank)), f"recall@{k}": float(np.mean(rank <= k)), "queries": float(rank.size)}
