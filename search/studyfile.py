@@ -10,7 +10,7 @@ from typing import Any
 
 from search.samplers import check_settings
 from search.space import Param, active_values, parse_space
-from trainers.config import Config, flatten, from_dict, load_toml
+from trainers.config import Config, coerce, flatten, from_dict, load_toml
 from trainers.errors import ConfigError, LatentsweepError, closest
 
 STUDY_KEYS = {"name", "objective", "direction", "sampler", "pruner", "n_trials", "timeout", "description"}
@@ -79,7 +79,7 @@ def _study_settings(table: dict, path: Path, errors: list[str]) -> dict[str, Any
         errors.append(f"{where}: study.n_trials: must be a whole number >= 1, got {n_trials!r}")
     out["n_trials"] = n_trials
     timeout = table.get("timeout")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
         errors.append(f"{where}: study.timeout: must be a positive number of seconds, got {timeout!r}")
     out["timeout"] = timeout
     return out
@@ -106,10 +106,16 @@ def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: lis
         if (path.parent / recipe).resolve() == path.resolve():
             other_base = base  # the file's own recipe: its [base] is the known-good config
         else:
+            # Only the other file's [base] is read: loading it whole would follow its own [[enqueue]] recipes,
+            # and two files naming each other would recurse forever.
+            recipe_errors: list[str] = []
             try:
-                other_base = load_study_file(path.parent / recipe).base
+                other_base, _ = _base(load_toml(path.parent / recipe).get("base", {}),
+                                      str(path.parent / recipe), recipe_errors)
             except LatentsweepError as exc:
-                errors.append(f"{at}: recipe {recipe}: {str(exc).splitlines()[0]}")
+                recipe_errors.append(str(exc))
+            if recipe_errors:
+                errors.append(f"{at}: recipe {recipe}: {recipe_errors[0]}")
                 return {}
         mine, theirs = flatten(base), flatten(other_base)
         for key, value in theirs.items():
@@ -122,8 +128,16 @@ def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: lis
         if key not in searched:
             errors.append(f"{at}: '{key}' is not a searched knob{closest(key, searched)}")
             continue
-        values[key] = value
-    active = active_values(space, flatten(base), values)
+        try:  # typed before conditions and ranges compare it (a string would raise TypeError there)
+            values[key] = coerce(key, value)
+        except ConfigError as exc:
+            errors.append(f"{at}: {exc}")
+    base_values = flatten(base)
+    active = active_values(space, base_values, values)
+    for key, value in values.items():
+        if key not in active and value != base_values[key]:
+            errors.append(f"{at}: {key}={value!r} would be ignored: its condition "
+                          f"({', '.join(map(str, searched[key].when))}) does not hold for this entry")
     for key, value in active.items():
         param = searched[key]
         shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
