@@ -147,6 +147,8 @@ def _parse_range(key, kind, spec, when, at, errors) -> Param | None:
         errors.append(f"{at}: int range needs whole numbers")
     if step is not None and (not isinstance(step, (int, float)) or step <= 0):
         errors.append(f"{at}: step must be > 0")
+    elif kind == "int" and step is not None and not float(step).is_integer():
+        errors.append(f"{at}: int step must be a whole number, got {step}")  # Param.suggest would truncate it
     for bound in (low, high):
         _check_value(key, bound, at, errors)
     return Param(key, kind, low=low, high=high, log=log, step=step, when=when)
@@ -160,7 +162,8 @@ def _check_value(key: str, value: Any, at: str, errors: list[str]) -> None:
 
 
 def _parse_conditions(raw: Any, at: str, errors: list[str]) -> tuple[Condition, ...]:
-    items = [raw] if isinstance(raw, str) else list(raw)
+    # A non-string, non-list `when` (e.g. a number) is reported per item below instead of crashing list().
+    items = list(raw) if isinstance(raw, (list, tuple)) else [raw]
     out = []
     for text in items:
         match = _COND.match(text) if isinstance(text, str) else None
@@ -173,8 +176,25 @@ def _parse_conditions(raw: Any, at: str, errors: list[str]) -> tuple[Condition, 
         except (ValueError, SyntaxError):
             errors.append(f"{at}: condition {text!r}: {literal!r} is not a literal (quote strings)")
             continue
+        try:
+            value = _typed_literal(key, op, value)
+        except ConfigError as exc:
+            errors.append(f"{at}: condition {text!r}: {exc}")
+            continue
         out.append(Condition(key, op, value))
     return tuple(out)
+
+
+def _typed_literal(key: str, op: str, value: Any) -> Any:
+    """The literal in the knob's own type: a mismatch (`model.kind > 0`) would otherwise raise mid-study, and
+    `model.hidden == '1024'` must compare with the sampled (1024,). Unknown keys are reported by parse_space."""
+    if key not in valid_keys():
+        return value
+    if op != "in":
+        return coerce(key, value)
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"'in' needs a list such as ['a', 'b'], got {value!r}")
+    return tuple(coerce(key, v) for v in value)
 
 
 def _order(params: dict[str, Param], errors: list[str], where: str) -> list[Param]:

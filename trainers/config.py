@@ -40,7 +40,7 @@ class DataCfg:
 @dataclass(frozen=True)
 class ModelCfg:
     kind: str = _f("mlp", doc="models registry name")
-    hidden: tuple[int, ...] = _f((2048,), doc="hidden widths")
+    hidden: tuple[int, ...] = _f((2048,), low=1, doc="hidden widths (each >= 1: a 0-wide layer cuts the signal)")
     activation: str = _f("gelu", choices=("gelu", "relu", "silu", "tanh"))
     norm: str = _f("none", choices=("none", "layernorm", "batchnorm"))
     dropout: float = _f(0.0, low=0.0, high=0.9)
@@ -412,7 +412,16 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(_toml_char(ch) for ch in value) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)
+
+
+def _toml_char(ch: str) -> str:
+    """One character of a TOML basic string: quote, backslash and control characters (TOML forbids them raw) escaped."""
+    if ch in ('"', "\\"):
+        return "\\" + ch
+    if ord(ch) < 0x20 or ord(ch) == 0x7F:  # tab is allowed raw, but the escape is valid too
+        return f"\\u{ord(ch):04X}"
+    return ch

@@ -1,0 +1,231 @@
+"""Tests of the config tree: TOML round trip, value coercion, range/choice checks, closest-key errors, immutability."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+
+import pytest
+
+from trainers.config import (Config, check_key, coerce, dump_toml, flatten, from_dict, load_toml, parse_overrides,
+                             to_dict, valid_keys, with_values)
+from trainers.errors import ConfigError
+
+
+def non_default() -> Config:
+    """A config where every section differs from the defaults (including a tuple, bools and awkward strings)."""
+    return with_values(Config(), {
+        "data.path": 'C:\\data\\"quoted" train.npz', "data.salt": "tab\there\nnewline", "data.task": "multilabel",
+        "model.hidden": (1024, 512, 7), "model.residual": True, "model.out_norm": False, "model.dropout": 0.25,
+        "geometry.whiten_eps": 1e-7, "slots.k": 3, "loss.triplet.weight": 0.5, "loss.triplet.max_violation": False,
+        "loss.infonce.label_smoothing": 0.1, "temperature.mode": "curriculum", "queue.size": 123,
+        "optim.lr": 3.3e-4, "schedule.name": "step", "train.epochs": 7, "eval.gallery_size": 50,
+    })
+
+
+# ---------------------------------------------------------------------------------------------- round trip
+
+@pytest.mark.parametrize("cfg", [Config(), non_default()], ids=["defaults", "non_default"])
+def test_dump_toml_round_trips(cfg):
+    text = dump_toml(cfg)
+    back = from_dict(tomllib.loads(text))
+    assert back == cfg
+    assert flatten(back) == flatten(cfg)
+
+
+def test_dump_toml_has_one_table_per_section():
+    tree = tomllib.loads(dump_toml(non_default()))
+    assert tree["model"]["hidden"] == [1024, 512, 7]
+    assert tree["loss"]["triplet"] == {"weight": 0.5, "margin": 0.2, "max_violation": False}
+    assert set(tree) == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_to_dict_and_flatten_agree_on_every_key():
+    cfg = non_default()
+    flat = flatten(cfg)
+    assert sorted(flat) == valid_keys()
+    assert flat["model.hidden"] == (1024, 512, 7)
+    assert to_dict(cfg)["model"]["hidden"] == [1024, 512, 7]  # lists for TOML/JSON
+
+
+def test_from_dict_starts_from_the_given_base():
+    base = with_values(Config(), {"optim.lr": 0.5})
+    cfg = from_dict({"train": {"epochs": 3}}, base=base)
+    assert (cfg.optim.lr, cfg.train.epochs) == (0.5, 3)
+
+
+def test_load_toml_errors_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_toml(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nkind = 'mlp'\n")
+    with pytest.raises(ConfigError, match="malformed TOML"):
+        load_toml(bad)
+
+
+# ---------------------------------------------------------------------------------------------- coercion
+
+@pytest.mark.parametrize("key, raw, expected", [
+    ("model.hidden", "1024,512", (1024, 512)),
+    ("model.hidden", "[256, 128]", (256, 128)),
+    ("model.hidden", "64", (64,)),
+    ("model.hidden", [32, 16], (32, 16)),
+    ("model.residual", "true", True),
+    ("model.residual", "False", False),
+    ("model.residual", "1", True),
+    ("model.residual", 0, False),
+    ("train.epochs", "3", 3),
+    ("train.epochs", 4.0, 4),
+    ("optim.lr", "1e-3", 1e-3),
+    ("optim.lr", 2, 2.0),
+    ("data.salt", "abc", "abc"),
+])
+def test_with_values_coerces_types(key, raw, expected):
+    cfg = with_values(Config(), {key: raw})
+    value = flatten(cfg)[key]
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+@pytest.mark.parametrize("key, raw", [
+    ("train.epochs", 2.5),
+    ("train.epochs", "2.5"),
+    ("train.epochs", True),
+    ("train.epochs", "three"),
+    ("optim.lr", float("nan")),
+    ("optim.lr", "nan"),
+    ("optim.lr", float("inf")),
+    ("optim.lr", "-inf"),
+    ("optim.lr", True),
+    ("model.residual", "maybe"),
+    ("model.residual", 2),
+    ("model.hidden", "1024;512"),
+    ("model.hidden", [1.5]),
+    ("model.hidden", 64),
+    ("data.salt", 3),
+])
+def test_with_values_rejects_bad_types(key, raw):
+    with pytest.raises(ConfigError, match=f"^{key}: expected"):
+        with_values(Config(), {key: raw})
+
+
+@pytest.mark.parametrize("key, raw, message", [
+    ("data.val_ratio", 0.95, "above the maximum 0.9"),
+    ("data.val_ratio", 0.0, "below the minimum 0.01"),
+    ("train.epochs", 0, "below the minimum 1"),
+    ("model.dropout", -0.1, "below the minimum 0.0"),
+    ("optim.beta2", 1.5, "above the maximum 1.0"),
+    ("model.hidden", "64,0", "0 is below the minimum 1"),
+    ("model.hidden", [-5], "-5 is below the minimum 1"),
+])
+def test_range_errors(key, raw, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        with_values(Config(), {key: raw})
+    assert str(info.value).startswith(key)
+    assert "\n" not in str(info.value)
+
+
+def test_range_bounds_are_inclusive():
+    cfg = with_values(Config(), {"data.val_ratio": 0.9, "model.dropout": 0.0, "train.epochs": 1})
+    assert (cfg.data.val_ratio, cfg.model.dropout, cfg.train.epochs) == (0.9, 0.0, 1)
+
+
+def test_choice_error_lists_choices_and_closest():
+    with pytest.raises(ConfigError) as info:
+        with_values(Config(), {"model.activation": "gleu"})
+    msg = str(info.value)
+    assert "model.activation" in msg and "gelu, relu, silu, tanh" in msg
+    assert "did you mean 'gelu'" in msg
+
+
+def test_choice_accepts_listed_value():
+    assert with_values(Config(), {"model.norm": "layernorm"}).model.norm == "layernorm"
+
+
+def test_coerce_does_not_touch_the_config():
+    assert coerce("train.batch_size", "64") == 64
+    assert Config().train.batch_size == 256
+
+
+# ---------------------------------------------------------------------------------------------- unknown keys
+
+def test_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'loss\.triplet\.margn' "
+                                          r"\(did you mean 'loss\.triplet\.margin'\?\)"):
+        with_values(Config(), {"loss.triplet.margn": 0.1})
+    with pytest.raises(ConfigError, match="did you mean 'optim.lr'"):
+        check_key("optim.lrr")
+
+
+def test_section_is_not_a_key():
+    with pytest.raises(ConfigError, match="unknown config key 'loss.triplet'"):
+        with_values(Config(), {"loss.triplet": 0.1})
+
+
+def test_from_dict_unknown_section_names_closest():
+    with pytest.raises(ConfigError, match=r"train\.toml: unknown config section 'optimm' \(did you mean 'optim'\?\)"):
+        from_dict({"optimm": {"lr": 0.1}}, where="train.toml")
+    with pytest.raises(ConfigError, match=r"unknown config section 'loss\.tripplet' "
+                                          r"\(did you mean 'loss\.triplet'\?\)"):
+        from_dict({"loss": {"tripplet": {"weight": 1.0}}})
+
+
+def test_from_dict_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match=r"cfg: unknown config key 'model\.hiden' \(did you mean 'model\.hidden'\?\)"):
+        from_dict({"model": {"hiden": [64]}}, where="cfg")
+
+
+def test_from_dict_checks_values():
+    with pytest.raises(ConfigError, match="train.epochs: expected int"):
+        from_dict({"train": {"epochs": 1.5}})
+
+
+# ---------------------------------------------------------------------------------------------- overrides
+
+def test_parse_overrides_splits_on_first_equals():
+    out = parse_overrides(["loss.triplet.margin=0.3", " model.hidden = 64,32 ", "data.salt=a=b"])
+    assert out == {"loss.triplet.margin": "0.3", "model.hidden": "64,32", "data.salt": "a=b"}
+    cfg = with_values(Config(), out)
+    assert (cfg.loss.triplet.margin, cfg.model.hidden, cfg.data.salt) == (0.3, (64, 32), "a=b")
+
+
+@pytest.mark.parametrize("item", ["novalue", "=3", "  =3"])
+def test_parse_overrides_rejects_malformed(item):
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        parse_overrides([item])
+
+
+def test_parse_overrides_rejects_unknown_key_with_closest():
+    with pytest.raises(ConfigError, match="did you mean 'train.epochs'"):
+        parse_overrides(["train.epoch=3"])
+
+
+def test_parse_overrides_empty():
+    assert parse_overrides([]) == {} and parse_overrides(None) == {}
+
+
+# ---------------------------------------------------------------------------------------------- immutability
+
+def test_config_is_frozen():
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.epochs = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.loss.triplet.margin = 0.5
+
+
+def test_with_values_returns_a_copy():
+    cfg = Config()
+    new = with_values(cfg, {"loss.triplet.margin": 0.5, "train.epochs": 2})
+    assert (cfg.loss.triplet.margin, cfg.train.epochs) == (0.2, 20)
+    assert (new.loss.triplet.margin, new.train.epochs) == (0.5, 2)
+    assert new.loss.infonce is cfg.loss.infonce  # untouched sub-trees are shared, not rebuilt
+
+
+def test_every_float_default_is_finite_and_in_range():
+    for key, value in flatten(Config()).items():
+        assert coerce(key, value) == value, key
+        if isinstance(value, float):
+            assert math.isfinite(value), key
