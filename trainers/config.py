@@ -75,6 +75,7 @@ class TripletCfg:
     weight: float = _f(0.0, low=0.0)
     margin: float = _f(0.2, low=0.0)
     max_violation: bool = _f(True, doc="VSE++ hardest negative; False = sum over negatives")
+    warmup_epochs: int = _f(0, low=0, doc="sum over negatives before hardest negatives (VSE++ warm-up)")
 
 
 @dataclass(frozen=True)

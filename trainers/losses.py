@@ -101,9 +101,13 @@ def _slots(out: dict) -> torch.Tensor | None:
 @register_loss("triplet")
 def triplet(out, batch, cfg_term, state):
     """VSE++ (Faghri et al. 2018): hinge on cosine with in-batch negatives, both directions; hardest negative if
-    max_violation else the sum over negatives; averaged (not summed) over the batch."""
+    max_violation else the sum over negatives; averaged (not summed) over the batch.
+
+    From a random init the hardest-negative form can collapse every output onto one point (loss stuck at 2 x margin);
+    VSE++ therefore warms up with the sum over negatives: hardest negatives start at epoch `warmup_epochs`."""
     sim = unit(out["pred"]) @ unit(batch["y_n"]).T
-    c2i, i2c = _vse_hinge(sim, ~same_image(batch["img"]), cfg_term.margin, cfg_term.max_violation)
+    hardest = cfg_term.max_violation and state.epoch >= cfg_term.warmup_epochs
+    c2i, i2c = _vse_hinge(sim, ~same_image(batch["img"]), cfg_term.margin, hardest)
     return {"triplet_c2i": c2i, "triplet_i2c": i2c}
 
 

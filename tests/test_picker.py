@@ -1,0 +1,270 @@
+"""`latentsweep pick`: selection on the select half only, honest report-half figures, all-or-nothing outputs, the MLflow
+run and pyfunc model (reproducing the submission, registered), and one-line errors that leave no files."""
+from __future__ import annotations
+
+import json
+import shutil
+import types
+from pathlib import Path
+
+import numpy as np
+import optuna
+import pandas as pd
+import pytest
+from mlflow import MlflowClient
+
+from search import ensemble, picker
+from search.cli import main
+from trainers.config import Config, with_values
+from trainers.data import load_test, load_train, write_test_npz
+from trainers.errors import LatentsweepError
+from trainers.metrics import evaluate_leaderboard
+from trainers.submission import check_submission, read_submission
+from trainers.synthetic import write_synthetic
+from trainers.tasks import split_images
+
+STUDY = "tiny"
+TINY_STUDY = f"""
+[study]
+name = "{STUDY}"
+n_trials = 4
+sampler = {{ name = "tpe", seed = 0, n_startup_trials = 4 }}
+pruner = {{ name = "none" }}
+
+[base.data]
+split = "hash"
+val_ratio = 0.2
+
+[base.model]
+kind = "mlp"
+hidden = [64]
+
+[base.loss]
+infonce = {{ weight = 1.0 }}
+
+[base.train]
+epochs = 2
+batch_size = 256
+
+[space]
+"optim.lr" = {{ type = "float", low = 2e-4, high = 3e-3, log = true }}
+"temperature.tau" = {{ type = "float", low = 0.02, high = 0.2, log = true }}
+"model.dropout" = {{ type = "float", low = 0.0, high = 0.5 }}
+"""
+# Names MLflow's and Optuna's SQLite connections create and remove as they please (not outputs of the command).
+SQLITE_SIDE_FILES = ("-wal", "-shm", "-journal")
+
+
+# ---------------------------------------------------------------------------------------------- fast unit tests
+
+def test_halves_split_images_not_captions_and_are_disjoint(tmp_path):
+    train, _, _ = write_synthetic(tmp_path, 120, dim_text=8, dim_image=12, n_test=0)
+    data = load_train(train)
+    _, val = split_images(with_values(Config(), {"data.val_ratio": 0.5}), data)
+    select, report = ensemble.split_halves(val, data.image_names, data.cap2img)
+    assert not set(select.images) & set(report.images)
+    assert not set(select.captions) & set(report.captions)
+    assert sorted(np.concatenate([select.images, report.images])) == sorted(val)
+    assert abs(len(select.images) - len(report.images)) <= 1
+    for half in (select, report):
+        assert set(data.cap2img[half.captions]) == set(half.images)  # every caption of each image, no other
+        assert (half.images[half.cap2local] == data.cap2img[half.captions]).all()
+        assert half.gallery_size == min(100, len(half.images))
+    again = ensemble.split_halves(val[::-1], data.image_names, data.cap2img)
+    assert (again[0].images == select.images).all()  # deterministic, independent of the order given
+
+
+def test_combine_is_normalised_weighted_mean_of_normalised_outputs():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((5, 4)) * 10, rng.standard_normal((5, 4))
+    out = ensemble.combine([a, b], [0.25, 0.75])
+    expected = 0.25 * ensemble.l2n(a) + 0.75 * ensemble.l2n(b)
+    assert np.allclose(out, expected / np.linalg.norm(expected, axis=1, keepdims=True), atol=1e-6)
+    assert np.allclose(ensemble.combine([a, b], [1.0, 0.0]), ensemble.l2n(a), atol=1e-6)
+
+
+def _noisy_members(n_members: int, seed: int = 0):
+    """Members = truth + independent noise: averaging helps, so greedy should pick several."""
+    rng = np.random.default_rng(seed)
+    truth = rng.standard_normal((60, 16)).astype(np.float32)
+    outs = [truth + rng.standard_normal(truth.shape).astype(np.float32) * (1.5 + 0.2 * i) for i in range(n_members)]
+    cap2img = np.arange(60)
+    return truth, outs, lambda p: evaluate_leaderboard(p, truth, cap2img, gallery_size=60)["mrr"]
+
+
+def test_greedy_starts_from_best_single_and_never_loses_on_its_own_data():
+    _, outs, mrr = _noisy_members(5)
+    normed = [ensemble.l2n(o) for o in outs]
+    singles = [mrr(o) for o in normed]
+    counts = ensemble.greedy_counts(normed, mrr, size=8)
+    assert counts[int(np.argmax(singles))] >= 1 and 1 <= counts.sum() <= 8
+    weights = ensemble.method_weights("greedy", outs, mrr, 8)
+    assert weights.sum() == pytest.approx(1.0)
+    assert mrr(ensemble.combine(outs, weights)) >= max(singles)
+    assert (counts > 0).sum() > 1  # independent noise: a second member helps
+    assert ensemble.greedy_counts(normed, mrr, size=1).sum() == 1
+
+
+def test_mean_and_weighted_weights():
+    _, outs, mrr = _noisy_members(3)
+    assert np.allclose(ensemble.method_weights("mean", outs, mrr, 10), 1 / 3)
+    weighted = ensemble.method_weights("weighted", outs, mrr, 10)
+    singles = np.array([mrr(ensemble.l2n(o)) for o in outs])
+    assert np.allclose(weighted, singles / singles.sum())
+    with pytest.raises(LatentsweepError, match="--method"):
+        ensemble.method_weights("best", outs, mrr, 10)
+
+
+def test_missing_checkpoint_is_skipped_with_a_warning_naming_the_trial(tmp_path, capsys):
+    trial = types.SimpleNamespace(number=7, user_attrs={"checkpoint": str(tmp_path / "gone" / "best.pt")})
+    assert picker.fetch_checkpoint(trial, "sqlite:///unused.db", tmp_path) is None
+    assert "trial 7" in capsys.readouterr().err
+
+
+def test_candidates_must_share_the_val_split():
+    def cand(name, **values):
+        cfg = with_values(Config(), values)
+        return picker.Candidate(name, 0, Path("x"), cfg, (4, 6), 0.5, None, "local", None)
+
+    picker.check_agreement([cand("a"), cand("b")])
+    with pytest.raises(LatentsweepError, match=r"data.val_ratio"):
+        picker.check_agreement([cand("a"), cand("b", **{"data.val_ratio": 0.3})])
+    with pytest.raises(LatentsweepError, match=r"data.salt"):
+        picker.check_agreement([cand("a"), cand("b", **{"data.salt": "x"})])
+
+
+# ---------------------------------------------------------------------------------------------- a real tiny study
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Synthetic data + a 4-trial, 2-epoch study run through the real CLI (Optuna + MLflow on SQLite)."""
+    root = tmp_path_factory.mktemp("pick")
+    train, test, _ = write_synthetic(root / "data", 300, dim_text=32, dim_image=48, n_test=100)
+    study_file = root / "tiny.toml"
+    study_file.write_text(TINY_STUDY)
+    state = root / "state"
+    assert main(["study", "run", str(study_file), "--state-dir", str(state), "--n-trials", "4",
+                 "--data", str(train), "--quiet"]) == 0
+    return types.SimpleNamespace(root=root, state=state, train=train, test=test,
+                                 tracking=f"sqlite:///{state / 'mlflow.db'}",
+                                 storage=f"sqlite:///{state / 'optuna.db'}")
+
+
+@pytest.fixture(scope="module")
+def greedy_pick(world):
+    out = world.root / "picked" / "submission.csv"
+    code = main(["pick", STUDY, "--state-dir", str(world.state), "--top", "4", "--register", "tiny-ensemble",
+                 "--out", str(out), "--quiet"])
+    assert code == 0
+    return out, json.loads(out.with_name("submission.manifest.json").read_text())
+
+
+@pytest.mark.slow
+def test_pick_writes_a_valid_submission_manifest_and_report(world, greedy_pick):
+    out, manifest = greedy_pick
+    test = load_test(world.test)
+    assert check_submission(out, test, dim=48) == (100, 48)
+    assert manifest["study"] == STUDY and manifest["method"] == "greedy"
+    assert manifest["test"]["path"] == str(world.test)  # found beside the train file the trials recorded
+    assert manifest["data"]["fingerprint"] == load_train(world.train).fingerprint
+    assert len(manifest["members"]) == 4
+    for member in manifest["members"]:
+        assert Path(member["checkpoint"]).is_file() and len(member["config_sha256"]) == 64
+    report = pd.read_csv(out.with_name("submission.report.csv"))
+    assert set(report["role"]) == {"member", "best_single", "mean", "ensemble"}
+    assert not list(out.parent.glob(".pick-*"))  # no staging left behind
+
+
+@pytest.mark.slow
+def test_greedy_weights_sum_to_one_and_do_not_lose_on_the_select_half(world, greedy_pick):
+    _, manifest = greedy_pick
+    assert sum(manifest["weights"].values()) == pytest.approx(1.0)
+    select = manifest["scores"]["select"]
+    assert select["ensemble"]["mrr"] >= select["best_single"]["mrr"]
+    best = max(manifest["members"], key=lambda m: m["select_mrr"])
+    assert manifest["best_single"] == best["name"]  # chosen on the select half, not the report half
+    report = manifest["scores"]["report"]
+    gain = report["ensemble"]["mrr"] - report["best_single"]["mrr"]
+    assert manifest["scores"]["gain_report_mrr"] == pytest.approx(gain)
+    halves = manifest["halves"]
+    _, val = split_images(with_values(Config(), {"data.val_ratio": 0.2}), load_train(world.train))
+    assert halves["select"]["images"] + halves["report"]["images"] == len(val)
+
+
+@pytest.mark.slow
+def test_mlflow_run_pyfunc_model_reproduces_the_submission_and_is_registered(world, greedy_pick, monkeypatch):
+    import mlflow
+
+    out, manifest = greedy_pick
+    client = MlflowClient(world.tracking)
+    run = client.get_run(manifest["mlflow"]["run_id"])
+    assert run.info.run_name == "pick-greedy" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == STUDY
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {
+        "submission.csv", "submission.manifest.json", "submission.report.csv"}
+    assert run.data.metrics["report/ensemble_mrr"] == pytest.approx(manifest["scores"]["report"]["ensemble"]["mrr"])
+    versions = client.search_model_versions("name='tiny-ensemble'")
+    assert [v.version for v in versions] == [int(manifest["mlflow"]["registered"]["version"])]
+    assert versions[0].run_id == run.info.run_id
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", world.tracking)  # models:/ URIs resolve through the global URI
+    ids, vectors = read_submission(out)
+    test = load_test(world.test)
+    assert (ids == test.ids).all()
+    for uri in (manifest["mlflow"]["model_uri"], "models:/tiny-ensemble/1"):
+        pred = mlflow.pyfunc.load_model(uri).predict(test.embeddings)
+        assert pred.shape == (100, 48) and pred.dtype == np.float32
+        assert np.allclose(pred, vectors, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_seed_reruns_weighted_and_checkpoint_download(world):
+    """--seeds retrains the best configs; a trial whose local best.pt is gone is fetched from its MLflow run."""
+    study = optuna.load_study(study_name=STUDY, storage=world.storage)
+    best = sorted(study.trials, key=lambda t: -t.value)[0]
+    local = Path(best.user_attrs["checkpoint"])
+    hidden = local.with_name("best.pt.hidden")
+    shutil.move(local, hidden)
+    try:
+        out = world.root / "seeds" / "sub.csv"
+        assert main(["pick", STUDY, "--state-dir", str(world.state), "--top", "2", "--seeds", "1",
+                     "--method", "weighted", "--out", str(out), "--quiet"]) == 0
+    finally:
+        shutil.move(hidden, local)
+    manifest = json.loads(out.with_name("sub.manifest.json").read_text())
+    members = {m["name"]: m for m in manifest["members"]}
+    assert members[f"trial-{best.number}"]["origin"].startswith(f"runs:/{best.user_attrs['mlflow_run_id']}")
+    seeded = [m for m in members.values() if "/seed-" in m["name"]]
+    assert len(seeded) == 2 and all(m["train_seed"] == 1 and m["origin"] == "retrained" for m in seeded)
+    assert all(Path(m["checkpoint"]).is_file() for m in seeded)
+    mrr = np.array([m["select_mrr"] for m in manifest["members"]])
+    weights = np.array([m["weight"] for m in manifest["members"]])
+    assert np.allclose(weights, mrr / mrr.sum())
+
+
+# ---------------------------------------------------------------------------------------------- errors (exit 2)
+
+def _files(*roots: Path) -> set[str]:
+    return {str(p) for root in roots if root.exists() for p in root.rglob("*")
+            if not str(p).endswith(SQLITE_SIDE_FILES)}
+
+
+@pytest.mark.slow
+def test_errors_exit_2_with_one_line_and_leave_no_files(world, tmp_path, capsys):
+    optuna.create_study(study_name="empty", storage=world.storage)
+    wide = write_test_npz(tmp_path / "wide.npz", ids=np.arange(1, 11), text=[f"c{i}" for i in range(10)],
+                          embeddings=np.ones((10, 16), np.float32))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cases = [
+        (["pick", "nope"], "no study named 'nope'"),
+        (["pick", "empty"], "no complete trials"),
+        (["pick", STUDY, "--test", str(wide), "--out", str(tmp_path / "o" / "s.csv")], "has dim 16"),
+        (["pick", STUDY, "--out", str(blocker / "s.csv")], "not a directory"),
+    ]
+    for argv, message in cases:
+        before = _files(world.state, tmp_path)
+        assert main([*argv, "--state-dir", str(world.state), "--quiet"]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("latentsweep: error: ") and message in err[-1], (argv, err)
+        assert _files(world.state, tmp_path) == before, argv
