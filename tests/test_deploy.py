@@ -1,0 +1,230 @@
+"""Deployment files: docker-compose.yml validates, runs real CLI entry points, keeps secrets in .env and the UIs on
+loopback; the Dockerfile can be built on a CUDA base. No Docker engine is needed (none runs in CI)."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from search.cli import build_parser
+from search.studyfile import load_study_file
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+ENV_EXAMPLE = ROOT / ".env.example"
+UI_PORTS = {"mlflow": 5000, "dashboard": 8080}
+# ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, ${VAR?error}; "$$" is a literal "$" (compose's escape)
+_VAR = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+
+
+def read_env(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def interpolate(value, env: dict[str, str]):
+    """Compose's variable interpolation over a parsed YAML tree (enough of it for these files)."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$$"  # kept escaped, as `docker compose config` prints it
+        name, op, arg = m["name"], m["op"], m["arg"]
+        present = name in env and (env[name] != "" or not (op or "").startswith(":"))
+        if op in ("?", ":?") and not present:
+            raise KeyError(f"{name}: {arg}")
+        return env[name] if present else (arg if op in ("-", ":-") else "")
+    return _VAR.sub(one, value)
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def resolved(raw) -> dict:
+    return interpolate(raw, read_env(ENV_EXAMPLE))
+
+
+def latentsweep_commands(config: dict) -> dict[str, list[str]]:
+    out = {}
+    for name, service in config["services"].items():
+        command = service.get("command")
+        command = shlex.split(command) if isinstance(command, str) else command
+        if command and command[0] == "latentsweep":
+            out[name] = command
+    return out
+
+
+# ---- the compose file ------------------------------------------------------------------------------------------------
+
+def _compose_cli() -> list[str] | None:
+    """`docker compose` (v2 plugin) when it answers, else the standalone `docker-compose`, else None."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+def _compose_config(env_file: Path) -> subprocess.CompletedProcess:
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("no Docker Compose client (docker compose plugin or docker-compose) on this machine")
+    # The password must come from the env file alone, not from whoever runs the tests.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("POSTGRES_", "COMPOSE_"))}
+    return subprocess.run([*cli, "--env-file", str(env_file), "-f", str(COMPOSE), "config"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+
+
+def test_compose_config_validates_with_env_example(tmp_path):
+    env_file = tmp_path / ".env"
+    env_file.write_text(ENV_EXAMPLE.read_text())
+    proc = _compose_config(env_file)
+    assert proc.returncode == 0, proc.stderr
+    config = yaml.safe_load(proc.stdout)
+    assert set(config["services"]) == {"postgres", "mlflow", "dashboard", "worker", "create-study"}
+    for name, port in UI_PORTS.items():
+        (published,) = config["services"][name]["ports"]
+        if isinstance(published, dict):  # compose v2 prints the long form
+            assert published["host_ip"] == "127.0.0.1" and int(published["target"]) == port
+        else:
+            assert published.startswith(f"127.0.0.1:{port}:{port}")
+    assert latentsweep_commands(config) == latentsweep_commands(interpolate(yaml.safe_load(COMPOSE.read_text()),
+                                                                            read_env(env_file)))
+
+
+def test_compose_config_refuses_to_run_without_a_password(tmp_path):
+    env_file = tmp_path / ".env"
+    env_file.write_text("".join(line + "\n" for line in ENV_EXAMPLE.read_text().splitlines()
+                                if not line.startswith("POSTGRES_PASSWORD=")))
+    proc = _compose_config(env_file)
+    assert proc.returncode != 0
+    assert "POSTGRES_PASSWORD" in proc.stderr and "set POSTGRES_PASSWORD in .env" in proc.stderr
+
+
+def test_services_and_dependencies(resolved):
+    services = resolved["services"]
+    assert set(services) == {"postgres", "mlflow", "dashboard", "worker", "create-study"}
+    pg = services["postgres"]
+    assert pg["image"] == "postgres:16"
+    assert "pg_isready" in " ".join(pg["healthcheck"]["test"])
+    assert any(v.split(":")[0] in resolved["volumes"] for v in pg["volumes"])  # a named volume
+    assert services["mlflow"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["create-study"]["depends_on"]["mlflow"]["condition"] == "service_healthy"
+    assert services["worker"]["depends_on"]["create-study"]["condition"] == "service_completed_successfully"
+    worker = services["worker"]
+    assert "container_name" not in worker and "ports" not in worker  # so `--scale worker=N` works
+
+
+def test_every_latentsweep_command_parses(resolved):
+    commands = latentsweep_commands(resolved)
+    assert set(commands) == {"worker", "create-study"}
+    parser = build_parser()
+    handlers = {"worker": "cmd_worker", "create-study": "cmd_create"}
+    for name, command in commands.items():
+        args = parser.parse_args(command[1:])
+        assert args.func.__name__ == handlers[name]
+        assert args.storage.startswith("postgresql+psycopg2://")  # psycopg 3 is not installed
+        assert args.tracking_uri == "http://mlflow:5000"
+        # the default study file exists (./studies is mounted at /app/studies) and is valid
+        assert load_study_file(ROOT / args.study).name
+
+
+def test_mlflow_server_command(resolved):
+    from mlflow.cli import server
+
+    mlflow = resolved["services"]["mlflow"]
+    script = mlflow["command"][-1]
+    assert "CREATE DATABASE mlflow" in script  # its own database beside Optuna's
+    exec_line = script.split("exec ", 1)[1].replace("\\\n", " ").replace("$${", "${")
+    argv = shlex.split(exec_line)
+    assert argv[:2] == ["mlflow", "server"]
+    params = server.make_context("server", argv[2:]).params  # raises on an option mlflow does not have
+    assert params["backend_store_uri"].startswith("postgresql+psycopg2://")
+    assert params["serve_artifacts"] and params["default_artifact_root"] == "mlflow-artifacts:/"
+    assert "mlflow:5000" in params["allowed_hosts"].split(",")  # MLflow >= 3.5 rejects unknown Host headers
+    assert mlflow["environment"]["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+
+
+def test_dashboard_command(resolved):
+    command = resolved["services"]["dashboard"]["command"]
+    assert command[0] == "optuna-dashboard" and command[1].startswith("postgresql+psycopg2://")
+    exe = Path(sys.executable).with_name("optuna-dashboard")
+    helptext = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True).stdout
+    for option in (a for a in command[2:] if a.startswith("--")):
+        assert option in helptext
+
+
+def _strings(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _strings(value)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _strings(value)
+    elif isinstance(tree, str):
+        yield tree
+
+
+def test_no_literal_password(raw, resolved):
+    from urllib.parse import urlsplit
+
+    placeholder = read_env(ENV_EXAMPLE)["POSTGRES_PASSWORD"]
+    assert placeholder not in COMPOSE.read_text()
+    # No URL carries a password, even once .env is applied (clients get it from PGPASSWORD): command lines show up
+    # in `ps`, `docker inspect` and MLflow run parameters.
+    urls = [u for s in _strings(resolved) for u in re.findall(r"[a-z0-9+]+://[^\s\"']+", s)]
+    assert any(u.startswith("postgresql+psycopg2://") for u in urls)
+    assert all(urlsplit(u).password is None for u in urls), urls
+    for service in raw["services"].values():
+        env = service.get("environment", {})
+        for key, value in env.items():
+            if "PASSWORD" in key:
+                assert re.fullmatch(r"\$\{POSTGRES_PASSWORD:\?[^}]+\}", value), (key, value)
+
+
+def test_uis_published_on_loopback_by_default(raw, resolved):
+    published = {name: s["ports"] for name, s in raw["services"].items() if s.get("ports")}
+    assert set(published) == set(UI_PORTS)  # PostgreSQL is reachable only inside the compose network
+    for name, port in UI_PORTS.items():
+        (spec,) = published[name]
+        assert spec.startswith("${BIND_ADDRESS:-127.0.0.1}:") and spec.endswith(f":{port}")
+        defaults = interpolate(raw, {"POSTGRES_PASSWORD": "x"})["services"][name]["ports"][0]
+        assert defaults == f"127.0.0.1:{port}:{port}"
+        assert resolved["services"][name]["ports"][0].startswith("127.0.0.1:")
+
+
+def test_env_example_documents_every_variable(raw):
+    used = {m["name"] for m in _VAR.finditer(COMPOSE.read_text()) if m["name"]}
+    assert used <= set(read_env(ENV_EXAMPLE)), used - set(read_env(ENV_EXAMPLE))
+
+
+# ---- the image -------------------------------------------------------------------------------------------------------
+
+def test_dockerfile_base_image_and_torch_index_args():
+    text = (ROOT / "Dockerfile").read_text()
+    first_from = text.index("\nFROM ")
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text[:first_from], re.M)  # usable in FROM
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    assert re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cpu$", text, re.M)
+    assert 'pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"' in text
+    assert re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M)
+
+
+def test_dockerignore_keeps_state_and_secrets_out():
+    entries = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert {"mlruns/", ".venv/", ".git/", ".env"} <= entries
