@@ -9,6 +9,9 @@ from search.storage import StorageSettings, redact_url
 from search.studyfile import load_study_file, resolve_data_path
 from trainers.errors import LatentsweepError
 
+# Seconds to wait for an http(s) MLflow tracking server's first answer before calling it unreachable.
+TRACKING_PROBE_TIMEOUT_S = 15
+
 
 def _common(p, study_file: bool = True) -> None:
     if study_file:
@@ -19,8 +22,10 @@ def _common(p, study_file: bool = True) -> None:
     p.add_argument("--name", help="study name (default: the file's study.name)")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite under the state directory)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the state directory)")
-    p.add_argument("--heartbeat", type=int, default=60, help="heartbeat interval in seconds (default 60)")
-    p.add_argument("--grace", type=int, default=180, help="seconds without heartbeat before a trial is dead")
+    p.add_argument("--heartbeat", type=int, default=60,
+                   help="seconds between a running trial's heartbeats (default 60, for minute-long trials)")
+    p.add_argument("--grace", type=int, default=180,
+                   help="seconds without heartbeat before a trial is dead and retried (default 180: 3 missed beats)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_state_arg(p)
 
@@ -54,6 +59,10 @@ def make_spec(args, sf=None):
     """RunSpec from CLI arguments, the study file and the state-directory defaults."""
     from search.study import RunSpec
 
+    if args.heartbeat < 1 or args.grace <= args.heartbeat:
+        # a grace period within one beat would declare live trials dead (they would then run twice)
+        raise LatentsweepError(f"--grace ({args.grace} s) must be longer than --heartbeat ({args.heartbeat} s), "
+                               f"and --heartbeat at least 1 s")
     sf = sf or load_study_file(args.study)
     root = state_dir(args.state_dir)
     tracking = args.tracking_uri or default_tracking_uri(root)
@@ -68,13 +77,48 @@ def make_spec(args, sf=None):
 
 
 def _preflight(spec) -> None:
-    """Fail before any trial: the data must load and the base config must validate."""
+    """Fail before any trial: the data must load, the base config must validate, both stores must answer."""
     from trainers.data import load_train
     from trainers.validate import validate
 
     sf = load_study_file(spec.study_file)
     validate(sf.base)
     load_train(spec.data_path)
+    _check_stores(spec)
+
+
+def _check_stores(spec) -> None:
+    """One-line errors, before anything is written to either store (no study without its MLflow parent run).
+
+    The Optuna storage is opened once; an http(s) MLflow server is probed with one short request, because the
+    MLflow client retries an unreachable server for minutes and then ends in a traceback.
+    """
+    from search.storage import dispose, open_storage
+
+    if spec.tracking_uri.startswith(("http://", "https://")):
+        _probe_tracking_server(spec.tracking_uri)  # first: it writes nothing, while opening SQLite creates the file
+    dispose(open_storage(spec.storage))
+
+
+def _probe_tracking_server(uri: str) -> None:
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+    try:
+        with urllib.request.urlopen(url, timeout=TRACKING_PROBE_TIMEOUT_S):
+            return
+    except urllib.error.HTTPError as exc:
+        body = exc.read(200).decode("utf-8", "replace")
+        if exc.code == 403 and "Host header" in body:
+            raise LatentsweepError(f"MLflow tracking server {redact_url(uri)} refused the Host header "
+                                   f"'{urllib.parse.urlparse(uri).netloc}': start it with --allowed-hosts "
+                                   "including that name") from None
+        return  # it answered (e.g. 401 without credentials): reachable, and the MLflow client does the rest
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise LatentsweepError(f"MLflow tracking server {redact_url(uri)} is not reachable: {reason}") from None
 
 
 def cmd_run(args) -> int:
@@ -124,6 +168,7 @@ def cmd_reap(args) -> int:
     quiet_optuna()
     sf = load_study_file(args.study)
     spec = make_spec(args, sf)
+    _check_stores(spec)
     tracker = make_tracker(spec.tracking_uri, spec.artifact_root)
     study = load_or_create(sf, spec, tracker, create=False)
     closed = reap(study, tracker)

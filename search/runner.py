@@ -12,8 +12,8 @@ from tqdm.auto import tqdm
 
 from search.objective import TrialRunner
 from search.study import (
-    RunSpec, best_summary, counted, cpu_threads, dispose_study, interrupt_as_keyboard, load_or_create, study_dir,
-    worker_loop,
+    RunSpec, best_summary, counted, cpu_threads, dispose_study, interrupt_as_keyboard, load_or_create, reap,
+    study_dir, worker_loop,
 )
 from search.studyfile import load_study_file
 from search.tracking import Tracker, make_tracker
@@ -66,13 +66,6 @@ def _worker_entry(spec: RunSpec) -> None:
         run_worker(spec)
     except KeyboardInterrupt:
         pass
-
-
-def reap(study: optuna.Study, tracker: Tracker) -> list[str]:
-    """Fail trials whose worker stopped beating (they get retried) and close their MLflow runs as FAILED."""
-    optuna.storages.fail_stale_trials(study)
-    alive = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
-    return tracker.close_stale_runs(alive)
 
 
 class _StudyBar:

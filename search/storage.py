@@ -12,6 +12,7 @@ import hashlib
 import re
 import sqlite3
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -23,6 +24,9 @@ from trainers.errors import LatentsweepError
 
 SQLITE_TIMEOUT_S = 120  # a trial's tell() can wait behind another worker's write burst; 2 min is ample
 POOL_SIZE = 2  # per worker process: one for the trial loop, one for the heartbeat thread
+# PostgreSQL budget locks live on their own NullPool engine: one extra connection per worker, only while it claims.
+_LOCK_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage engine -> its lock engine
+PG_CONNECT_TIMEOUT_S = 15  # an unreachable PostgreSQL host fails in seconds instead of the OS TCP timeout (minutes)
 _PASSWORD = re.compile(r"(?P<head>[a-z0-9+.-]+://[^:/@]+:)(?P<pw>[^@]+)(?P<tail>@)", re.IGNORECASE)
 
 
@@ -53,7 +57,11 @@ def sqlite_path(url: str) -> Path | None:
 def _engine_kwargs(url: str) -> dict:
     if is_sqlite(url):
         return {"connect_args": {"timeout": SQLITE_TIMEOUT_S}}
-    return {"pool_size": POOL_SIZE, "max_overflow": 0, "pool_pre_ping": True, "pool_recycle": 1800}
+    kwargs = {"pool_size": POOL_SIZE, "max_overflow": 0, "pool_pre_ping": True, "pool_recycle": 1800}
+    if url.startswith("postgresql") and "connect_timeout" not in url:
+        # libpq waits forever by default for a host that drops packets; a URL's own connect_timeout wins.
+        kwargs["connect_args"] = {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    return kwargs
 
 
 def _prepare_sqlite(url: str) -> None:
@@ -75,6 +83,24 @@ def retry_callback(max_retry: int):
         return optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
 
 
+class RetryAndRecord:
+    """Optuna's retry of a heartbeat-stale trial that also remembers the trials this process failed, so the caller can
+    close their MLflow runs as FAILED whatever they say (a worker killed after ending its run as FINISHED but before
+    telling Optuna leaves a FINISHED run for a FAIL trial, which no search for RUNNING runs would find)."""
+
+    def __init__(self, max_retry: int):
+        self.retry = retry_callback(max_retry)
+        self.failed: list[optuna.trial.FrozenTrial] = []
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        self.failed.append(trial)
+        self.retry(study, trial)
+
+    def drain(self) -> list[optuna.trial.FrozenTrial]:
+        failed, self.failed = self.failed, []
+        return failed
+
+
 def open_storage(settings: StorageSettings) -> optuna.storages.RDBStorage:
     """An RDBStorage with heartbeats and automatic retry of trials whose worker died; one-line error if unreachable."""
     _prepare_sqlite(settings.url)
@@ -86,7 +112,7 @@ def open_storage(settings: StorageSettings) -> optuna.storages.RDBStorage:
                 engine_kwargs=_engine_kwargs(settings.url),
                 heartbeat_interval=settings.heartbeat_interval,
                 grace_period=settings.grace_period,
-                heartbeat_stale_trial_callback=retry_callback(settings.max_retry),
+                heartbeat_stale_trial_callback=RetryAndRecord(settings.max_retry),
             )
     except (sa.exc.SQLAlchemyError, ImportError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -97,14 +123,30 @@ def dispose(storage: optuna.storages.RDBStorage) -> None:
     """Close the pool at exit (PostgreSQL counts idle connections against max_connections)."""
     engine = getattr(storage, "engine", None)
     if engine is not None:
+        lock_engine = _LOCK_ENGINES.pop(engine, None)
+        if lock_engine is not None:
+            lock_engine.dispose()
         engine.dispose()
+
+
+def _lock_engine(engine: sa.engine.Engine) -> sa.engine.Engine:
+    """A NullPool engine beside the storage's pool, so the advisory lock never takes one of the pool's connections
+    (the trial loop's and the heartbeat thread's) and its connection, closed after each claim, never goes back to a
+    pool still holding a session lock (an interrupted unlock would otherwise block every other worker)."""
+    lock_engine = _LOCK_ENGINES.get(engine)
+    if lock_engine is None:
+        connect_args = _engine_kwargs(str(engine.url)).get("connect_args", {})
+        lock_engine = sa.create_engine(engine.url, poolclass=sa.pool.NullPool, connect_args=connect_args)
+        _LOCK_ENGINES[engine] = lock_engine
+    return lock_engine
 
 
 @contextlib.contextmanager
 def budget_lock(storage: optuna.storages.RDBStorage, study_name: str) -> Iterator[None]:
     """Serialise "count trials, then ask for one" across workers so the trial budget is exact.
 
-    PostgreSQL: a session-level advisory lock keyed by the study name (works across machines).
+    PostgreSQL: a session-level advisory lock keyed by the study name (works across machines), on a connection of
+    its own that is closed afterwards (closing releases the lock even if the unlock never ran).
     SQLite: an flock on a file beside the database (all SQLite workers share one machine by construction).
     """
     url = str(storage.engine.url)
@@ -119,7 +161,7 @@ def budget_lock(storage: optuna.storages.RDBStorage, study_name: str) -> Iterato
         return
     if storage.engine.dialect.name == "postgresql":
         key = int.from_bytes(hashlib.sha256(study_name.encode()).digest()[:8], "big", signed=True)
-        with storage.engine.connect() as conn:
+        with _lock_engine(storage.engine).connect() as conn:
             conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": key})
             try:
                 yield

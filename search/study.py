@@ -1,6 +1,7 @@
 """Running studies: create/load an Optuna study, claim trials within an exact budget, run them, track them in MLflow."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -14,16 +15,21 @@ from optuna.trial import TrialState
 
 from search.objective import ERROR_ATTR, TrialRunner
 from search.samplers import build_pruner, build_sampler
-from search.storage import StorageSettings, budget_lock, dispose, open_storage
+from search.storage import RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url
 from search.studyfile import StudyFile
-from search.tracking import Tracker
+from search.tracking import REAPED_TAG, Tracker
 from trainers.errors import LatentsweepError
+
+log = logging.getLogger("latentsweep")
 
 PARENT_ATTR = "mlflow_parent_run_id"
 ENQUEUED_ATTR = "latentsweep.enqueued"
 # The budget counts finished trials: complete, pruned, and failed by themselves (a config that cannot train).
 # Trials failed by a dead or interrupted worker are retried instead, so they do not count.
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
+# A worker with nothing to claim while others' trials still run re-checks this often (capped by the heartbeat
+# interval): one of those trials may die and need its retry run. A few cheap queries; 5 s keeps the idle tail short.
+WAIT_POLL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ def load_or_create(sf: StudyFile, spec: RunSpec, tracker: Tracker, create: bool 
         try:
             study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
         except KeyError:
-            raise LatentsweepError(f"study '{spec.name}' does not exist in {spec.storage.url}: "
+            raise LatentsweepError(f"study '{spec.name}' does not exist in {redact_url(spec.storage.url)}: "
                                    f"create it with `latentsweep study create`") from None
     attrs = study.user_attrs
     if PARENT_ATTR in attrs:
@@ -78,12 +84,57 @@ def counted(study: optuna.Study, extra: tuple[TrialState, ...] = ()) -> int:
 
 
 def claim_trial(study: optuna.Study, n_trials: int) -> optuna.Trial | None:
-    """Under the budget lock: fail dead workers' trials (they get retried), then ask for a trial if budget remains."""
-    with budget_lock(rdb(study), study.study_name):
+    """Under the budget lock: fail dead workers' trials (they get retried), then ask for a trial if budget remains.
+
+    The new trial's first heartbeat is recorded before the lock is released: Optuna never counts a RUNNING trial
+    without any heartbeat as stale, so a worker killed before its heartbeat thread started would block the budget.
+    """
+    storage = rdb(study)
+    with budget_lock(storage, study.study_name):
         optuna.storages.fail_stale_trials(study)
         if counted(study, (TrialState.RUNNING,)) >= n_trials:
             return None
-        return study.ask()
+        trial = study.ask()
+        storage.record_heartbeat(trial._trial_id)
+        return trial
+
+
+class _Alive(frozenset):
+    """Trial numbers whose MLflow run may be RUNNING: running or waiting at the snapshot, or created after it (the
+    MLflow search comes after the snapshot, so it can see the fresh run of a trial another worker just claimed)."""
+
+    def __new__(cls, trials: list[optuna.trial.FrozenTrial]):
+        alive = super().__new__(cls, (t.number for t in trials
+                                      if t.state in (TrialState.RUNNING, TrialState.WAITING)))
+        alive.first_new = len(trials)  # trial numbers are dense per study: later trials get numbers >= this
+        return alive
+
+    def __contains__(self, number) -> bool:
+        return number >= self.first_new or super().__contains__(number)
+
+
+def close_dead_runs(study: optuna.Study, tracker: Tracker) -> list[str]:
+    """Close as FAILED the runs of the trials this process just found dead (see RetryAndRecord), then every other
+    run still RUNNING whose trial is finished or failed (e.g. failed by a process that died before closing it)."""
+    callback = rdb(study).get_heartbeat_stale_trial_callback()
+    closed = []
+    for trial in callback.drain() if isinstance(callback, RetryAndRecord) else []:
+        run_id = trial.user_attrs.get("mlflow_run_id")  # absent when the worker died before opening the run
+        if run_id:
+            tracker.set_tags(run_id, {REAPED_TAG: "true"})
+            tracker.end_trial(run_id, TrialState.FAIL)
+            closed.append(run_id)
+    return closed + tracker.close_stale_runs(_Alive(study.get_trials(deepcopy=False)))
+
+
+def reap(study: optuna.Study, tracker: Tracker) -> list[str]:
+    """Fail trials whose worker stopped beating (they get retried) and close their MLflow runs as FAILED.
+
+    Failing happens under the budget lock, like in claim_trial, so concurrent reapers queue exactly one retry.
+    """
+    with budget_lock(rdb(study), study.study_name):
+        optuna.storages.fail_stale_trials(study)
+    return close_dead_runs(study, tracker)
 
 
 class Heartbeat:
@@ -96,8 +147,16 @@ class Heartbeat:
 
     def _beat(self) -> None:
         interval = self.storage.get_heartbeat_interval() or 60
+        warned = False
         while not self.stop.is_set():
-            self.storage.record_heartbeat(self.trial_id)
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception as exc:  # noqa: BLE001 - a dead thread would get a live trial failed and run twice
+                if not warned:
+                    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    log.warning("heartbeat of trial id %d failed (%s); retrying every %d s", self.trial_id,
+                                redact_url(reason), interval)
+                    warned = True
             self.stop.wait(interval)
 
     def __enter__(self):
@@ -111,12 +170,21 @@ class Heartbeat:
 
 def worker_loop(sf: StudyFile, spec: RunSpec, study: optuna.Study, runner: TrialRunner,
                 on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None) -> int:
-    """Claim and run trials until the budget or the timeout is reached; returns how many this worker ran."""
+    """Claim and run trials until the budget or the timeout is reached; returns how many this worker ran.
+
+    While the budget is full only because of running trials, the worker waits instead of exiting: a running trial
+    whose worker died goes stale after the grace period and its retry still has to run.
+    """
     start, ran = time.monotonic(), 0
+    poll = min(WAIT_POLL_S, rdb(study).get_heartbeat_interval() or WAIT_POLL_S)
     while spec.timeout is None or time.monotonic() - start < spec.timeout:
         trial = claim_trial(study, spec.n_trials)
+        close_dead_runs(study, runner.tracker)  # the claim may have failed dead workers' trials
         if trial is None:
-            break
+            if counted(study) >= spec.n_trials:
+                break
+            time.sleep(poll)
+            continue
         try:
             with Heartbeat(rdb(study), trial._trial_id):
                 state, value = runner.run(trial)
