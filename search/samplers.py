@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import optuna
@@ -52,8 +53,13 @@ def _keywords(cls) -> list[str]:
     return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-def build_sampler(table: dict[str, Any]) -> optuna.samplers.BaseSampler:
+def build_sampler(table: dict[str, Any], per_worker: bool = False) -> optuna.samplers.BaseSampler:
+    """The sampler of a `[study.sampler]` table. `per_worker`: a joining worker offsets a fixed seed by a random
+    amount, since workers sharing one seed would propose identical trials; the process that creates the study keeps
+    the seed, so a one-worker study stays reproducible."""
     settings = {k: v for k, v in table.items() if k != "name"}
+    if per_worker and settings.get("seed") is not None:
+        settings["seed"] = (int(settings["seed"]) + int.from_bytes(os.urandom(4), "big")) % 2**32
     return SAMPLERS.get(table.get("name", "tpe"))(**settings)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import re
 import sqlite3
 import warnings
 import weakref
@@ -20,6 +19,7 @@ from typing import Iterator
 import optuna
 import sqlalchemy as sa
 
+from search.tracking import redact_url  # one redaction rule for logs, params and tags
 from trainers.errors import LatentsweepError
 
 SQLITE_TIMEOUT_S = 120  # a trial's tell() can wait behind another worker's write burst; 2 min is ample
@@ -27,12 +27,6 @@ POOL_SIZE = 2  # per worker process: one for the trial loop, one for the heartbe
 # PostgreSQL budget locks live on their own NullPool engine: one extra connection per worker, only while it claims.
 _LOCK_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage engine -> its lock engine
 PG_CONNECT_TIMEOUT_S = 15  # an unreachable PostgreSQL host fails in seconds instead of the OS TCP timeout (minutes)
-_PASSWORD = re.compile(r"(?P<head>[a-z0-9+.-]+://[^:/@]+:)(?P<pw>[^@]+)(?P<tail>@)", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """postgresql://user:secret@host/db -> postgresql://user:***@host/db (for logs, params and tags)."""
-    return _PASSWORD.sub(lambda m: f"{m['head']}***{m['tail']}", url)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ class RunSpec:
 def load_or_create(sf: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True) -> optuna.Study:
     """The study named spec.name (created with the file's sampler/pruner if absent), its parent run and enqueued recipes."""
     storage = open_storage(spec.storage)
-    sampler, pruner = build_sampler(sf.sampler), build_pruner(sf.pruner)
+    sampler, pruner = build_sampler(sf.sampler, per_worker=not create), build_pruner(sf.pruner)
     if create:
         study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner,
                                     direction=sf.direction, load_if_exists=True)

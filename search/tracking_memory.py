@@ -133,5 +133,6 @@ class InMemoryTracker:
             if run["status"] == "RUNNING" and int(run["tags"][TRIAL_TAG]) not in alive_numbers:
                 run["status"] = "FAILED"
                 run["tags"][REAPED_TAG] = "true"
+                run["tags"][STATE_TAG] = "FAIL"
                 closed.append(rid)
         return closed

@@ -178,6 +178,7 @@ class MlflowTracker:
             if number.lstrip("-").isdigit() and int(number) in alive_numbers:
                 continue
             self.client.set_tag(run.info.run_id, REAPED_TAG, "true")
+            self.client.set_tag(run.info.run_id, STATE_TAG, "FAIL")  # its trial was failed by the heartbeat
             self.client.set_terminated(run.info.run_id, status="FAILED")
             closed.append(run.info.run_id)
         return closed
