@@ -9,3 +9,11 @@ os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def default_sigint() -> None:
+    """preexec_fn for subprocesses a test will Ctrl-C: a shell that starts a job in the background (`cmd &`, as CI
+    runners may) leaves SIGINT ignored, and Python then installs no KeyboardInterrupt handler in the child."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

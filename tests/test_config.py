@@ -36,7 +36,7 @@ def test_dump_toml_round_trips(cfg):
 def test_dump_toml_has_one_table_per_section():
     tree = tomllib.loads(dump_toml(non_default()))
     assert tree["model"]["hidden"] == [1024, 512, 7]
-    assert tree["loss"]["triplet"] == {"weight": 0.5, "margin": 0.2, "max_violation": False}
+    assert tree["loss"]["triplet"] == {"weight": 0.5, "margin": 0.2, "max_violation": False, "warmup_epochs": 0}
     assert set(tree) == {f.name for f in dataclasses.fields(Config)}
 
 

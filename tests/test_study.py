@@ -13,6 +13,7 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
+from conftest import default_sigint
 from search.cli import main
 from trainers.synthetic import write_synthetic
 
@@ -202,7 +203,7 @@ def test_ctrl_c_fails_trial_kills_run_and_resume_retries_it(tmp_path, state, syn
     sf = study_file(tmp_path, "interrupt", n_trials=2, epochs=400)
     cmd = [sys.executable, "-m", "search", "study", "run", str(sf), "--data", str(synthetic),
            "--state-dir", str(state), "--quiet"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.time() + 120
     while time.time() < deadline:  # wait until the first trial's MLflow run has logged an epoch
         time.sleep(1)

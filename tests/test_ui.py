@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import default_sigint
 from search import cmd_ui, servers
 from search.cli import main
 from trainers.errors import LatentsweepError
@@ -94,7 +95,7 @@ def test_ui_command_on_empty_state_prints_urls_hint_and_stops_on_ctrl_c(tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "search", "ui", "--state-dir", str(state), "--dashboard-port", str(dashboard_port),
          "--tracking-uri", "http://127.0.0.1:1/"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     lines = []
     try:
         for line in proc.stdout:

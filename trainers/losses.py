@@ -106,7 +106,7 @@ def triplet(out, batch, cfg_term, state):
     From a random init the hardest-negative form can collapse every output onto one point (loss stuck at 2 x margin);
     VSE++ therefore warms up with the sum over negatives: hardest negatives start at epoch `warmup_epochs`."""
     sim = unit(out["pred"]) @ unit(batch["y_n"]).T
-    hardest = cfg_term.max_violation and state.epoch >= cfg_term.warmup_epochs
+    hardest = cfg_term.max_violation and (state is None or state.epoch >= cfg_term.warmup_epochs)
     c2i, i2c = _vse_hinge(sim, ~same_image(batch["img"]), cfg_term.margin, hardest)
     return {"triplet_c2i": c2i, "triplet_i2c": i2c}
 
