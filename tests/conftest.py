@@ -1,6 +1,7 @@
 """Suite-wide settings: one torch thread per test process (tiny models gain nothing from more, and on a 2-core CI box
 thread contention between the test and the worker processes it spawns costs far more than it gives)."""
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the worker processes tests spawn
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -17,3 +18,40 @@ def default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# A study small enough for integration tests: 2-epoch MLP on synthetic data, a conditional knob, room for extra knobs.
+TINY_STUDY = """
+[study]
+name = "{name}"
+n_trials = {n_trials}
+sampler = {{ name = "tpe", seed = 0, n_startup_trials = 2 }}
+pruner = {{ name = "{pruner}" }}
+
+[base.data]
+val_ratio = 0.25
+
+[base.model]
+kind = "mlp"
+hidden = [32]
+
+[base.loss]
+infonce = {{ weight = 1.0 }}
+
+[base.train]
+epochs = {epochs}
+batch_size = 64
+
+[space]
+"optim.lr" = {{ type = "float", low = 1e-4, high = 1e-2, log = true }}
+"loss.triplet.weight" = {{ type = "float", low = 0.0, high = 1.0 }}
+"loss.triplet.margin" = {{ type = "float", low = 0.05, high = 0.4, when = "loss.triplet.weight > 0.5" }}
+{extra}
+"""
+
+
+def tiny_study_file(tmp: Path, name: str, n_trials: int = 3, epochs: int = 2, pruner: str = "none",
+                    extra: str = "") -> Path:
+    path = tmp / f"{name}.toml"
+    path.write_text(TINY_STUDY.format(name=name, n_trials=n_trials, epochs=epochs, pruner=pruner, extra=extra))
+    return path

@@ -21,15 +21,6 @@ from trainers.synthetic import write_synthetic
 QUICKSTART = str(Path(__file__).resolve().parents[1] / "studies" / "quickstart.toml")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # 2 shared cores: one torch thread keeps the tiny runs fast (see tests/test_loop.py).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def syn(tmp_path_factory):
     root = tmp_path_factory.mktemp("syn")

@@ -26,15 +26,6 @@ def small_cfg(**values) -> Config:
     return with_values(Config(), {**SMALL, **values})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The test box has 2 shared cores: more threads than free cores makes tiny matmuls 10x slower, not faster.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     train_path, _, _ = write_synthetic(tmp_path_factory.mktemp("syn"), 300, dim_text=32, dim_image=48, n_labels=5)

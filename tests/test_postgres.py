@@ -17,6 +17,7 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
+from conftest import tiny_study_file as study_file
 from search.cli import main
 from trainers.synthetic import write_synthetic
 
@@ -25,31 +26,6 @@ PASSWORD = "s3cret"  # trust auth ignores it; it must still never be shown
 # Output that must never appear in a worker's stderr (SQLite lock errors, pool exhaustion, tracebacks, warnings).
 BAD_OUTPUT = ("Traceback", "Error", "error:", "WARNING", "Warning", "locked", "QueuePool limit")
 
-TINY_STUDY = """
-[study]
-name = "{name}"
-n_trials = {n_trials}
-sampler = {{ name = "tpe", seed = 0, n_startup_trials = 2 }}
-pruner = {{ name = "none" }}
-
-[base.data]
-val_ratio = 0.25
-
-[base.model]
-kind = "mlp"
-hidden = [32]
-
-[base.loss]
-infonce = {{ weight = 1.0 }}
-
-[base.train]
-epochs = {epochs}
-batch_size = 64
-
-[space]
-"optim.lr" = {{ type = "float", low = 1e-4, high = 1e-2, log = true }}
-"loss.triplet.weight" = {{ type = "float", low = 0.0, high = 1.0 }}
-"""
 
 
 def _admin():
@@ -106,12 +82,6 @@ def tracking(tmp_path_factory) -> str:
 def synthetic(tmp_path_factory) -> Path:
     train, _, _ = write_synthetic(tmp_path_factory.mktemp("syn"), 200, dim_text=24, dim_image=32)
     return train
-
-
-def study_file(tmp: Path, name: str, n_trials: int, epochs: int = 2) -> Path:
-    path = tmp / f"{name}.toml"
-    path.write_text(TINY_STUDY.format(name=name, n_trials=n_trials, epochs=epochs))
-    return path
 
 
 def cli_args(sf: Path, storage: str, tracking: str, data: Path, state: Path, *extra: str) -> list[str]:

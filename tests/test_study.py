@@ -14,36 +14,10 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import default_sigint
+from conftest import tiny_study_file as study_file
 from search.cli import main
 from trainers.synthetic import write_synthetic
 
-TINY_STUDY = """
-[study]
-name = "{name}"
-n_trials = {n_trials}
-sampler = {{ name = "tpe", seed = 0, n_startup_trials = 2 }}
-pruner = {{ name = "{pruner}" }}
-
-[base.data]
-val_ratio = 0.25
-
-[base.model]
-kind = "mlp"
-hidden = [32]
-
-[base.loss]
-infonce = {{ weight = 1.0 }}
-
-[base.train]
-epochs = {epochs}
-batch_size = 64
-
-[space]
-"optim.lr" = {{ type = "float", low = 1e-4, high = 1e-2, log = true }}
-"loss.triplet.weight" = {{ type = "float", low = 0.0, high = 1.0 }}
-"loss.triplet.margin" = {{ type = "float", low = 0.05, high = 0.4, when = "loss.triplet.weight > 0.5" }}
-{extra}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +30,6 @@ def state(tmp_path_factory) -> Path:
 def synthetic(tmp_path_factory) -> Path:
     train, _, _ = write_synthetic(tmp_path_factory.mktemp("syn"), 240, dim_text=24, dim_image=32, n_test=100)
     return train
-
-
-def study_file(tmp: Path, name: str, n_trials: int = 3, epochs: int = 2, pruner: str = "none", extra: str = "") -> Path:
-    path = tmp / f"{name}.toml"
-    path.write_text(TINY_STUDY.format(name=name, n_trials=n_trials, epochs=epochs, pruner=pruner, extra=extra))
-    return path
 
 
 def run(args: list[str]) -> int:
