@@ -26,13 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a real missing dependency, not a command not written yet
-                raise
-            continue
-        module.add_parser(sub)
+        importlib.import_module(name).add_parser(sub)
     return parser
 
 

@@ -1,10 +1,11 @@
-"""`latentsweep data ...`: `data check` validates a challenge npz and prints a summary; `data build-demo` plugs in."""
+"""`latentsweep data ...`: `data check` validates a challenge npz and prints a summary; `data build-demo` rebuilds the demo."""
 from __future__ import annotations
 
 import os
 
 import numpy as np
 
+from search.cmd_demo import add_parser as add_build_demo
 from trainers.data import describe_npz, load_answers, load_test, load_train
 
 # Rows per step when computing norms, so no full-size temporary is made (einsum needs none, slicing keeps it small).
@@ -18,18 +19,7 @@ def add_parser(subparsers) -> None:
     check = sub.add_parser("check", help="validate a train / test / answers npz file and print a summary")
     check.add_argument("path", help="train.npz, test.clean.npz or answers.npz")
     check.set_defaults(func=run_check)
-    _add_build_demo(sub)
-
-
-def _add_build_demo(sub) -> None:
-    """Add `data build-demo` when its module (search/cmd_demo.py) exists; skip it otherwise."""
-    try:
-        from search.cmd_demo import add_parser as add_demo
-    except ModuleNotFoundError as exc:
-        if exc.name != "search.cmd_demo":  # a real missing dependency inside the module must surface
-            raise
-        return
-    add_demo(sub)
+    add_build_demo(sub)
 
 
 def _norms(x: np.ndarray) -> np.ndarray:
