@@ -13,7 +13,6 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import replace
 from pathlib import Path
 
 STUDY = """
