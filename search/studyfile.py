@@ -10,7 +10,7 @@ from typing import Any
 
 from search.samplers import check_settings
 from search.space import Param, active_values, parse_space
-from trainers.config import Config, coerce, flatten, from_dict, load_toml
+from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml
 from trainers.errors import ConfigError, LatentsweepError, closest
 
 STUDY_KEYS = {"name", "objective", "direction", "sampler", "pruner", "n_trials", "timeout", "description"}
@@ -88,7 +88,7 @@ def _study_settings(table: dict, path: Path, errors: list[str]) -> dict[str, Any
 def _base(table: dict, where: str, errors: list[str]) -> tuple[Config, set[str]]:
     """The base config and the keys it sets explicitly (conditions may only read searched or fixed knobs)."""
     try:
-        return from_dict(table, where=f"{where}: base"), set(_flat_entry(table))
+        return from_dict(table, where=f"{where}: base"), set(flatten_tree(table))
     except ConfigError as exc:
         errors.append(str(exc))
         return Config(), set()
@@ -124,7 +124,7 @@ def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: lis
             elif value != mine[key] and key != "data.path":
                 errors.append(f"{at}: recipe {recipe} sets {key}={value!r} (base has {mine[key]!r}) "
                               f"but {key} is not searched")
-    for key, value in _flat_entry(entry).items():
+    for key, value in flatten_tree(entry).items():
         if key not in searched:
             errors.append(f"{at}: '{key}' is not a searched knob{closest(key, searched)}")
             continue
@@ -146,16 +146,6 @@ def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: lis
         elif isinstance(value, tuple):
             active[key] = shown
     return active
-
-
-def _flat_entry(entry: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in entry.items():
-        if isinstance(value, dict):
-            out.update(_flat_entry(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def resolve_data_path(value: str | Path | None) -> Path:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from trainers.config import flatten_tree
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +82,6 @@ def redact_values(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _clean_key(key: str) -> str:
     """A valid, path-unique MLflow key: bad characters -> '_', no empty/'.'/'..' segments, at most KEY_MAX chars."""
     parts = [p for p in _BAD_KEY_CHARS.sub("_", str(key)).split("/") if p not in ("", ".")]
@@ -110,7 +101,7 @@ def _clip(value: str, limit: int) -> str:
 def _clean_items(values: dict[str, Any], value_limit: int) -> dict[str, str]:
     """Flatten, stringify, redact, and make keys/values fit MLflow; keys that collide after cleaning get a hash."""
     out: dict[str, str] = {}
-    for key, value in redact_values({k: str(v) for k, v in _flat(values).items()}).items():
+    for key, value in redact_values({k: str(v) for k, v in flatten_tree(values).items()}).items():
         clean = _clean_key(key)
         if clean in out:
             clean = _clean_key(f"{clean[:KEY_MAX - 9]}~{hashlib.sha1(key.encode()).hexdigest()[:8]}")

@@ -220,6 +220,17 @@ def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def flatten_tree(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested plain dict (a TOML table) as {'a.b.c': leaf}; no key checking (see `from_dict` for that)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten_tree(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """Nested plain dict (tuples become lists) suitable for TOML/JSON."""
     out: dict[str, Any] = {}
