@@ -4,12 +4,13 @@ from __future__ import annotations
 import os
 
 from search.ensemble import METHODS
-from search.state import add_state_arg
+from search.progress import is_terminal
+from search.state import add_state_arg, safe_name
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("pick", help="ensemble a study's best trials into a submission (selection on half of val, "
-                                    "figures on the other half)")
+    p = sub.add_parser("pick", help="ensemble a study's best trials into a submission (out-of-fold selection, "
+                                    "refit on every labelled image)")
     p.add_argument("study", help="study name")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite under the state directory)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the state directory)")
@@ -18,8 +19,20 @@ def add_parser(sub) -> None:
                    help="greedy: Caruana forward selection with replacement; mean: uniform; weighted: weights "
                         "proportional to each member's select-half MRR (default greedy)")
     p.add_argument("--size", type=int, default=10, help="greedy: at most this many picks (default 10)")
-    p.add_argument("--seeds", type=int, default=0,
-                   help="retrain the best min(K, 3) configs with this many more seeds each (default 0)")
+    p.add_argument("--selection", choices=("oof", "halves"), default="oof",
+                   help="oof: retrain each candidate on k-1 image folds and choose the ensemble on out-of-fold "
+                        "predictions of every labelled image, with a nested-fold gain (default); halves: choose on "
+                        "one half of the study's val split, report on the other")
+    p.add_argument("--folds", type=int, default=5, help="oof: number of image folds (default 5)")
+    p.add_argument("--no-refit", dest="refit", action="store_false",
+                   help="make the submission from the trials' checkpoints instead of refitting the chosen members "
+                        "on every labelled image")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="refit: seeds per chosen member (default 3); with --no-refit --selection halves: retrain "
+                        "the best min(K, 3) configs with this many more seeds as extra candidates (default 0)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="time bound for the whole pick: folds, candidates and seeds are planned to fit, and each "
+                        "drop is printed (default: no bound); finished jobs are reused and cost nothing")
     p.add_argument("--data", help="train npz (default: the path recorded on the trials, else the demo data)")
     p.add_argument("--test", help="test.clean.npz (default: the demo test for the demo data, else the one beside "
                                   "--data)")
@@ -37,21 +50,23 @@ def run(args) -> int:
     from search.picker import PickOptions, run_pick
     from search.runner import quiet_optuna
 
+    safe_name(args.study)  # STATE/picks/<study> is built from it
     quiet_optuna()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per copied checkpoint is noise
     opts = PickOptions(study=args.study, state_dir=args.state_dir, storage=args.storage,
                        tracking_uri=args.tracking_uri, top=args.top, method=args.method, size=args.size,
-                       seeds=args.seeds, data=args.data, test=args.test, out=args.out, register=args.register,
-                       seed=args.seed, device=args.device, progress=not args.quiet)
+                       seeds=args.seeds, selection=args.selection, folds=args.folds, refit=args.refit,
+                       budget=args.budget, data=args.data, test=args.test, out=args.out, register=args.register,
+                       seed=args.seed, device=args.device, progress=not args.quiet and is_terminal())
     result = run_pick(opts)
     table = result.table.copy()
     table["weight"] = table["weight"].map(lambda w: "" if w is None or w != w else f"{w:.3f}")
     print(table.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4f}"))
-    rows = result.table.set_index("role")
-    print(f"report half (never seen by selection): best single {rows.loc['best_single', 'report_mrr']:.4f} "
-          f"({result.best_single}), mean {rows.loc['mean', 'report_mrr']:.4f}, "
-          f"ensemble {rows.loc['ensemble', 'report_mrr']:.4f}")
-    print(f"gain ensemble - best single (report half): {result.gain:+.4f} MRR")
+    where = {"oof": "nested folds: each fold scored by a selection made on the other folds",
+             "halves": "report half, never seen by selection"}.get(result.selection)
+    if where:
+        spread = f" +/- {result.gain_std:.4f} (std over folds)" if result.gain_std == result.gain_std else ""
+        print(f"gain ensemble - best single ({where}): {result.gain:+.4f}{spread} MRR")
     print(f"submission: {result.submission}\nmanifest:   {result.manifest}\nreport:     {result.report}")
     print(f"MLflow run {result.run_id}; pyfunc model {result.model_uri}"
           + (f"; registered {result.registered['name']} v{result.registered['version']}" if result.registered

@@ -1,33 +1,53 @@
-"""`latentsweep study run|create|status|reap` and `latentsweep worker`: launching, joining and inspecting studies."""
+"""`latentsweep study run|create|list|status|reap` and `latentsweep worker`: launching, joining and inspecting studies.
+
+`run`, `create` and `worker` read a study file; `list`, `status` and `reap` address a study by name in the state
+directory's stores (or --storage / --tracking-uri), like `pick`."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
-from search.state import add_state_arg, default_artifact_root, default_storage, default_tracking_uri, state_dir
-from search.storage import StorageSettings, redact_url
+from search.state import (
+    add_state_arg, check_artifact_root, default_artifact_root, default_storage, default_tracking_uri,
+    read_only_storage, safe_name, state_dir,
+)
+from search.storage import StorageSettings, probe_tracking_store, redact_url
 from search.studyfile import load_study_file, resolve_data_path
-from trainers.errors import LatentsweepError
+from trainers.errors import LatentsweepError, closest
 
 # Seconds to wait for an http(s) MLflow tracking server's first answer before calling it unreachable.
 TRACKING_PROBE_TIMEOUT_S = 15
 
 
-def _common(p, study_file: bool = True) -> None:
-    if study_file:
-        p.add_argument("study", help="study TOML file")
-        p.add_argument("--data", help="train npz (default: the study's data.path, else the bundled demo)")
-        p.add_argument("--n-trials", type=int, help="total finished trials of the study (default: the file's)")
-        p.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
+def _common(p) -> None:
+    p.add_argument("study", help="study TOML file")
+    p.add_argument("--data", help="train npz (default: the study's data.path, else the bundled demo)")
+    p.add_argument("--n-trials", type=int, help="total finished trials of the study (default: the file's)")
+    p.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
     p.add_argument("--name", help="study name (default: the file's study.name)")
+    _stores(p)
+    _liveness(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars (the one line per trial stays)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also one line per epoch when stderr is not a terminal (a terminal shows an epoch bar)")
+
+
+def _stores(p, tracking: bool = True) -> None:
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite under the state directory)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the state directory)")
+    if tracking:
+        p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the state directory)")
+        p.add_argument("--artifact-root", help="where a new MLflow experiment stores artifacts (a path or URI; "
+                                               "default: STATE/artifacts for the default tracking URI, else the "
+                                               "server's)")
+    add_state_arg(p)
+
+
+def _liveness(p) -> None:
     p.add_argument("--heartbeat", type=int, default=60,
                    help="seconds between a running trial's heartbeats (default 60, for minute-long trials)")
     p.add_argument("--grace", type=int, default=180,
                    help="seconds without heartbeat before a trial is dead and retried (default 180: 3 missed beats)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_state_arg(p)
 
 
 def add_parser(sub) -> None:
@@ -41,50 +61,81 @@ def add_parser(sub) -> None:
     create = ssub.add_parser("create", help="create a study (and its MLflow parent run) without running trials")
     _common(create)
     create.set_defaults(func=cmd_create)
-    status = ssub.add_parser("status", help="table of a study's trials")
+    listing = ssub.add_parser("list", help="the studies in the storage: trials by state, best value")
+    _stores(listing, tracking=False)
+    listing.add_argument("--csv", action="store_true", help="print the raw table as CSV")
+    listing.set_defaults(func=cmd_list)
+    status = ssub.add_parser("status", help="a study's counts and best value, then its trials, best first")
     status.add_argument("name", help="study name")
-    status.add_argument("--storage", help="Optuna storage URL (default: sqlite under the state directory)")
-    status.add_argument("--csv", action="store_true", help="print the raw table as CSV")
-    add_state_arg(status)
+    _stores(status, tracking=False)
+    status.add_argument("--csv", action="store_true", help="print the raw table as CSV (no header line)")
     status.set_defaults(func=cmd_status)
-    reap = ssub.add_parser("reap", help="fail trials of dead workers and close their MLflow runs")
-    _common(reap)
+    reap = ssub.add_parser("reap", help="fail trials of dead workers (they are retried) and close their MLflow runs")
+    reap.add_argument("name", help="study name (a study file's name is taken from it)")
+    _stores(reap)
+    _liveness(reap)
     reap.set_defaults(func=cmd_reap)
     worker = sub.add_parser("worker", help="join an existing study as one worker (any machine)")
     _common(worker)
     worker.set_defaults(func=cmd_worker)
 
 
-def make_spec(args, sf=None):
-    """RunSpec from CLI arguments, the study file and the state-directory defaults."""
-    from search.study import RunSpec
-
+def _check_liveness(args) -> None:
     if args.heartbeat < 1 or args.grace <= args.heartbeat:
         # a grace period within one beat would declare live trials dead (they would then run twice)
         raise LatentsweepError(f"--grace ({args.grace} s) must be longer than --heartbeat ({args.heartbeat} s), "
                                f"and --heartbeat at least 1 s")
+
+
+
+def make_spec(args, sf=None):
+    """RunSpec from CLI arguments, the study file and the state-directory defaults."""
+    from search.progress import is_terminal
+    from search.study import RunSpec
+
+    _check_liveness(args)
+    n_trials, timeout = getattr(args, "n_trials", None), getattr(args, "timeout", None)
+    if n_trials is not None and n_trials < 1:  # 0 must not fall back to the file's value
+        raise LatentsweepError(f"--n-trials must be >= 1, got {n_trials}")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise LatentsweepError(f"--timeout must be a positive number of seconds, got {timeout}")
+    name = safe_name(args.name, "--name") if args.name is not None else None
     sf = sf or load_study_file(args.study)
     root = state_dir(args.state_dir)
     tracking = args.tracking_uri or default_tracking_uri(root)
+    artifact_root = args.artifact_root or (None if args.tracking_uri else default_artifact_root(root))
     data = resolve_data_path(getattr(args, "data", None) or sf.base.data.path)
     return RunSpec(
-        study_file=str(sf.path), name=args.name or sf.name,
+        study_file=str(sf.path), name=name or sf.name,
         storage=StorageSettings(args.storage or default_storage(root), args.heartbeat, args.grace),
-        tracking_uri=tracking, artifact_root=None if args.tracking_uri else default_artifact_root(root),
-        state_dir=str(root), data_path=str(data), n_trials=getattr(args, "n_trials", None) or sf.n_trials,
-        timeout=getattr(args, "timeout", None) or sf.timeout, progress=not args.quiet,
+        tracking_uri=tracking, artifact_root=artifact_root,
+        state_dir=str(root), data_path=str(data), n_trials=n_trials if n_trials is not None else sf.n_trials,
+        timeout=timeout if timeout is not None else sf.timeout, progress=not args.quiet and is_terminal(),
+        verbose=args.verbose,
     )
 
 
 def _preflight(spec) -> None:
-    """Fail before any trial: the data must load, the base config must validate, both stores must answer."""
+    """Fail before any trial, with everything that can be known then: the base config validates on this machine,
+    the data loads and splits, the objective is a logged metric, both stores answer, and a stored study of that
+    name agrees with the file (direction, distributions of its knobs)."""
+    from search.study import check_existing
+    from trainers.config import with_values
     from trainers.data import load_train
+    from trainers.loop import resolve_device
+    from trainers.tasks import TASKS, check_split
     from trainers.validate import validate
 
     sf = load_study_file(spec.study_file)
     validate(sf.base)
-    load_train(spec.data_path)
+    resolve_device(sf.base.train.device)
+    keys = TASKS.get(sf.base.data.task).val_keys(sf.base)
+    if sf.objective not in keys:
+        raise LatentsweepError(f"{sf.path}: study.objective '{sf.objective}' is not a metric task "
+                               f"'{sf.base.data.task}' logs{closest(sf.objective, keys)}; valid: {', '.join(keys)}")
+    check_split(with_values(sf.base, {"data.path": spec.data_path}), load_train(spec.data_path))
     _check_stores(spec)
+    check_existing(sf, spec)
 
 
 def _check_stores(spec) -> None:
@@ -97,6 +148,10 @@ def _check_stores(spec) -> None:
 
     if spec.tracking_uri.startswith(("http://", "https://")):
         _probe_tracking_server(spec.tracking_uri)  # first: it writes nothing, while opening SQLite creates the file
+    else:
+        probe_tracking_store(spec.tracking_uri)
+    if spec.artifact_root:
+        check_artifact_root(spec.artifact_root)
     dispose(open_storage(spec.storage))
 
 
@@ -137,14 +192,13 @@ def cmd_run(args) -> int:
 
 def cmd_create(args) -> int:
     from search.runner import quiet_optuna
-    from search.study import dispose_study, load_or_create
-    from search.tracking import make_tracker
+    from search.study import dispose_study, load_or_create, open_tracker
 
     quiet_optuna()
     sf = load_study_file(args.study)
     spec = make_spec(args, sf)
     _preflight(spec)
-    study = load_or_create(sf, spec, make_tracker(spec.tracking_uri, spec.artifact_root), create=True)
+    study = load_or_create(sf, spec, open_tracker(spec), create=True)
     dispose_study(study)
     print(f"study '{spec.name}' ready in {redact_url(spec.storage.url)}")
     return 0
@@ -161,29 +215,68 @@ def cmd_worker(args) -> int:
 
 
 def cmd_reap(args) -> int:
+    """Reap the study `name`: the storage's stale-trial rule is --heartbeat/--grace, its runs are in --tracking-uri."""
+    from types import SimpleNamespace
+
+    from search.report import load_existing_study
     from search.runner import quiet_optuna, reap
-    from search.study import dispose_study, load_or_create
+    from search.study import PARENT_ATTR, dispose_study
     from search.tracking import make_tracker
 
     quiet_optuna()
-    sf = load_study_file(args.study)
-    spec = make_spec(args, sf)
-    _check_stores(spec)
-    tracker = make_tracker(spec.tracking_uri, spec.artifact_root)
-    study = load_or_create(sf, spec, tracker, create=False)
-    closed = reap(study, tracker)
-    dispose_study(study)
+    _check_liveness(args)
+    name = args.name
+    if name.endswith(".toml"):  # a study file names its study (and is checked like in every other command)
+        name = load_study_file(name).name
+    name = safe_name(name, "study name")
+    root = state_dir(args.state_dir)
+    storage = StorageSettings(args.storage or default_storage(root), args.heartbeat, args.grace)
+    tracking = args.tracking_uri or default_tracking_uri(root)
+    artifact_root = args.artifact_root or (None if args.tracking_uri else default_artifact_root(root))
+    _check_stores(SimpleNamespace(storage=storage, tracking_uri=tracking, artifact_root=artifact_root))
+    study = load_existing_study(name, storage.url, args.heartbeat, args.grace)
+    try:
+        parent = study.user_attrs.get(PARENT_ATTR)
+        if not parent:
+            raise LatentsweepError(f"study '{name}' has no MLflow parent run recorded")
+        tracker = make_tracker(tracking, artifact_root)
+        tracker.attach_study(name, parent, reopen=False)  # reaping never reopens a finished run
+        closed = reap(study, tracker)
+    finally:
+        dispose_study(study)
     print(f"closed {len(closed)} stale MLflow run(s)")
     return 0
 
 
 def cmd_status(args) -> int:
-    from search.report import trials_table
+    from search.report import load_existing_study, study_header, study_table
+    from search.study import dispose_study
 
-    storage = args.storage or default_storage(state_dir(args.state_dir))
-    table = trials_table(args.name, storage)
+    storage = args.storage or read_only_storage(state_dir(args.state_dir, create=False))
+    study = load_existing_study(args.name, storage)
+    try:
+        table = study_table(study)
+        header = study_header(study)
+    finally:
+        dispose_study(study)
     if args.csv:
         table.to_csv(sys.stdout, index=False)
+        return 0
+    print(header)
+    if len(table):
+        print(table.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def cmd_list(args) -> int:
+    from search.report import studies_table
+
+    storage = args.storage or read_only_storage(state_dir(args.state_dir, create=False))
+    table = studies_table(storage)
+    if args.csv:
+        table.to_csv(sys.stdout, index=False)
+    elif len(table):
+        print(table.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.4f}"))
     else:
-        print(table.to_string(index=False) if len(table) else f"study '{args.name}' has no trials yet")
+        print(f"no studies in {redact_url(storage)}")
     return 0

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
+from search.progress import is_terminal
 from search.state import add_state_arg, state_dir
 from search.studyfile import load_study_file, resolve_data_path
 from trainers.config import dump_toml, parse_overrides, with_values
+from trainers.errors import LatentsweepError
 
 
 def add_parser(sub) -> None:
@@ -31,8 +34,12 @@ def add_parser(sub) -> None:
 
 
 def run_train(args) -> int:
+    """Everything is checked (config, device, data, split, output path) before the output directory is made; a
+    failed training removes the directory it made, so an error leaves no partial output."""
     from trainers.data import load_train
-    from trainers.loop import train
+    from trainers.loop import resolve_device, train
+    from trainers.tasks import check_split
+    from trainers.validate import validate
 
     study = load_study_file(args.study)
     values = parse_overrides(args.overrides)
@@ -43,14 +50,26 @@ def run_train(args) -> int:
     cfg = with_values(study.base, values)
     data_path = resolve_data_path(args.data or cfg.data.path)
     cfg = with_values(cfg, {"data.path": str(data_path)})
+    validate(cfg)
+    resolve_device(cfg.train.device)
     data = load_train(data_path)
-    out = Path(args.out) if args.out else state_dir(args.state_dir) / "train" / f"{study.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(dump_toml(cfg))
-    result = train(cfg, data, out_dir=out, progress=not args.quiet)
-    summary = {"best_epoch": result.best_epoch, **result.best_metrics, "checkpoint": str(result.checkpoint),
-               "out": str(out)}
-    (out / "result.json").write_text(json.dumps(summary, indent=2))
+    check_split(cfg, data)
+    out = (Path(args.out) if args.out
+           else state_dir(args.state_dir) / "train" / f"{study.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and not out.is_dir():
+        raise LatentsweepError(f"--out {out}: exists and is not a directory")
+    made = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(dump_toml(cfg))
+        result = train(cfg, data, out_dir=out, progress=not args.quiet and is_terminal())
+        summary = {"best_epoch": result.best_epoch, **result.best_metrics, "checkpoint": str(result.checkpoint),
+                   "out": str(out)}
+        (out / "result.json").write_text(json.dumps(summary, indent=2))
+    except Exception:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     print(json.dumps(summary))
     return 0
 

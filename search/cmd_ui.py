@@ -1,7 +1,9 @@
 """`latentsweep ui`: run the MLflow UI and optuna-dashboard on the state directory until Ctrl-C."""
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
 import signal
 import sys
 import threading
@@ -10,6 +12,8 @@ import time
 from search import servers
 from search.state import add_state_arg, state_dir
 
+MAX_PORT = 65535  # TCP ports are 16-bit
+ML_WORKFLOW = "workflowType=machine_learning"  # MLflow UI URL parameter: its Model training pages, not GenAI
 NO_STUDIES_HINT = "no studies yet: run `latentsweep study run studies/quickstart.toml`"
 
 
@@ -20,8 +24,8 @@ def add_parser(subparsers) -> None:
     add_state_arg(p)
     p.add_argument("--host", default=servers.DEFAULT_HOST,
                    help="interface both servers bind to (default: 127.0.0.1; the UIs have no authentication)")
-    p.add_argument("--mlflow-port", type=int, default=servers.DEFAULT_MLFLOW_PORT, help="MLflow UI port (5000)")
-    p.add_argument("--dashboard-port", type=int, default=servers.DEFAULT_DASHBOARD_PORT,
+    p.add_argument("--mlflow-port", type=port, default=servers.DEFAULT_MLFLOW_PORT, help="MLflow UI port (5000)")
+    p.add_argument("--dashboard-port", type=port, default=servers.DEFAULT_DASHBOARD_PORT,
                    help="optuna-dashboard port (8080)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///STATE/optuna.db)")
     p.add_argument("--tracking-uri", default=None,
@@ -30,9 +34,30 @@ def add_parser(subparsers) -> None:
     p.add_argument("--allowed-hosts", default=None,
                    help="Host headers the MLflow UI accepts, comma-separated (MLflow's default: localhost and "
                         "private IPs); needed to reach it by a public name or address")
-    p.add_argument("--timeout", type=float, default=servers.START_TIMEOUT_S,
+    p.add_argument("--timeout", type=positive_seconds, default=servers.START_TIMEOUT_S,
                    help="seconds to wait for both servers to answer (default: %(default)s)")
     p.set_defaults(func=run_ui)
+
+
+def port(text: str) -> int:
+    """A TCP port a server can listen on (1-65535; 0 would let the OS pick one we could not announce)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}") from None
+    if not 1 <= value <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 1-{MAX_PORT}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def run_ui(args) -> int:
@@ -61,6 +86,8 @@ def run_ui(args) -> int:
 
 def _announce(handle: servers.UiHandle) -> None:
     print(f"MLflow UI:        {handle.mlflow_url}")
+    # MLflow 3 opens in its GenAI mode unless the browser chose otherwise; studies are model-training runs.
+    print(f"  (model-training view: {handle.mlflow_url}/#/experiments?{ML_WORKFLOW})")
     print(f"optuna-dashboard: {handle.dashboard_url}")
     try:
         studies = servers.http_json(handle.dashboard_url + servers.DASHBOARD_PROBE).get("study_summaries", [])

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from search.ensemble import HALF_SALT
 from search.study import PARENT_ATTR
-from search.tracking import PARENT_TAG, ROLE_TAG, STUDY_TAG, default_artifact_root, redact_url
+from search.tracking import (
+    EXPERIMENT_TAGS, NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, default_artifact_root, redact_url, source_tags,
+)
 from trainers.submission import check_submission, write_submission
 
 PICK_ROLE = "pick"
@@ -37,7 +38,9 @@ class PickResult:
     table: pd.DataFrame
     weights: dict[str, float]  # members with weight > 0
     best_single: str
-    gain: float  # report-half MRR: ensemble - best single
+    gain: float  # ensemble - best single on images the selection never saw (nested folds, or the report half)
+    gain_std: float  # spread of the gain over the nested folds (nan for halves)
+    selection: str  # "oof", "halves" or "single"
     run_id: str
     model_uri: str
     tracking_uri: str
@@ -74,12 +77,17 @@ def start_run(client, paths, study, method: str) -> tuple[str, str]:
     if exp is None:
         root = paths.artifact_root or default_artifact_root(paths.tracking_uri)
         safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "study"
-        exp_id = client.create_experiment(name, artifact_location=f"{root.rstrip('/')}/{safe}" if root else None)
+        exp_id = client.create_experiment(name, artifact_location=f"{root.rstrip('/')}/{safe}" if root else None,
+                                          tags=EXPERIMENT_TAGS)
     else:
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
         exp_id = exp.experiment_id
-    tags = {ROLE_TAG: PICK_ROLE, STUDY_TAG: name, "latentsweep.method": method}
+        for key, value in EXPERIMENT_TAGS.items():
+            if exp.tags.get(key) != value:
+                client.set_experiment_tag(exp_id, key, value)
+    tags = {ROLE_TAG: PICK_ROLE, STUDY_TAG: name, "latentsweep.method": method,
+            **source_tags(f"latentsweep pick {name}")}
     parent = study.user_attrs.get(PARENT_ATTR)
     if parent:
         try:
@@ -90,50 +98,121 @@ def start_run(client, paths, study, method: str) -> tuple[str, str]:
     return exp_id, client.create_run(exp_id, run_name=f"pick-{method}", tags=tags).info.run_id
 
 
-def run_metrics(cands, sel) -> dict[str, float]:
-    """select/* and report/* figures, the gain, and each member's MRR on both halves."""
-    out: dict[str, float] = {"report/gain_mrr": float(sel.scores["gain_report_mrr"])}
-    for half in ("select", "report"):
-        for kind in ("best_single", "mean", "ensemble"):
-            for key in ("mrr", "r1", "r10"):
-                out[f"{half}/{kind}_{key}"] = float(sel.scores[half][kind][key])
-        for c, m in zip(cands, sel.scores[half]["members"]):
-            out[f"member/{c.name}/{half}_mrr"] = float(m["mrr"])
+def _seeds(models) -> int:
+    members = {m.member for m in models}
+    return len(models) // max(len(members), 1)
+
+
+def _log_refits(client, exp_id: str, run_id: str, models, study_name: str) -> dict[str, str]:
+    """One FINISHED MLflow run per refit model, nested under the pick run, with its config and checkpoint;
+    returns {model name: run id}."""
+    from mlflow.entities import Param
+
+    out = {}
+    for m in models:
+        if m.job is None:
+            continue
+        tags = {PARENT_TAG: run_id, ROLE_TAG: "refit", STUDY_TAG: study_name, "latentsweep.member": m.member}
+        child = client.create_run(exp_id, run_name=m.name.replace("/", "-"), tags=tags).info.run_id
+        client.log_batch(child, params=[Param(k, str(v)) for k, v in {
+            "member": m.member, "seed": m.job.cfg.train.seed, "epochs": m.job.cfg.train.stop_after,
+            "schedule_epochs": m.job.cfg.train.epochs, "weight": m.weight}.items()], synchronous=True)
+        for path in (m.job.run_dir / "config.toml", m.job.run_dir / "metrics.csv", m.checkpoint):
+            if path.is_file():
+                client.log_artifact(child, str(path))
+        client.set_terminated(child, status="FINISHED")
+        out[m.name] = child
     return out
 
 
-def _log_run(client, run_id: str, opts, cands, sel, data, test) -> None:
-    from mlflow.entities import Metric, Param
+def run_params(opts, cands, sel, models, data, test) -> dict[str, Any]:
+    return {"method": opts.method, "selection": sel.kind, "top": opts.top, "size": opts.size,
+            "folds": sel.details.get("folds", ""), "refit": opts.refit, "seeds_per_member": _seeds(models),
+            "budget_s": opts.budget, "seed": opts.seed, "n_candidates": len(cands),
+            "n_members": int((sel.weights > 0).sum()), "n_models": len(models), "best_single": sel.best_single,
+            "data_fingerprint": data.fingerprint, "test_path": test.path}
 
-    params = {"method": opts.method, "top": opts.top, "size": opts.size, "seeds": opts.seeds, "seed": opts.seed,
-              "n_candidates": len(cands), "n_members": int((sel.weights > 0).sum()), "best_single": sel.best_single,
-              "data_fingerprint": data.fingerprint, "test_path": test.path, "halves_salt": HALF_SALT}
+
+def _gain_metrics(sel) -> dict[str, float]:
+    out = {"gain_mrr": float(sel.gain)}
+    if sel.gain_std == sel.gain_std:
+        out["gain_mrr_std"] = float(sel.gain_std)
+    return out
+
+
+def describe(study_name: str, method: str, sel, models, dims: tuple[int, int]) -> str:
+    """The pick run's and the model's description: members, weights, the honest gain and what made the submission."""
+    members = ", ".join(f"{name} {w:.2f}" for name, w in zip(sel.table["name"], sel.weights) if w > 0)
+    where = {"oof": "nested folds", "halves": "report half"}.get(sel.kind)
+    gain = (f" Gain over the best single member ({sel.best_single}) on data the selection never saw ({where}): "
+            f"{sel.gain:+.4f}" + (f" +/- {sel.gain_std:.4f} (std over folds)." if sel.gain_std == sel.gain_std
+                                  else ".")) if where else ""
+    origins = sorted({m.origin for m in models})
+    return (f"Ensemble ({method}, {sel.kind} selection) of study {study_name}: {members}.{gain} Made of "
+            f"{len(models)} model(s) ({', '.join(origins)}). Input: caption embeddings [N, {dims[0]}] (float32 or "
+            f"float64); output: image-space embeddings [N, {dims[1]}].")
+
+
+def _figure(opts, sel):
+    """Weights and per-member MRR on data the selection never saw (or out-of-fold); None for a single member."""
+    from search.plots import ensemble_figure
+
+    table = sel.table.set_index("role")
+    column = {"oof": "oof_mrr", "halves": "report_mrr"}.get(sel.kind)
+    if column is None:
+        return None
+    members = sel.table[sel.table["role"] == "member"]
+    ens_col = "nested_mrr" if sel.kind == "oof" else "report_mrr"
+    where = ("members: out-of-fold MRR; lines: nested folds (selection made on the other folds)" if sel.kind == "oof"
+             else "MRR on the report half (never seen by selection)")
+    return ensemble_figure(list(members["name"]), sel.weights, list(members[column]),
+                           float(table.loc["ensemble", ens_col]), float(table.loc["best_single", ens_col]),
+                           f"{opts.study}: {opts.method} ensemble", where)
+
+
+def _log_run(client, run_id: str, opts, cands, sel, models, data, test, note: str) -> None:
+    from mlflow.entities import Metric, Param, RunTag
+
+    from search.tracking import DatasetRecord
+    from search.tracking_mlflow import dataset_input
+
     now = int(time.time() * 1000)
-    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()], synchronous=True)
-    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in run_metrics(cands, sel).items()],
+    params = run_params(opts, cands, sel, models, data, test)
+    metrics = {**sel.metrics, **_gain_metrics(sel)}
+    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()], tags=[RunTag(NOTE_TAG, note)],
                      synchronous=True)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()], synchronous=True)
+    figure = _figure(opts, sel)
+    if figure is not None:
+        client.log_figure(run_id, figure, "ensemble_weights.png")
+    client.log_inputs(run_id, [dataset_input(DatasetRecord(Path(data.path).name, data.fingerprint, str(data.path),
+                                                           "train")),
+                               dataset_input(DatasetRecord(Path(test.path).name, test.fingerprint, str(test.path),
+                                                           "test"))])
 
 
-def manifest(opts, paths, study, cands, sel, data, test, run: dict[str, Any]) -> dict[str, Any]:
+def manifest(opts, paths, study, cands, sel, models, data, test, run: dict[str, Any]) -> dict[str, Any]:
     """Everything needed to audit or rebuild the pick (JSON-ready)."""
-    select, report = sel.halves
-    members = []
-    for c, w, s, r in zip(cands, sel.weights, sel.scores["select"]["members"], sel.scores["report"]["members"]):
-        members.append({"name": c.name, "trial": c.trial, "train_seed": c.cfg.train.seed,
-                        "checkpoint": str(c.checkpoint), "origin": c.origin, "config_sha256": c.config_sha256,
-                        "study_value": c.value, "weight": float(w), "select_mrr": s["mrr"], "report_mrr": r["mrr"]})
-    scores = {half: {k: sel.scores[half][k] for k in ("best_single", "mean", "ensemble")}
-              for half in ("select", "report")}
+    rows = sel.table[sel.table["role"] == "member"].drop(columns=["role", "name", "weight", "study_value"])
+    members = [{"name": c.name, "trial": c.trial, "train_seed": c.cfg.train.seed, "best_epoch": c.best_epoch,
+                "checkpoint": str(c.checkpoint), "origin": c.origin, "config_sha256": c.config_sha256,
+                "study_value": c.value, "weight": float(w), **row.dropna().to_dict()}
+               for c, w, (_, row) in zip(cands, sel.weights, rows.iterrows())]
+    refit_runs = run.get("refit_runs", {})
+    made_by = [{"name": m.name, "member": m.member, "weight": m.weight, "origin": m.origin,
+                "checkpoint": str(m.checkpoint), "mlflow_run_id": refit_runs.get(m.name)} for m in models]
     return {
         "study": study.study_name, "direction": study.direction.name.lower(), "method": opts.method,
-        "options": {"top": opts.top, "size": opts.size, "seeds": opts.seeds, "seed": opts.seed},
+        "selection": sel.kind,
+        "options": {"top": opts.top, "size": opts.size, "seeds": opts.seeds, "seed": opts.seed, "folds": opts.folds,
+                    "refit": opts.refit, "budget": opts.budget},
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "members": members,
         "weights": {c.name: float(w) for c, w in zip(cands, sel.weights) if w > 0},
         "best_single": sel.best_single,
-        "scores": {**scores, "gain_report_mrr": sel.scores["gain_report_mrr"]},
-        "halves": {"salt": HALF_SALT, **{h.name: {"images": len(h.images), "captions": len(h.captions),
-                                                  "gallery_size": h.gallery_size} for h in (select, report)}},
+        "gain_mrr": sel.gain, "gain_mrr_std": None if sel.gain_std != sel.gain_std else sel.gain_std,
+        **sel.details,
+        "submission_models": made_by,
         "data": {"path": str(data.path), "fingerprint": data.fingerprint},
         "test": {"path": str(test.path), "fingerprint": test.fingerprint, "rows": int(len(test.ids))},
         "submission": str(paths.out), "report_table": str(paths.report),
@@ -141,9 +220,9 @@ def manifest(opts, paths, study, cands, sel, data, test, run: dict[str, Any]) ->
     }
 
 
-def write_outputs(opts, paths, study, cands, sel, data, test, test_pred: np.ndarray) -> PickResult:
+def write_outputs(opts, paths, study, cands, sel, models, data, test, test_pred: np.ndarray) -> PickResult:
     """Stage submission + report, log the MLflow run and model, write the manifest, then move the files into place."""
-    from search.pyfunc_model import log_ensemble
+    from search.pyfunc_model import log_ensemble, model_name
 
     created = _make_dirs(paths.out.parent)
     stage = Path(tempfile.mkdtemp(prefix=".pick-", dir=paths.out.parent))
@@ -155,15 +234,21 @@ def write_outputs(opts, paths, study, cands, sel, data, test, test_pred: np.ndar
         sel.table.to_csv(staged[paths.report], index=False)
         client = _client(paths.tracking_uri)
         exp_id, run_id = start_run(client, paths, study, opts.method)
-        _log_run(client, run_id, opts, cands, sel, data, test)
-        logged = log_ensemble(client, exp_id, run_id, [(c.name, c.checkpoint) for c in cands], sel.weights,
-                              cands[0].dims, register=opts.register,
-                              tags={STUDY_TAG: study.study_name, "latentsweep.method": opts.method})
+        note = describe(study.study_name, opts.method, sel, models, cands[0].dims)
+        _log_run(client, run_id, opts, cands, sel, models, data, test, note)
+        refit_runs = _log_refits(client, exp_id, run_id, models, study.study_name)
+        logged = log_ensemble(client, exp_id, run_id, [(m.name, m.checkpoint) for m in models],
+                              np.array([m.weight for m in models]), cands[0].dims, register=opts.register,
+                              tags={STUDY_TAG: study.study_name, "latentsweep.method": opts.method},
+                              name=model_name(study.study_name),
+                              params=run_params(opts, cands, sel, models, data, test),
+                              metrics=_gain_metrics(sel), description=note)
         registered = ({"name": logged.registered_name, "version": logged.registered_version}
                       if logged.registered_name else None)
         run = {"tracking_uri": redact_url(paths.tracking_uri), "experiment_id": exp_id, "run_id": run_id,
-               "model_id": logged.model_id, "model_uri": logged.model_uri, "registered": registered}
-        doc = manifest(opts, paths, study, cands, sel, data, test, run)
+               "model_id": logged.model_id, "model_uri": logged.model_uri, "registered": registered,
+               "refit_runs": refit_runs}
+        doc = manifest(opts, paths, study, cands, sel, models, data, test, run)
         staged[paths.manifest].write_text(json.dumps(doc, indent=2, default=float) + "\n")
         for path in staged.values():
             client.log_artifact(run_id, str(path))
@@ -176,7 +261,8 @@ def write_outputs(opts, paths, study, cands, sel, data, test, test_pred: np.ndar
         if not ok:
             _undo(client, run_id, created)
     return PickResult(paths.out, paths.manifest, paths.report, sel.table, doc["weights"], sel.best_single,
-                      float(sel.scores["gain_report_mrr"]), run_id, logged.model_uri, paths.tracking_uri, registered)
+                      float(sel.gain), float(sel.gain_std), sel.kind, run_id, logged.model_uri, paths.tracking_uri,
+                      registered)
 
 
 def _undo(client, run_id: str | None, created: list[Path]) -> None:

@@ -1,15 +1,17 @@
-"""The picked ensemble as an MLflow pyfunc model: caption embeddings float32 [N, Dt] -> image-space embeddings [N, Di].
+"""The picked ensemble as a self-contained MLflow pyfunc model: caption embeddings [N, Dt] -> image-space [N, Di].
 
-The model's one artifact is a directory holding the member checkpoints (member-00.pt, ...) and ensemble.json (member
-names and weights); `EnsembleModel` rebuilds the members with `trainers.checkpoint.load_model`, so loading needs the
-latentsweep package importable. Logging goes through MlflowClient only (no fluent active run): a LoggedModel is
-created under the pick run, the model directory is saved locally with `mlflow.pyfunc.save_model` and uploaded with
-`log_model_artifacts`; registration creates a model version of that LoggedModel.
+The members are exported with torch.export (member-NN.pt2, the model in eval mode returning its "pred" output) next
+to ensemble.json (names, weights); the model code is search/pyfunc_standalone.py, saved into the model, which needs
+numpy, torch and mlflow only: the model loads and predicts where latentsweep is not installed. It accepts float32 or
+float64 arrays, DataFrames and lists (no input signature: MLflow's tensor check requires one exact dtype).
+Logging goes through MlflowClient only (no fluent active run): a LoggedModel named after the study is created under
+the pick run with its params, metrics and description, the model directory is saved locally with
+`mlflow.pyfunc.save_model` and uploaded with `log_model_artifacts`; registration creates a version of it.
 """
 from __future__ import annotations
 
 import json
-import shutil
+import re
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -17,45 +19,19 @@ from pathlib import Path
 
 import mlflow.pyfunc
 import numpy as np
+import torch
 
-from search.ensemble import combine
-
+# The same names as in search/pyfunc_standalone.py (not imported: running it registers its model with MLflow).
 ARTIFACT_KEY = "ensemble"
 SPEC_FILE = "ensemble.json"
-MODEL_NAME = "ensemble"
+MODEL_CODE = Path(__file__).with_name("pyfunc_standalone.py")
 MODEL_TYPE = "latentsweep-ensemble"
-# Models from code (MLflow's recommended form, no cloudpickle): this script is saved in the model and run at load time.
-MODEL_CODE = """\"\"\"Entry of a latentsweep pick ensemble (MLflow models-from-code).\"\"\"
-from mlflow.models import set_model
-
-from search.pyfunc_model import EnsembleModel
-
-set_model(EnsembleModel())
-"""
+EXPORT_ROWS = 2  # example batch for torch.export; the batch dimension is exported as dynamic
 
 
-class EnsembleModel(mlflow.pyfunc.PythonModel):
-    """Weighted mean of the members' L2-normalised outputs, L2-normalised again (search.ensemble.combine)."""
-
-    def load_context(self, context) -> None:
-        from trainers.checkpoint import load_model
-        from trainers.loop import resolve_device
-
-        root = Path(context.artifacts[ARTIFACT_KEY])
-        spec = json.loads((root / SPEC_FILE).read_text())
-        self.device = resolve_device(spec.get("device", "auto"))
-        self.members = [load_model(root / m["file"], self.device)[0] for m in spec["members"]]
-        self.weights = np.asarray([m["weight"] for m in spec["members"]], np.float64)
-
-    def predict(self, context, model_input: np.ndarray, params: dict | None = None) -> np.ndarray:
-        """model_input: float32 [N, Dt] (a numpy array, or a DataFrame of N rows); returns float32 [N, Di]."""
-        import torch
-
-        from trainers.tasks import predict
-
-        x = torch.as_tensor(np.ascontiguousarray(np.asarray(model_input, np.float32)), device=self.device)
-        outputs = [predict(member, x).cpu().numpy() for member in self.members]
-        return combine(outputs, self.weights)
+def model_name(study: str) -> str:
+    """`<study>-ensemble` with the characters MLflow forbids in logged-model names (/ : . % " ') replaced."""
+    return re.sub(r"[/:.%\"'\s]+", "_", f"{study}-ensemble")
 
 
 @dataclass(frozen=True)
@@ -66,67 +42,94 @@ class LoggedEnsemble:
     registered_version: str | None = None
 
 
-def stage_members(directory: Path, members: list[tuple[str, Path]], weights, device: str = "auto") -> Path:
-    """Copy the checkpoints of the members with weight > 0 into directory/ with ensemble.json; returns directory."""
+class _Pred(torch.nn.Module):
+    """A trained Translator as a plain tensor function: eval-mode "pred" output as float32 (trainers.tasks.predict)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)["pred"].float()
+
+
+def export_member(checkpoint: Path, path: Path) -> None:
+    """Save the checkpoint's model as a torch.export program taking float32 [N, Dt] for any N."""
+    from trainers.checkpoint import load_model
+
+    model = load_model(checkpoint, "cpu")[0].eval()
+    example = torch.zeros(EXPORT_ROWS, int(model.text_mean.numel()))
+    program = torch.export.export(_Pred(model), (example,), dynamic_shapes={"x": {0: torch.export.Dim.DYNAMIC}})
+    torch.export.save(program, str(path))
+
+
+def stage_members(directory: Path, members: list[tuple[str, Path]], weights) -> Path:
+    """Export the members with weight > 0 into directory/ with ensemble.json; returns directory."""
     directory.mkdir(parents=True, exist_ok=True)
     entries = []
     for index, ((name, checkpoint), weight) in enumerate(zip(members, weights)):
         if weight <= 0:
             continue
-        file = f"member-{index:02d}.pt"
-        shutil.copyfile(checkpoint, directory / file)
+        file = f"member-{index:02d}.pt2"
+        export_member(checkpoint, directory / file)
         entries.append({"name": name, "file": file, "weight": float(weight)})
-    (directory / SPEC_FILE).write_text(json.dumps({"members": entries, "device": device}, indent=2))
+    (directory / SPEC_FILE).write_text(json.dumps({"members": entries}, indent=2))
     return directory
 
 
-def signature(dim_text: int, dim_image: int):
-    """Unnamed float32 tensors: input [-1, Dt], output [-1, Di]."""
+def signature(dim_image: int):
+    """Output float32 [-1, Di]; no input schema, so float32, float64 and lists are all accepted (see module doc)."""
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
-    return ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.float32), (-1, dim_text))]),
-                          outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, dim_image))]))
+    return ModelSignature(outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, dim_image))]))
 
 
 def _requirements() -> list[str]:
-    """Pinned explicitly: inferring them would load the model in a subprocess (slow) and miss latentsweep itself."""
+    """Pinned explicitly (inferring them would load the model in a subprocess): all the model code imports."""
     import mlflow
-    import torch
 
     return [f"mlflow=={mlflow.__version__}", f"torch=={torch.__version__.split('+')[0]}",
             f"numpy=={np.__version__}"]
 
 
 def log_ensemble(client, experiment_id: str, run_id: str, members: list[tuple[str, Path]], weights,
-                 dims: tuple[int, int], register: str | None = None, tags: dict[str, str] | None = None
-                 ) -> LoggedEnsemble:
-    """Log the ensemble as a pyfunc LoggedModel output of run `run_id`; register it under `register` if given."""
+                 dims: tuple[int, int], register: str | None = None, tags: dict[str, str] | None = None,
+                 name: str = "ensemble", params: dict[str, str] | None = None,
+                 metrics: dict[str, float] | None = None, description: str | None = None) -> LoggedEnsemble:
+    """Log the ensemble as a pyfunc LoggedModel `name` output of run `run_id`, with params, metrics (linked to the
+    run) and a description; register it under `register` if given."""
     from mlflow.entities import LoggedModelOutput
     from mlflow.models import Model
 
-    model = client.create_logged_model(experiment_id, name=MODEL_NAME, source_run_id=run_id, model_type=MODEL_TYPE,
-                                       tags=tags)
+    tags = dict(tags or {})
+    if description:
+        tags["mlflow.note.content"] = description
+    model = client.create_logged_model(experiment_id, name=name, source_run_id=run_id, model_type=MODEL_TYPE,
+                                       tags=tags, params={k: str(v) for k, v in (params or {}).items()})
     try:
         with tempfile.TemporaryDirectory(prefix="latentsweep-pyfunc-") as tmp:
             staged = stage_members(Path(tmp) / "members", members, weights)
             local = Path(tmp) / "model"
-            code = Path(tmp) / "ensemble_model.py"
-            code.write_text(MODEL_CODE)
             meta = Model(artifact_path=model.artifact_location, run_id=run_id, model_uuid=model.model_id,
                          model_id=model.model_id)
             with warnings.catch_warnings():
-                # MLflow suggests type hints and an input example; the explicit tensor signature already says it all.
+                # MLflow suggests type hints and an input example; the docstrings and the metadata say it.
                 warnings.simplefilter("ignore", UserWarning)
-                mlflow.pyfunc.save_model(str(local), python_model=str(code), artifacts={ARTIFACT_KEY: str(staged)},
-                                         signature=signature(*dims), pip_requirements=_requirements(),
-                                         mlflow_model=meta,
-                                         metadata={"requires": "the latentsweep package (trainers.checkpoint)"})
-            client.log_model_artifacts(model.model_id, str(local))
+                mlflow.pyfunc.save_model(str(local), python_model=str(MODEL_CODE),
+                                         artifacts={ARTIFACT_KEY: str(staged)}, signature=signature(dims[1]),
+                                         pip_requirements=_requirements(), mlflow_model=meta,
+                                         metadata={"input": f"caption embeddings [N, {dims[0]}], float32 or float64 "
+                                                            "(array, DataFrame or lists)",
+                                                   "output": f"L2-normalised image-space embeddings float32 "
+                                                             f"[N, {dims[1]}]"})
+                client.log_model_artifacts(model.model_id, str(local))
     except BaseException:
         client.finalize_logged_model(model.model_id, "FAILED")
         raise
     client.finalize_logged_model(model.model_id, "READY")
+    for key, value in (metrics or {}).items():  # shown on the model's page and in its metrics column
+        client.log_metric(run_id, key, float(value), step=0, model_id=model.model_id)
     client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
     uri = f"models:/{model.model_id}"
     if register is None:
@@ -152,4 +155,4 @@ def register_ensemble(client, name: str, model_id: str, source: str, run_id: str
     return str(version.version)
 
 
-__all__ = ["EnsembleModel", "LoggedEnsemble", "stage_members", "signature", "log_ensemble", "register_ensemble"]
+__all__ = ["LoggedEnsemble", "model_name", "stage_members", "signature", "log_ensemble", "register_ensemble"]

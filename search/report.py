@@ -1,4 +1,5 @@
-"""Tables of a study's trials (pandas), shared by `study status`, the picker and the benchmarks."""
+"""Tables of a study's trials (pandas, from Optuna's trials_dataframe), shared by `study status|list`, the picker and
+the benchmarks."""
 from __future__ import annotations
 
 import optuna
@@ -6,12 +7,18 @@ import pandas as pd
 
 from trainers.errors import LatentsweepError
 
+FIXED = ["number", "state", "value", "duration_s"]
 
-def load_existing_study(name: str, storage: str) -> optuna.Study:
-    """Load a study by name with a one-line error naming the known studies when it does not exist."""
+
+def load_existing_study(name: str, storage, heartbeat: int | None = None, grace: int | None = None) -> optuna.Study:
+    """Load a study by name with a one-line error naming the known studies when it does not exist. `storage` is a
+    URL; heartbeat/grace (seconds) set the storage's stale-trial rule for a reaper."""
     from search.storage import StorageSettings, open_storage, redact_url
 
-    rdb = open_storage(StorageSettings(storage))
+    settings = StorageSettings(storage)
+    if heartbeat is not None and grace is not None:
+        settings = StorageSettings(storage, heartbeat, grace)
+    rdb = open_storage(settings)
     try:
         return optuna.load_study(study_name=name, storage=rdb)
     except KeyError:
@@ -21,17 +28,68 @@ def load_existing_study(name: str, storage: str) -> optuna.Study:
         ) from None
 
 
+def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
+    """number, state, value, duration (s), then the searched knobs (only those that vary when varying_only); complete
+    trials first, best first, then the others by number."""
+    frame = study.trials_dataframe(attrs=("number", "state", "value", "duration", "params"))
+    if frame.empty:
+        return pd.DataFrame(columns=FIXED)
+    value = next(c for c in frame.columns if c == "value" or c.startswith("value_"))  # value_<metric name>
+    frame = frame.rename(columns={value: "value", **{c: c[len("params_"):] for c in frame.columns
+                                                       if c.startswith("params_")}})
+    frame["duration_s"] = frame.pop("duration").dt.total_seconds().round(1)
+    knobs = [c for c in frame.columns if c not in FIXED]
+    if varying_only:
+        knobs = [c for c in knobs if frame[c].astype(str).nunique(dropna=False) > 1]
+    frame = frame[FIXED + knobs]
+    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    order = frame.assign(_done=frame["state"] != "COMPLETE",
+                         _key=-frame["value"] if maximize else frame["value"])
+    order = order.sort_values(["_done", "_key", "number"], na_position="last")
+    return frame.loc[order.index].reset_index(drop=True)
+
+
 def trials_table(name: str, storage: str, varying_only: bool = True) -> pd.DataFrame:
-    """number, state, value, duration (s), then the searched knobs (only those that vary when varying_only)."""
-    study = load_existing_study(name, storage)
+    """study_table of the study `name` in `storage`."""
+    return study_table(load_existing_study(name, storage), varying_only)
+
+
+def study_header(study: optuna.Study) -> str:
+    """`study NAME: maximize val/mrr, N trials (c complete, p pruned, f failed, r running), best V (trial K)`."""
+    trials = study.get_trials(deepcopy=False)
+    counts = pd.Series([t.state.name.lower() for t in trials], dtype=object).value_counts().to_dict()
+    parts = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    metric = (study.metric_names or [study.user_attrs.get("objective", "objective")])[0]
+    header = f"study {study.study_name}: {study.direction.name.lower()} {metric}, {len(trials)} trials"
+    header += f" ({parts})" if parts else ""
+    try:
+        best = study.best_trial
+        header += f", best {best.value:.4f} (trial {best.number})"
+    except ValueError:
+        header += ", no complete trial yet"
+    return header
+
+
+def studies_table(storage: str) -> pd.DataFrame:
+    """One row per study in `storage`: name, direction, objective, trials by state, best value and trial."""
+    from search.storage import StorageSettings, dispose, open_storage
+
+    rdb = open_storage(StorageSettings(storage))
     rows = []
-    for t in study.get_trials(deepcopy=False):
-        duration = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start else None
-        rows.append({"number": t.number, "state": t.state.name, "value": t.value,
-                     "duration_s": None if duration is None else round(duration, 1), **t.params})
-    table = pd.DataFrame(rows)
-    if varying_only and len(table):
-        fixed = ["number", "state", "value", "duration_s"]
-        knobs = [c for c in table.columns if c not in fixed and table[c].astype(str).nunique(dropna=False) > 1]
-        table = table[fixed + knobs]
-    return table
+    try:
+        for s in optuna.get_all_study_summaries(rdb, include_best_trial=True):
+            study = optuna.load_study(study_name=s.study_name, storage=rdb)
+            states = pd.Series([t.state.name.lower() for t in study.get_trials(deepcopy=False)],
+                               dtype=object).value_counts()
+            best = s.best_trial
+            rows.append({"study": s.study_name, "direction": s.direction.name.lower(),
+                         "objective": (study.metric_names or [study.user_attrs.get("objective", "")])[0],
+                         "trials": s.n_trials, **{k: int(states.get(k, 0)) for k in ("complete", "pruned", "fail",
+                                                                                       "running")},
+                         "best_value": None if best is None else best.value,
+                         "best_trial": None if best is None else best.number,
+                         "created": s.datetime_start})
+    finally:
+        dispose(rdb)
+    return pd.DataFrame(rows, columns=["study", "direction", "objective", "trials", "complete", "pruned", "fail",
+                                       "running", "best_value", "best_trial", "created"])

@@ -11,12 +11,14 @@ import optuna
 from tqdm.auto import tqdm
 
 from search.objective import TrialRunner
+from search.progress import emit, trial_line
 from search.study import (
     RunSpec, best_summary, counted, cpu_threads, dispose_study, interrupt_as_keyboard, load_or_create, reap,
-    study_dir, worker_loop,
+    open_tracker, reap_owner, study_dir, worker_id, worker_loop,
 )
 from search.studyfile import load_study_file
-from search.tracking import Tracker, make_tracker
+from search.tracking import Tracker
+from trainers.errors import LatentsweepError
 
 log = logging.getLogger("latentsweep")
 POLL_S = 2.0  # how often the main process refreshes the study bar from the storage when workers run elsewhere
@@ -47,25 +49,48 @@ def run_worker(spec: RunSpec, create: bool = False, study: optuna.Study | None =
     sf = load_study_file(spec.study_file)
     data = load_train(spec.data_path)
     owned = study is None
-    tracker = tracker or make_tracker(spec.tracking_uri, spec.artifact_root)
+    tracker = tracker or open_tracker(spec)
     study = study or load_or_create(sf, spec, tracker, create=create)
     bar = _StudyBar(spec, study) if spec.progress else None
+
+    def on_trial(frozen) -> None:
+        emit(trial_line(study, frozen))  # one plain line per trial, with or without a bar (--quiet included)
+        if bar:
+            bar.update_from(frozen)
+
     try:
         reap(study, tracker)
         runner = TrialRunner(sf, spec, data, tracker, study_dir(spec.state_dir, spec.name))
-        return worker_loop(sf, spec, study, runner, on_trial=bar.update_from if bar else None)
+        return worker_loop(sf, spec, study, runner, on_trial=on_trial)
     finally:
         if bar:
             bar.close()
         if owned:
+            _close_parent_if_idle(study, tracker)
             dispose_study(study)
 
 
+def _close_parent_if_idle(study: optuna.Study, tracker: Tracker) -> None:
+    """A worker that joined on its own (`latentsweep worker`) ends the parent run when no trial runs any more, so
+    the last worker out leaves nothing RUNNING in MLflow (a later worker or `study run` reopens it)."""
+    try:
+        if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            finish(study, tracker)
+    except Exception as exc:  # noqa: BLE001 - on the way out of another error: keep that one
+        log.warning("could not close the study's MLflow parent run: %s", exc)
+
+
 def _worker_entry(spec: RunSpec) -> None:
+    """A spawned worker: a user error is one line on stderr and exit code 2, like the CLI (no traceback)."""
+    import sys
+
     try:
         run_worker(spec)
     except KeyboardInterrupt:
         pass
+    except LatentsweepError as exc:
+        print(f"latentsweep: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 class _StudyBar:
@@ -99,14 +124,14 @@ def run_study(spec: RunSpec, workers: int = 1) -> dict:
     """Create/load the study, run it here with `workers` processes, refresh the parent run; returns the summary."""
     quiet_optuna()
     sf = load_study_file(spec.study_file)
-    tracker = make_tracker(spec.tracking_uri, spec.artifact_root)
+    tracker = open_tracker(spec)
     study = load_or_create(sf, spec, tracker, create=True)
     interrupted = False
     try:
         if workers <= 1:
             run_worker(spec, study=study, tracker=tracker)
         else:
-            _run_spawned(spec, study, workers)
+            _run_spawned(spec, study, workers, tracker)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -117,7 +142,7 @@ def run_study(spec: RunSpec, workers: int = 1) -> dict:
     return summary
 
 
-def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int) -> None:
+def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Tracker) -> None:
     ctx = mp.get_context("spawn")  # fork after torch/SQLAlchemy initialisation is unsafe
     child = replace(spec, threads=cpu_threads(workers), progress=False)
     procs = [ctx.Process(target=_worker_entry, args=(child,), name=f"worker-{i}") for i in range(workers)]
@@ -125,8 +150,10 @@ def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int) -> None:
         p.start()
     bar = _StudyBar(spec, study) if spec.progress else None
     stop = threading.Event()
+    reaped: set[int] = set()
     try:
         while any(p.is_alive() for p in procs):
+            _reap_dead_children(study, tracker, procs, reaped)
             if bar:
                 bar.refresh()
             stop.wait(POLL_S)
@@ -137,9 +164,26 @@ def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int) -> None:
     finally:
         for p in procs:
             p.join()
+        _reap_dead_children(study, tracker, procs, reaped)
         if bar:
             bar.refresh()
             bar.close()
+
+
+def _reap_dead_children(study: optuna.Study, tracker: Tracker, procs, reaped: set[int]) -> None:
+    """A child that died (killed, crashed) cannot close its trial: fail and retry it now instead of after the
+    heartbeat grace period, so the other workers pick the retry up at once."""
+    for p in procs:
+        if p.pid not in reaped and not p.is_alive():
+            reaped.add(p.pid)
+            try:
+                closed = reap_owner(study, tracker, worker_id(p.pid))
+            except Exception as exc:  # noqa: BLE001 - the heartbeat reaper still catches it after the grace
+                log.warning("could not reap the trials of dead worker %s: %s", p.name, exc)
+                continue
+            if closed:
+                log.warning("worker %s died (exit code %s); its trial was failed and queued for retry",
+                            p.name, p.exitcode)
 
 
 def finish(study: optuna.Study, tracker: Tracker) -> dict:
@@ -148,7 +192,7 @@ def finish(study: optuna.Study, tracker: Tracker) -> dict:
 
     summary = best_summary(study)
     try:
-        tracker.end_study(summary, study_figures(study))
+        tracker.end_study(summary, study_figures(study, study.user_attrs.get("objective")))
     except Exception as exc:  # noqa: BLE001 - the study's results are in Optuna either way
         log.warning("could not refresh the study's MLflow parent run: %s", exc)
     return summary

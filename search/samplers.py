@@ -1,8 +1,10 @@
 """Sampler and pruner registries: `[study.sampler]` / `[study.pruner]` tables (name + keyword settings) to Optuna objects."""
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
+import warnings
 from typing import Any
 
 import optuna
@@ -38,7 +40,9 @@ def check_settings(kind: str, table: dict[str, Any], errors: list[str], where: s
         errors.append(f"{where}: study.{kind}: unknown {kind} '{name}'{closest(str(name), registry.names())}; "
                       f"valid: {', '.join(registry.names())}")
         return
-    accepted = _keywords(registry.get(name))
+    cls = registry.get(name)
+    accepted = _keywords(cls)
+    count = len(errors)
     for key, value in table.items():
         if key == "name":
             continue
@@ -46,20 +50,55 @@ def check_settings(kind: str, table: dict[str, Any], errors: list[str], where: s
             errors.append(f"{where}: study.{kind}.{key}: not a setting of {kind} '{name}'{closest(key, accepted)}")
         elif not isinstance(value, _SCALAR):
             errors.append(f"{where}: study.{kind}.{key}: expected a number, string or boolean")
+        else:
+            problem = _value_problem(accepted[key], value)
+            if problem:
+                errors.append(f"{where}: study.{kind}.{key}: {problem}")
+    if len(errors) == count:  # the values themselves: Optuna's own checks run when the object is built
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cls(**{k: v for k, v in table.items() if k != "name"})
+        except (ValueError, TypeError, OverflowError) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            errors.append(f"{where}: study.{kind}: {kind} '{name}' rejects its settings: {reason}")
 
 
-def _keywords(cls) -> list[str]:
+def _value_problem(default: Any, value: Any) -> str | None:
+    """A setting's value against the type of its default (Optuna accepts many wrong types without a word, e.g. a
+    string or a negative number of startup trials, and fails only trials later). Counts (int defaults) are >= 0."""
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
+    if isinstance(default, int) and default is not None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"expected a whole number, got {value!r}"
+        return f"must be >= 0, got {value}" if value < 0 else None
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            return f"expected a number, got {value!r}"
+    return None
+
+
+def _keywords(cls) -> dict[str, Any]:
+    """Keyword settings of a sampler/pruner class and their defaults (None when the default is None or absent)."""
     params = inspect.signature(cls).parameters.values()
-    return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {p.name: (None if p.default is p.empty else p.default) for p in params
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
-def build_sampler(table: dict[str, Any], per_worker: bool = False) -> optuna.samplers.BaseSampler:
-    """The sampler of a `[study.sampler]` table. `per_worker`: a joining worker offsets a fixed seed by a random
-    amount, since workers sharing one seed would propose identical trials; the process that creates the study keeps
-    the seed, so a one-worker study stays reproducible."""
+def build_sampler(table: dict[str, Any], per_worker: bool = False, history: int = 0) -> optuna.samplers.BaseSampler:
+    """The sampler of a `[study.sampler]` table.
+
+    A fixed seed is kept as written for a fresh study run by one process, so that run is reproducible. Otherwise it
+    is derived: `history` (trials already in the study) makes a resumed run continue the search instead of
+    replaying trial 0's proposals, and `per_worker` adds a random offset, since workers joining at the same moment
+    see the same history and would still propose identical trials.
+    """
     settings = {k: v for k, v in table.items() if k != "name"}
-    if per_worker and settings.get("seed") is not None:
-        settings["seed"] = (int(settings["seed"]) + int.from_bytes(os.urandom(4), "big")) % 2**32
+    if settings.get("seed") is not None and (history or per_worker):
+        salt = os.urandom(4).hex() if per_worker else ""
+        digest = hashlib.sha256(f"{settings['seed']}:{history}:{salt}".encode()).digest()
+        settings["seed"] = int.from_bytes(digest[:4], "big")  # numpy seeds must lie in [0, 2**32)
     return SAMPLERS.get(table.get("name", "tpe"))(**settings)
 
 

@@ -249,13 +249,41 @@ def ensure_optuna_schema(storage: str) -> None:
         pass  # tables made by another Optuna version: they exist, and the dashboard skips the version check
 
 
-def dashboard_argv(storage: str, host: str, port: int) -> list[str]:
+def dashboard_argv(config: Path, host: str, port: int) -> list[str]:
+    """optuna-dashboard reading its storage URL from `config` (see dashboard_config): never on the command line,
+    where any local user could read a password with `ps`."""
     script = Path(sys.executable).with_name("optuna-dashboard")
     exe = str(script) if script.exists() else shutil.which("optuna-dashboard")
     if exe is None:
         raise LatentsweepError("cannot start optuna-dashboard: it is not installed (pip install optuna-dashboard)")
     # wsgiref (threaded) rather than gunicorn: one process that exits at once on SIGTERM; ample for one user.
-    return [exe, storage, "--host", host.strip("[]"), "--port", str(port), "--server", "wsgiref"]
+    return [exe, "--from-config", str(config), "--host", host.strip("[]"), "--port", str(port), "--server", "wsgiref"]
+
+
+def dashboard_config(storage: str) -> Path:
+    """A TOML file readable by this user only ([optuna_dashboard] storage = URL), in a private temporary
+    directory; the caller removes it once the dashboard has read it."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="latentsweep-dashboard-", suffix=".toml")  # mode 0600
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(f"[optuna_dashboard]\nstorage = {json.dumps(storage)}\n")  # a JSON string is a TOML basic string
+    return Path(path)
+
+
+def password_to_env(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Move a backend URI that carries a password from MLflow's command line to MLFLOW_BACKEND_STORE_URI (the
+    option's environment variable), out of sight of `ps`."""
+    import sqlalchemy as sa
+
+    at = argv.index("--backend-store-uri")
+    try:
+        secret = sa.engine.make_url(argv[at + 1]).password is not None
+    except sa.exc.ArgumentError:
+        secret = False
+    if not secret:
+        return argv, env
+    return argv[:at] + argv[at + 2:], {**env, "MLFLOW_BACKEND_STORE_URI": argv[at + 1]}
 
 
 @dataclass
@@ -311,14 +339,19 @@ def start_ui(state_dir: Path, host: str = DEFAULT_HOST, mlflow_port: int = DEFAU
     try:
         if not remote_mlflow:
             root = tracking_artifact_root(tracking_uri) or default_artifact_root(state_dir)
-            argv = mlflow_argv(tracking_uri, root, host, mlflow_port, allowed_hosts)
+            argv, env = password_to_env(mlflow_argv(tracking_uri, root, host, mlflow_port, allowed_hosts),
+                                        mlflow_env())
             handle.servers.append(spawn("the MLflow UI", argv, handle.mlflow_url, MLFLOW_PROBE,
-                                        logs / f"mlflow-ui-{mlflow_port}.log", mlflow_env()))
+                                        logs / f"mlflow-ui-{mlflow_port}.log", env))
         ensure_optuna_schema(storage)
-        argv = dashboard_argv(storage, host, dashboard_port)
-        handle.servers.append(spawn("optuna-dashboard", argv, handle.dashboard_url, DASHBOARD_PROBE,
-                                    logs / f"optuna-dashboard-{dashboard_port}.log"))
-        wait_ready(handle.servers, timeout)
+        config = dashboard_config(storage)
+        try:
+            handle.servers.append(spawn("optuna-dashboard", dashboard_argv(config, host, dashboard_port),
+                                        handle.dashboard_url, DASHBOARD_PROBE,
+                                        logs / f"optuna-dashboard-{dashboard_port}.log"))
+            wait_ready(handle.servers, timeout)  # once it answers, it has read its storage URL
+        finally:
+            config.unlink(missing_ok=True)
     except BaseException:
         handle.stop()
         raise

@@ -4,6 +4,10 @@ An entry is keyed by a config key and holds `type` ("float" | "int" | "categoric
 `choices`, and optionally `when`: a condition string (or list of them, all must hold) of the form
 `KEY OP VALUE` with OP in ==, !=, >, >=, <, <=, in (VALUE a Python literal), e.g. `"loss.slot_infonce.weight > 0"`.
 A knob whose condition is false is not sampled: it keeps its base value and is absent from the trial's params.
+
+One knob may have several entries, one per branch, named `KEY#LABEL` (e.g. `"model.hidden#deep"` with
+`when = "model.kind == 'deep_mlp'"`): each is its own Optuna parameter (Optuna refuses a categorical whose choices
+change between trials), and their conditions must never hold together (`search.branches` checks it).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ class Condition:
 
 @dataclass(frozen=True)
 class Param:
-    key: str
+    name: str  # the Optuna parameter: KEY, or KEY#LABEL for one branch of a knob with several entries
     type: str
     low: float | None = None
     high: float | None = None
@@ -47,17 +51,41 @@ class Param:
     choices: tuple | None = None
     when: tuple[Condition, ...] = ()
 
+    @property
+    def key(self) -> str:
+        """The config key the entry writes."""
+        return config_key(self.name)
+
     def suggest(self, trial) -> Any:
         if self.type == "categorical":
-            return trial.suggest_categorical(self.key, list(self.choices))
+            return trial.suggest_categorical(self.name, list(self.choices))
         if self.type == "int":
-            return trial.suggest_int(self.key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
-        return trial.suggest_float(self.key, self.low, self.high, step=self.step, log=self.log)
+            return trial.suggest_int(self.name, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
+        return trial.suggest_float(self.name, self.low, self.high, step=self.step, log=self.log)
+
+    def active(self, values: dict[str, Any]) -> bool:
+        return all(c.holds(values) for c in self.when)
+
+    def distribution(self) -> optuna.distributions.BaseDistribution:
+        """The Optuna distribution suggest() asks for (to compare with what a stored study recorded)."""
+        import optuna
+
+        if self.type == "categorical":
+            return optuna.distributions.CategoricalDistribution(list(self.choices))
+        if self.type == "int":
+            return optuna.distributions.IntDistribution(int(self.low), int(self.high), log=self.log,
+                                                        step=int(self.step or 1))
+        return optuna.distributions.FloatDistribution(self.low, self.high, log=self.log, step=self.step)
 
     def contains(self, value: Any) -> bool:
         if self.type == "categorical":
             return value in self.choices
         return self.low <= value <= self.high
+
+
+def config_key(name: str) -> str:
+    """`model.hidden#deep` -> `model.hidden`."""
+    return name.split("#", 1)[0]
 
 
 def flatten_space(table: dict[str, Any], prefix: str = "") -> dict[str, dict]:
@@ -75,23 +103,29 @@ def flatten_space(table: dict[str, Any], prefix: str = "") -> dict[str, dict]:
 def parse_space(table: dict[str, Any], fixed: set[str], errors: list[str], where: str) -> list[Param]:
     """Parse `[space]`; append one line per problem to `errors`; return params ordered so conditions come first."""
     params: dict[str, Param] = {}
-    for key, spec in flatten_space(table).items():
-        param = _parse_param(key, spec, errors, where)
+    for name, spec in flatten_space(table).items():
+        param = _parse_param(name, spec, errors, where)
         if param is not None:
-            params[key] = param
+            params[name] = param
+    searched = {p.key for p in params.values()}
     for param in params.values():
+        if param.name != param.key and not param.when:
+            errors.append(f"{where}: space.{param.name}: a branch entry needs a 'when' condition")
         for cond in param.when:
             if cond.key == param.key:
-                errors.append(f"{where}: space.{param.key}: condition on itself")
-            elif cond.key not in params and cond.key not in fixed:
+                errors.append(f"{where}: space.{param.name}: condition on itself")
+            elif cond.key not in searched and cond.key not in fixed:
                 hint = "" if cond.key in valid_keys() else closest(cond.key, valid_keys())
-                errors.append(f"{where}: space.{param.key}: condition on '{cond.key}', which is neither searched "
+                errors.append(f"{where}: space.{param.name}: condition on '{cond.key}', which is neither searched "
                               f"nor fixed in [base]{hint}")
     return _order(params, errors, where)
 
 
-def _parse_param(key: str, spec: Any, errors: list[str], where: str) -> Param | None:
-    at = f"{where}: space.{key}"
+def _parse_param(name: str, spec: Any, errors: list[str], where: str) -> Param | None:
+    at, key = f"{where}: space.{name}", config_key(name)
+    if name != key and not re.fullmatch(r"\w+", name[len(key) + 1:]):
+        errors.append(f"{at}: a branch label after '#' must be a word such as 'deep', got {name[len(key) + 1:]!r}")
+        return None
     try:
         check_key(key)
     except ConfigError as exc:
@@ -102,19 +136,20 @@ def _parse_param(key: str, spec: Any, errors: list[str], where: str) -> Param | 
         return None
     unknown = set(spec) - ENTRY_KEYS
     if unknown:
-        name = sorted(unknown)[0]
-        errors.append(f"{at}: unknown field '{name}'{closest(name, ENTRY_KEYS)}")
+        field_name = sorted(unknown)[0]
+        errors.append(f"{at}: unknown field '{field_name}'{closest(field_name, ENTRY_KEYS)}")
     kind = spec.get("type", "categorical" if "choices" in spec else None)
     if kind not in TYPES:
         errors.append(f"{at}: type must be one of {', '.join(TYPES)}{closest(str(kind), TYPES)}")
         return None
     when = _parse_conditions(spec.get("when", ()), at, errors)
     if kind == "categorical":
-        return _parse_categorical(key, spec, when, at, errors)
-    return _parse_range(key, kind, spec, when, at, errors)
+        return _parse_categorical(name, spec, when, at, errors)
+    return _parse_range(name, kind, spec, when, at, errors)
 
 
-def _parse_categorical(key, spec, when, at, errors) -> Param | None:
+def _parse_categorical(name, spec, when, at, errors) -> Param | None:
+    key = config_key(name)
     choices = spec.get("choices")
     if not isinstance(choices, list) or not choices:
         errors.append(f"{at}: categorical needs a non-empty list 'choices'")
@@ -126,10 +161,11 @@ def _parse_categorical(key, spec, when, at, errors) -> Param | None:
             errors.append(f"{at}: choice {choice!r}: use a string such as \"1024,1024\" for lists")
             return None
         _check_value(key, choice, at, errors)
-    return Param(key, "categorical", choices=tuple(choices), when=when)
+    return Param(name, "categorical", choices=tuple(choices), when=when)
 
 
-def _parse_range(key, kind, spec, when, at, errors) -> Param | None:
+def _parse_range(name, kind, spec, when, at, errors) -> Param | None:
+    key = config_key(name)
     low, high = spec.get("low"), spec.get("high")
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)):
         errors.append(f"{at}: {kind} needs numeric 'low' and 'high'")
@@ -151,7 +187,7 @@ def _parse_range(key, kind, spec, when, at, errors) -> Param | None:
         errors.append(f"{at}: int step must be a whole number, got {step}")  # Param.suggest would truncate it
     for bound in (low, high):
         _check_value(key, bound, at, errors)
-    return Param(key, kind, low=low, high=high, log=log, step=step, when=when)
+    return Param(name, kind, low=low, high=high, log=log, step=step, when=when)
 
 
 def _check_value(key: str, value: Any, at: str, errors: list[str]) -> None:
@@ -198,34 +234,33 @@ def _typed_literal(key: str, op: str, value: Any) -> Any:
 
 
 def _order(params: dict[str, Param], errors: list[str], where: str) -> list[Param]:
-    """Topological order: a knob comes after every searched knob its condition reads."""
+    """Topological order: an entry comes after every entry (of any branch) of each knob its condition reads."""
     ordered: list[Param] = []
-    placed: set[str] = set()
     pending = dict(params)
     while pending:
-        ready = [p for p in pending.values() if all(c.key in placed or c.key not in params for c in p.when)]
+        unplaced = {p.key for p in pending.values()}
+        ready = [p for p in pending.values() if not any(c.key in unplaced for c in p.when)]
         if not ready:
             errors.append(f"{where}: space: conditions form a cycle among {', '.join(sorted(pending))}")
             return ordered + list(pending.values())
         for p in ready:
             ordered.append(p)
-            placed.add(p.key)
-            del pending[p.key]
+            del pending[p.name]
     return ordered
 
 
 def sample(trial, space: list[Param], base_values: dict[str, Any]) -> dict[str, Any]:
-    """Suggest every active knob from `trial`; returns {key: value} for the sampled ones only."""
+    """Suggest every active knob from `trial`; returns {config key: value} for the sampled ones only."""
     current = dict(base_values)
     chosen: dict[str, Any] = {}
     for param in space:
-        if all(c.holds(current) for c in param.when):
+        if param.active(current):
             chosen[param.key] = current[param.key] = coerce(param.key, param.suggest(trial))
     return chosen
 
 
 def active_values(space: list[Param], base_values: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """The subset of `values` (e.g. an enqueued recipe) that the space would sample, in sampling order."""
+    """{Optuna parameter name: value} for the `values` (config keys, e.g. an enqueued recipe) that the space would
+    sample, in sampling order."""
     current = {**base_values, **values}
-    return {p.key: values[p.key] for p in space
-            if p.key in values and all(c.holds(current) for c in p.when)}
+    return {p.name: values[p.key] for p in space if p.key in values and p.active(current)}

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import os
+import re
+import tempfile
 from pathlib import Path
 
 from trainers.errors import LatentsweepError
 
 ENV_VAR = "LATENTSWEEP_STATE_DIR"
 DEFAULT_DIR = "mlruns"
+# Study names become directory names (STATE/studies/<name>, STATE/picks/<name>) and MLflow experiment names: one
+# path component of portable characters, never '.', '..' or a separator; 100 characters leaves room for the
+# 255-byte file-name limit of common file systems once suffixes like "-20260101-120000" are added.
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}")
 
 
 def add_state_arg(parser) -> None:
@@ -29,7 +35,54 @@ def state_dir(arg: str | None = None, create: bool = True) -> Path:
             probe.unlink()
         except OSError as exc:
             raise LatentsweepError(f"state directory {path} is not writable: {exc.strerror}") from None
+    if path.is_dir():
+        from search.tracking_paths import relocate_mlflow
+
+        relocate_mlflow(path)  # a copied or moved directory: its MLflow artifact URIs follow it
     return path
+
+
+def safe_name(name: str, what: str = "study name") -> str:
+    """`name` when it is safe as one path component everywhere a path is built from it; one-line error otherwise."""
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name):
+        raise LatentsweepError(f"{what} {name!r} is not allowed: use 1-100 letters, digits, '_', '-' or '.', "
+                               f"starting with a letter, digit or '_'")
+    return name
+
+
+def read_only_storage(root: Path) -> str:
+    """The default Optuna storage URL for commands that only read (status, pick): creates nothing, and opens the
+    SQLite file read-only, immutable when its directory cannot be written (SQLite then cannot create the WAL
+    index, and nobody can be writing there anyway)."""
+    path = root / "optuna.db"
+    if not path.is_file():
+        raise LatentsweepError(f"no Optuna storage in {root} (optuna.db not found): run `latentsweep study run` "
+                               "first, or pass --state-dir / --storage")
+    if writable_dir(root):
+        return default_storage(root)
+    return f"sqlite:///file:{path}?mode=ro&immutable=1&uri=true"
+
+
+def writable_dir(path: Path) -> bool:
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+def check_artifact_root(root: str) -> None:
+    """A local artifact root (path or file: URI) must be creatable; remote ones (s3:, mlflow-artifacts:, …) are
+    checked by MLflow when it writes."""
+    if "://" in root and not root.startswith("file:"):
+        return
+    path = Path(root[len("file://"):] if root.startswith("file://") else root[len("file:"):]
+                if root.startswith("file:") else root).expanduser()
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not writable_dir(ancestor):
+        raise LatentsweepError(f"--artifact-root {root}: cannot create it ({ancestor} is not a writable directory)")
 
 
 def default_storage(root: Path) -> str:

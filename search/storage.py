@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import hashlib
 import sqlite3
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ POOL_SIZE = 2  # per worker process: one for the trial loop, one for the heartbe
 # PostgreSQL budget locks live on their own NullPool engine: one extra connection per worker, only while it claims.
 _LOCK_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage engine -> its lock engine
 PG_CONNECT_TIMEOUT_S = 15  # an unreachable PostgreSQL host fails in seconds instead of the OS TCP timeout (minutes)
+SCHEMA_ATTEMPTS, SCHEMA_RETRY_S = 3, 1.0  # a lost schema-creation race is retried after the winner committed
 
 
 @dataclass(frozen=True)
@@ -58,12 +60,21 @@ def _engine_kwargs(url: str) -> dict:
     return kwargs
 
 
-def _prepare_sqlite(url: str) -> None:
+def _make_sqlite_dir(url: str) -> None:
     path = sqlite_path(url)
     if path is None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LatentsweepError(f"cannot open SQLite storage {path}: {exc}") from None
+
+
+def _set_wal(url: str) -> None:
+    path = sqlite_path(url)
+    if path is None:
+        return
+    try:
         with contextlib.closing(sqlite3.connect(path, timeout=SQLITE_TIMEOUT_S)) as conn:
             conn.execute("PRAGMA journal_mode=WAL")  # persistent in the file: every later connection uses it
     except (OSError, sqlite3.Error) as exc:
@@ -95,22 +106,93 @@ class RetryAndRecord:
         return failed
 
 
+def is_read_only(url: str) -> bool:
+    """A SQLite URI opened read-only (see state.read_only_storage): nothing may be created or migrated."""
+    return is_sqlite(url) and ("mode=ro" in url or "immutable=1" in url)
+
+
+@contextlib.contextmanager
+def schema_lock(url: str) -> Iterator[None]:
+    """Serialise first-time schema creation of a SQLite store (Optuna's or MLflow's) between processes on this
+    machine: two first runs racing on CREATE TABLE otherwise kill one of them ("table ... already exists")."""
+    path = sqlite_path(url) if not is_read_only(url) else None
+    if path is None or not path.parent.is_dir():
+        yield
+        return
+    with file_lock(path.with_suffix(path.suffix + ".schema.lock")):
+        yield
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` (created if missing) for the duration of the block: one process at a time."""
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def open_storage(settings: StorageSettings) -> optuna.storages.RDBStorage:
-    """An RDBStorage with heartbeats and automatic retry of trials whose worker died; one-line error if unreachable."""
-    _prepare_sqlite(settings.url)
+    """An RDBStorage with heartbeats and automatic retry of trials whose worker died; one-line error if unreachable.
+
+    Schema creation is locked (SQLite) and retried (any database: a server-side race surfaces as an integrity or
+    "already exists" error on the loser, whose second attempt finds the tables)."""
+    read_only = is_read_only(settings.url)
+    for attempt in range(SCHEMA_ATTEMPTS):
+        try:
+            if not read_only:
+                _make_sqlite_dir(settings.url)
+            with schema_lock(settings.url), warnings.catch_warnings():
+                if not read_only:
+                    _set_wal(settings.url)  # under the lock: switching a new file to WAL does not wait for busy peers
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: "experimental"
+                return optuna.storages.RDBStorage(
+                    settings.url,
+                    engine_kwargs=_engine_kwargs(settings.url),
+                    skip_table_creation=read_only,
+                    heartbeat_interval=settings.heartbeat_interval,
+                    grace_period=settings.grace_period,
+                    heartbeat_stale_trial_callback=RetryAndRecord(settings.max_retry),
+                )
+        except (sa.exc.IntegrityError, sa.exc.ProgrammingError) as exc:
+            if attempt + 1 < SCHEMA_ATTEMPTS:
+                time.sleep(SCHEMA_RETRY_S)
+                continue
+            error = exc
+        except (sa.exc.SQLAlchemyError, ImportError, ValueError) as exc:
+            error = exc
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise LatentsweepError(f"cannot open Optuna storage {redact_url(settings.url)}: {reason}") from None
+    raise AssertionError("unreachable")
+
+
+def probe_tracking_store(uri: str) -> None:
+    """Fail in seconds, writing nothing, when a database tracking URI cannot be reached (MLflow itself retries for
+    minutes and then ends in a traceback, after the Optuna study was created). SQLite: the directory must exist."""
     try:
-        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.8; we rely on them knowingly
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(
-                settings.url,
-                engine_kwargs=_engine_kwargs(settings.url),
-                heartbeat_interval=settings.heartbeat_interval,
-                grace_period=settings.grace_period,
-                heartbeat_stale_trial_callback=RetryAndRecord(settings.max_retry),
-            )
+        url = sa.engine.make_url(uri)
+    except sa.exc.ArgumentError:
+        return  # a plain path: MLflow's file store
+    shown = url.render_as_string(hide_password=True)
+    backend = url.get_backend_name()
+    if backend == "sqlite":
+        parent = Path(url.database or ".").expanduser().parent
+        if url.database not in (None, "", ":memory:") and not parent.is_dir():
+            raise LatentsweepError(f"MLflow tracking store {shown}: directory {parent} does not exist")
+        return
+    if backend not in ("postgresql", "mysql", "mssql"):
+        return
+    try:
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool,
+                                  connect_args=_engine_kwargs(uri).get("connect_args", {}))
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+        engine.dispose()
     except (sa.exc.SQLAlchemyError, ImportError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LatentsweepError(f"cannot open Optuna storage {redact_url(settings.url)}: {reason}") from None
+        raise LatentsweepError(f"MLflow tracking store {shown} is not reachable: {redact_url(reason)}") from None
 
 
 def dispose(storage: optuna.storages.RDBStorage) -> None:
@@ -146,12 +228,8 @@ def budget_lock(storage: optuna.storages.RDBStorage, study_name: str) -> Iterato
     url = str(storage.engine.url)
     path = sqlite_path(url)
     if path is not None:
-        with open(path.with_suffix(path.suffix + ".lock"), "a+") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        with file_lock(path.with_suffix(path.suffix + ".lock")):
+            yield
         return
     if storage.engine.dialect.name == "postgresql":
         key = int.from_bytes(hashlib.sha256(study_name.encode()).digest()[:8], "big", signed=True)

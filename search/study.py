@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -15,15 +16,18 @@ from optuna.trial import TrialState
 
 from search.objective import ERROR_ATTR, TrialRunner
 from search.samplers import build_pruner, build_sampler
-from search.storage import RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url
+from search.storage import (
+    RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url, schema_lock,
+)
 from search.studyfile import StudyFile
-from search.tracking import REAPED_TAG, Tracker
+from search.tracking import REAPED_TAG, Tracker, make_tracker
 from trainers.errors import LatentsweepError
 
 log = logging.getLogger("latentsweep")
 
 PARENT_ATTR = "mlflow_parent_run_id"
 ENQUEUED_ATTR = "latentsweep.enqueued"
+OWNER_ATTR = "latentsweep.worker"
 # The budget counts finished trials: complete, pruned, and failed by themselves (a config that cannot train).
 # Trials failed by a dead or interrupted worker are retried instead, so they do not count.
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -45,10 +49,12 @@ class RunSpec:
     n_trials: int
     timeout: float | None
     threads: int = 0
-    progress: bool = True
+    progress: bool = True  # tqdm bars (a terminal and no --quiet); the per-trial lines are printed regardless
+    verbose: bool = False  # one line per epoch when there are no bars
 
 
-def load_or_create(sf: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True) -> optuna.Study:
+def load_or_create(sf: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True,
+                   reopen: bool = True) -> optuna.Study:
     """The study named spec.name (created with the file's sampler/pruner if absent), its parent run and enqueued recipes."""
     storage = open_storage(spec.storage)
     sampler, pruner = build_sampler(sf.sampler, per_worker=not create), build_pruner(sf.pruner)
@@ -61,20 +67,66 @@ def load_or_create(sf: StudyFile, spec: RunSpec, tracker: Tracker, create: bool 
         except KeyError:
             raise LatentsweepError(f"study '{spec.name}' does not exist in {redact_url(spec.storage.url)}: "
                                    f"create it with `latentsweep study create`") from None
+    existing = len(study.get_trials(deepcopy=False))
+    if existing:  # resumed: a sampler seeded as at the start would propose trial 0's values again
+        study.sampler = build_sampler(sf.sampler, per_worker=not create, history=existing)
     attrs = study.user_attrs
+    if not reopen:  # read-only use (study reap): bind to the parent run as it is, write nothing to the study
+        if PARENT_ATTR in attrs:
+            tracker.attach_study(spec.name, attrs[PARENT_ATTR], reopen=False)
+        return study
     if PARENT_ATTR in attrs:
         tracker.attach_study(spec.name, attrs[PARENT_ATTR])
     else:
         settings = {"study_file": str(sf.path), "objective": sf.objective, "direction": sf.direction,
                     "sampler": sf.sampler.get("name", "tpe"), "pruner": sf.pruner.get("name", "median"),
-                    "n_trials": str(spec.n_trials), "data": spec.data_path}
+                    "n_trials": str(spec.n_trials), "data": spec.data_path, "description": sf.description}
         study.set_user_attr(PARENT_ATTR, tracker.ensure_study(spec.name, settings))
     if not attrs.get(ENQUEUED_ATTR):
         for values in sf.enqueue:
             study.enqueue_trial(values, user_attrs={"latentsweep.enqueued": True}, skip_if_exists=True)
         study.set_user_attr(ENQUEUED_ATTR, True)
     study.set_user_attr("objective", sf.objective)
+    if study.metric_names != [sf.objective]:
+        study.set_metric_names([sf.objective])  # optuna-dashboard labels the value with it, not "Objective 0"
     return study
+
+
+def open_tracker(spec: RunSpec) -> Tracker:
+    """The tracker of spec; a first-time SQLite tracking store is created under a lock (MLflow migrates its schema
+    on first use, and two first runs racing on it would kill one)."""
+    with schema_lock(spec.tracking_uri):
+        return make_tracker(spec.tracking_uri, spec.artifact_root)
+
+
+def check_existing(sf: StudyFile, spec: RunSpec) -> None:
+    """A stored study of this name must agree with the file before anything runs: the same direction, and every
+    searched knob with a distribution of the kind its trials stored (Optuna refuses the first suggest otherwise,
+    which would fail each trial in turn). Reads only; a study not stored yet passes."""
+    storage = open_storage(spec.storage)
+    try:
+        try:
+            study_id = storage.get_study_id_from_name(spec.name)
+        except KeyError:
+            return
+        stored = storage.get_study_directions(study_id)[0].name.lower()
+        if stored != sf.direction:
+            raise LatentsweepError(f"study '{spec.name}' is stored with direction {stored} but {sf.path} says "
+                                   f"{sf.direction}: fix the file or use another --name")
+        wanted = {p.key: p.distribution() for p in sf.space}
+        seen: set[str] = set()
+        for trial in reversed(storage.get_all_trials(study_id, deepcopy=False)):
+            for key, dist in trial.distributions.items():
+                if key in wanted and key not in seen:
+                    seen.add(key)
+                    try:
+                        optuna.distributions.check_distribution_compatibility(dist, wanted[key])
+                    except ValueError as exc:
+                        raise LatentsweepError(
+                            f"study '{spec.name}' stores {key} as {dist} but {sf.path} searches {wanted[key]} "
+                            f"({str(exc).rstrip('.')}): use another --name") from None
+    finally:
+        dispose(storage)
 
 
 def counted(study: optuna.Study, extra: tuple[TrialState, ...] = ()) -> int:
@@ -95,8 +147,30 @@ def claim_trial(study: optuna.Study, n_trials: int) -> optuna.Trial | None:
         if counted(study, (TrialState.RUNNING,)) >= n_trials:
             return None
         trial = study.ask()
-        storage.record_heartbeat(trial._trial_id)
+        try:
+            storage.record_heartbeat(trial._trial_id)
+            trial.set_user_attr(OWNER_ATTR, worker_id())
+        except BaseException:
+            study.tell(trial, state=TrialState.FAIL)  # without a heartbeat it would never go stale
+            raise
         return trial
+
+
+def worker_id(pid: int | None = None) -> str:
+    """Who runs a trial (host:pid): a launcher reaps the trials of a child it saw die without waiting for the grace."""
+    return f"{socket.gethostname()}:{pid or os.getpid()}"
+
+
+def reap_owner(study: optuna.Study, tracker: Tracker, owner: str) -> list[str]:
+    """Fail (and queue the retry of) the RUNNING trials of a worker known to be dead, then close their runs."""
+    storage = rdb(study)
+    callback = storage.get_heartbeat_stale_trial_callback()
+    with budget_lock(storage, study.study_name):
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if trial.user_attrs.get(OWNER_ATTR) == owner and storage.set_trial_state_values(
+                    trial._trial_id, state=TrialState.FAIL) and callback is not None:
+                callback(study, storage.get_trial(trial._trial_id))
+    return close_dead_runs(study, tracker)
 
 
 class _Alive(frozenset):
@@ -179,18 +253,20 @@ def worker_loop(sf: StudyFile, spec: RunSpec, study: optuna.Study, runner: Trial
     poll = min(WAIT_POLL_S, rdb(study).get_heartbeat_interval() or WAIT_POLL_S)
     while spec.timeout is None or time.monotonic() - start < spec.timeout:
         trial = claim_trial(study, spec.n_trials)
-        close_dead_runs(study, runner.tracker)  # the claim may have failed dead workers' trials
+        try:
+            close_dead_runs(study, runner.tracker)  # the claim may have failed dead workers' trials
+            if trial is not None:
+                with Heartbeat(rdb(study), trial._trial_id):
+                    state, value = runner.run(trial)
+        except BaseException:  # Ctrl-C, SIGTERM, or an error outside the config's fault: retried, not counted
+            if trial is not None:
+                runner.abandon(study, trial)
+            raise
         if trial is None:
             if counted(study) >= spec.n_trials:
                 break
             time.sleep(poll)
             continue
-        try:
-            with Heartbeat(rdb(study), trial._trial_id):
-                state, value = runner.run(trial)
-        except KeyboardInterrupt:
-            runner.retry(study, study.tell(trial, state=TrialState.FAIL))
-            raise
         frozen = study.tell(trial, value, state=state)
         ran += 1
         if on_trial is not None:
@@ -227,7 +303,10 @@ def best_summary(study: optuna.Study) -> dict[str, Any]:
 
 
 def study_dir(state_dir: str | Path, name: str) -> Path:
-    return Path(state_dir) / "studies" / name
+    """STATE/studies/<name>; the name is checked here too, so no caller can write outside the state directory."""
+    from search.state import safe_name
+
+    return Path(state_dir) / "studies" / safe_name(name)
 
 
 def rdb(study: optuna.Study) -> optuna.storages.RDBStorage:

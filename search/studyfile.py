@@ -1,15 +1,19 @@
 """Study files (`studies/*.toml`): `[study]` settings, `[base]` config, `[space]` and `[[enqueue]]`, all validated at once.
 
-Every problem found is reported together, one line each, before any trial runs.
+Every problem found is reported together, one line each, before any trial runs, including every invalid config the
+space can propose (each conditional branch is probed and validated, see `search.branches`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from search.branches import check_branches
 from search.samplers import check_settings
-from search.space import Param, active_values, parse_space
+from search.state import safe_name
+from search.space import Param, active_values, config_key, parse_space
 from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml
 from trainers.errors import ConfigError, LatentsweepError, closest
 
@@ -48,6 +52,8 @@ def load_study_file(path: str | Path) -> StudyFile:
     base, fixed = _base(raw.get("base", {}), where, errors)
     space = parse_space(raw.get("space", {}), fixed, errors, where)
     enqueue = [_enqueue_entry(e, i, path, base, space, errors) for i, e in enumerate(raw.get("enqueue", []))]
+    if not errors:  # probing needs a space that parsed; every config it proposes must pass the trainer's check
+        check_branches(space, base, [e for e in enqueue if e], errors, where)
     if errors:
         raise ConfigError(f"{len(errors)} problem(s) in {where}:\n  " + "\n  ".join(errors))
     return StudyFile(path=path, base=base, fixed=frozenset(fixed), space=tuple(space),
@@ -60,6 +66,10 @@ def _study_settings(table: dict, path: Path, errors: list[str]) -> dict[str, Any
         if key not in STUDY_KEYS:
             errors.append(f"{where}: study.{key}: unknown setting{closest(key, STUDY_KEYS)}")
     out: dict[str, Any] = {"name": str(table.get("name", path.stem))}
+    try:
+        safe_name(out["name"], "study.name")
+    except LatentsweepError as exc:
+        errors.append(f"{where}: {exc}")
     out["objective"] = str(table.get("objective", "val/mrr"))
     out["description"] = str(table.get("description", ""))
     direction = table.get("direction", "maximize")
@@ -79,7 +89,8 @@ def _study_settings(table: dict, path: Path, errors: list[str]) -> dict[str, Any
         errors.append(f"{where}: study.n_trials: must be a whole number >= 1, got {n_trials!r}")
     out["n_trials"] = n_trials
     timeout = table.get("timeout")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                or not math.isfinite(timeout) or timeout <= 0):
         errors.append(f"{where}: study.timeout: must be a positive number of seconds, got {timeout!r}")
     out["timeout"] = timeout
     return out
@@ -98,7 +109,7 @@ def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: lis
                    errors: list[str]) -> dict[str, Any]:
     """A known-good config to try first: explicit knob values, or `recipe = "other.toml"` (its [base])."""
     at = f"{path}: enqueue[{index}]"
-    searched = {p.key: p for p in space}
+    searched = {p.key for p in space}
     entry = dict(entry)
     recipe = entry.pop("recipe", None)
     values: dict[str, Any] = {}
@@ -121,7 +132,9 @@ def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: lis
         for key, value in theirs.items():
             if key in searched:
                 values[key] = value
-            elif value != mine[key] and key != "data.path":
+            # data.* (file, split, val ratio) belongs to the study, not the recipe: every trial of one study shares
+            # one val split so that their values compare.
+            elif value != mine[key] and not key.startswith("data."):
                 errors.append(f"{at}: recipe {recipe} sets {key}={value!r} (base has {mine[key]!r}) "
                               f"but {key} is not searched")
     for key, value in flatten_tree(entry).items():
@@ -134,17 +147,19 @@ def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: lis
             errors.append(f"{at}: {exc}")
     base_values = flatten(base)
     active = active_values(space, base_values, values)
+    by_name = {p.name: p for p in space}
     for key, value in values.items():
-        if key not in active and value != base_values[key]:
-            errors.append(f"{at}: {key}={value!r} would be ignored: its condition "
-                          f"({', '.join(map(str, searched[key].when))}) does not hold for this entry")
-    for key, value in active.items():
-        param = searched[key]
+        if key not in {config_key(n) for n in active} and value != base_values[key]:
+            conditions = " or ".join(f"({', '.join(map(str, p.when))})" for p in space if p.key == key)
+            errors.append(f"{at}: {key}={value!r} would be ignored: its condition {conditions} "
+                          f"does not hold for this entry")
+    for name, value in active.items():
+        param = by_name[name]
         shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
         if not param.contains(shown if param.type == "categorical" else value):
-            errors.append(f"{at}: {key}={shown!r} lies outside the searched space")
+            errors.append(f"{at}: {param.key}={shown!r} lies outside the searched space ({name})")
         elif isinstance(value, tuple):
-            active[key] = shown
+            active[name] = shown
     return active
 
 

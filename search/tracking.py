@@ -1,11 +1,15 @@
 """Experiment tracking behind a small interface: MLflow via MlflowClient only (no fluent run state), or in memory."""
 from __future__ import annotations
 
+import functools
+import getpass
 import hashlib
 import logging
 import os
 import re
+import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,12 +32,29 @@ REAPED_TAG = "latentsweep.reaped"
 TRIAL_TAG = "optuna.trial_number"
 STATE_TAG = "optuna.state"
 PARENT_TAG = "mlflow.parentRunId"
+# MLflow's own tag names (mlflow/utils/mlflow_tags.py), so its UI fills the Source, User and Description fields.
+NOTE_TAG = "mlflow.note.content"
+GIT_COMMIT_TAG = "mlflow.source.git.commit"
+SOURCE_NAME_TAG = "mlflow.source.name"
+SOURCE_TYPE_TAG = "mlflow.source.type"
+USER_TAG = "mlflow.user"
+SEARCHED_TAG = "latentsweep.searched"  # comma-separated knobs the study samples (the rest of the params is the base)
+SEARCH_PARAM_PREFIX = "search."  # sampled values are also params search.<knob>, apart from the resolved config
+OBJECTIVE_TAG = "latentsweep.objective"
+# MLflow 3 opens an experiment without this tag as a GenAI app (traces, "Evaluations", "Agent versions").
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+PRIMARY_METRIC_TAG = "mlflow.experiment.primaryMetric.name"
+PRIMARY_GREATER_TAG = "mlflow.experiment.primaryMetric.greaterIsBetter"
+BEST_EPOCH_METRIC = "best_epoch"
+DESCRIPTION_SETTING = "description"  # a setting shown as the run's and experiment's description, not a param
 # Optional settings key: when given, ensure_study reuses only a parent run carrying the same uid, so a deleted and
 # re-created Optuna study of the same name gets a fresh parent instead of mixing trials of both.
 UID_SETTING = "study_uid"
 PLOTS_DIR = "plots"
-# Optuna state -> MLflow status; INTERRUPTED (Ctrl-C / SIGTERM) is ours: the trial is FAIL in Optuna and retried.
-STATUS_OF_STATE = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "INTERRUPTED": "KILLED"}  # anything else -> FAILED
+# Optuna state -> MLflow status. A pruned trial ended as designed (as in Optuna's own MLflowCallback): FINISHED with
+# tag optuna.state=PRUNED, so MLflow's red mark is left to failures; INTERRUPTED (Ctrl-C / SIGTERM) is ours: the
+# trial is FAIL in Optuna and retried.
+STATUS_OF_STATE = {"COMPLETE": "FINISHED", "PRUNED": "FINISHED", "INTERRUPTED": "KILLED"}  # anything else -> FAILED
 _DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
@@ -42,9 +63,10 @@ class Tracker(Protocol):
     """What the study layer needs from a tracking backend (see CONTRACTS.md, Tracking)."""
 
     def ensure_study(self, study_name: str, settings: dict[str, Any]) -> str: ...
-    def attach_study(self, study_name: str, parent_run_id: str) -> None: ...
+    def attach_study(self, study_name: str, parent_run_id: str, reopen: bool = True) -> None: ...
     def start_trial(self, number: int, params: dict[str, Any], tags: dict[str, Any]) -> str: ...
     def log_epoch(self, run_id: str, metrics: dict[str, float], step: int) -> None: ...
+    def log_dataset(self, run_id: str, dataset: DatasetRecord) -> None: ...
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None: ...
     def log_artifacts(self, run_id: str, paths: list[Path], artifact_path: str | None = None) -> None: ...
     def log_figure(self, run_id: str, figure: Any, name: str) -> None: ...
@@ -127,7 +149,11 @@ def _trial_tags(number: int, study: str, parent: str, tags: dict[str, Any]) -> t
 
 
 def _parent_tags(study: str, settings: dict[str, Any]) -> dict[str, str]:
-    tags = {ROLE_TAG: "parent", STUDY_TAG: study}
+    tags = {ROLE_TAG: "parent", STUDY_TAG: study, **source_tags(f"latentsweep study {study}")}
+    if settings.get(DESCRIPTION_SETTING):
+        tags[NOTE_TAG] = _clip(str(settings[DESCRIPTION_SETTING]), TAG_VALUE_MAX)
+    if settings.get("objective"):
+        tags[OBJECTIVE_TAG] = str(settings["objective"])
     if settings.get(UID_SETTING) not in (None, ""):
         tags[UID_TAG] = _uid(settings[UID_SETTING])
     return tags
@@ -142,12 +168,63 @@ def _uid(value: Any) -> str:
 def _split_settings(existing: dict[str, str], settings: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     """(new params, tags): params are immutable in MLflow, so a setting that changed since creation becomes a tag."""
     params, tags = {}, {}
+    settings = {k: v for k, v in settings.items() if k != DESCRIPTION_SETTING}
     for key, value in _clean_items(settings, PARAM_VALUE_MAX).items():
         if key not in existing:
             params[key] = value
         elif existing[key] != value:
             tags[_clean_key(f"setting.{key}")] = value
     return params, tags
+
+
+def experiment_tags(settings: dict[str, Any]) -> dict[str, str]:
+    """Tags of a study's experiment: the experiment kind, its description and primary metric (the objective)."""
+    tags = dict(EXPERIMENT_TAGS)
+    if settings.get(DESCRIPTION_SETTING):
+        tags[NOTE_TAG] = _clip(str(settings[DESCRIPTION_SETTING]), TAG_VALUE_MAX)
+    if settings.get("objective"):
+        tags[PRIMARY_METRIC_TAG] = best_metric(str(settings["objective"]))
+        tags[PRIMARY_GREATER_TAG] = str(settings.get("direction", "maximize") == "maximize").lower()
+    return tags
+
+
+def best_metric(objective: str) -> str:
+    """Metric key of a trial's objective value, the best epoch's (what Optuna records): best/val/mrr."""
+    return f"best/{objective}"
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    """HEAD of the latentsweep checkout, or None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def source_tags(name: str) -> dict[str, str]:
+    """MLflow's source tags (Source and User columns of its UI): source name and type, git commit, user."""
+    tags = {SOURCE_NAME_TAG: name, SOURCE_TYPE_TAG: "LOCAL"}
+    commit = git_commit()
+    if commit:
+        tags[GIT_COMMIT_TAG] = commit
+    try:
+        tags[USER_TAG] = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        pass
+    return tags
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    """A dataset input of a run, as mlflow.log_input records it (its Datasets column)."""
+    name: str
+    digest: str
+    source: str  # a path or URI
+    context: str = "train"  # MLflow's mlflow.data.context tag: train / validation / test
+    profile: dict[str, Any] | None = None
 
 
 def _summary_entries(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:

@@ -24,6 +24,8 @@ from search.tracking import (
     _split_settings,
     _summary_entries,
     _close_figure,
+    DatasetRecord,
+    experiment_tags,
 )
 from trainers.errors import LatentsweepError
 
@@ -38,11 +40,12 @@ class InMemoryTracker:
         self.runs: dict[str, dict[str, Any]] = {}
         self.study_name: str | None = None
         self.parent_run_id: str | None = None
+        self.experiment_tags: dict[str, str] = {}
 
     def _new_run(self, name: str, tags: dict[str, str]) -> str:
         run_id = uuid.uuid4().hex
         self.runs[run_id] = {"name": name, "params": {}, "tags": dict(tags), "metrics": {}, "artifacts": [],
-                             "status": "RUNNING", "order": len(self.runs)}
+                             "inputs": [], "status": "RUNNING", "order": len(self.runs)}
         return run_id
 
     def _require_study(self) -> str:
@@ -52,6 +55,7 @@ class InMemoryTracker:
 
     def ensure_study(self, study_name: str, settings: dict[str, Any]) -> str:
         tags = _parent_tags(study_name, settings)
+        self.experiment_tags.update(experiment_tags(settings))
         parents = [rid for rid, run in self.runs.items() if run["tags"].get(ROLE_TAG) == "parent"
                    and run["tags"].get(STUDY_TAG) == study_name
                    and (UID_TAG not in tags or run["tags"].get(UID_TAG) == tags[UID_TAG])]
@@ -63,11 +67,12 @@ class InMemoryTracker:
         self.study_name, self.parent_run_id = study_name, parent
         return parent
 
-    def attach_study(self, study_name: str, parent_run_id: str) -> None:
+    def attach_study(self, study_name: str, parent_run_id: str, reopen: bool = True) -> None:
         run = self.runs.get(parent_run_id)
         if run is None or run["tags"].get(STUDY_TAG) != study_name:
             raise LatentsweepError(f"parent run {parent_run_id} of study '{study_name}' not found")
-        run["status"] = "RUNNING"
+        if reopen:
+            run["status"] = "RUNNING"
         self.study_name, self.parent_run_id = study_name, parent_run_id
 
     def start_trial(self, number: int, params: dict[str, Any], tags: dict[str, Any]) -> str:
@@ -79,6 +84,9 @@ class InMemoryTracker:
     def log_epoch(self, run_id: str, metrics: dict[str, float], step: int) -> None:
         for key, value in _clean_metrics(metrics).items():
             self.runs[run_id]["metrics"].setdefault(key, []).append((int(step), value))
+
+    def log_dataset(self, run_id: str, dataset: DatasetRecord) -> None:
+        self.runs[run_id]["inputs"].append(dataset)
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         self.runs[run_id]["tags"].update(_clean_items(tags, TAG_VALUE_MAX))

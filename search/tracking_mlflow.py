@@ -31,9 +31,23 @@ from search.tracking import (
     _transient_errors,
     _chunks,
     _now_ms,
+    DatasetRecord,
+    EXPERIMENT_TAGS,
+    experiment_tags,
     log,
 )
 from trainers.errors import ConfigError, LatentsweepError
+
+
+def dataset_input(dataset: DatasetRecord):
+    """The DatasetInput mlflow.log_input would log for a local file (source type `local`, digest <= 36 chars)."""
+    import json
+
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    entity = Dataset(name=dataset.name, digest=dataset.digest[:36], source_type="local",
+                     source=json.dumps({"uri": dataset.source}), schema="", profile=json.dumps(dataset.profile or {}))
+    return DatasetInput(entity, [InputTag("mlflow.data.context", dataset.context)])
 
 
 class MlflowTracker:
@@ -61,7 +75,7 @@ class MlflowTracker:
 
     def ensure_study(self, study_name: str, settings: dict[str, Any]) -> str:
         """Get-or-create the experiment and the parent run `study-<name>`; the oldest parent wins a race."""
-        self._bind_experiment(study_name, create=True)
+        self._bind_experiment(study_name, create=True, tags=experiment_tags(settings))
         tags = _parent_tags(study_name, settings)
         parent = self._find_parent(tags.get(UID_TAG))
         if parent is None:
@@ -76,7 +90,8 @@ class MlflowTracker:
         self.client.update_run(parent, status="RUNNING")
         return parent
 
-    def attach_study(self, study_name: str, parent_run_id: str) -> None:
+    def attach_study(self, study_name: str, parent_run_id: str, reopen: bool = True) -> None:
+        """Bind to the study's parent run; `reopen`: mark it RUNNING again (a run resumes; `study reap` does not)."""
         from mlflow.exceptions import MlflowException
 
         self._bind_experiment(study_name, create=False)
@@ -88,7 +103,8 @@ class MlflowTracker:
             raise LatentsweepError(f"MLflow parent run {parent_run_id} of study '{study_name}' not found in "
                                    f"{redact_url(self.tracking_uri)}")
         self.parent_run_id = parent_run_id
-        self.client.update_run(parent_run_id, status="RUNNING")
+        if reopen:
+            self.client.update_run(parent_run_id, status="RUNNING")
 
     def end_study(self, summary: dict[str, Any], figures: dict[str, Any]) -> None:
         """Refresh the parent's summary metrics/tags and plots, then mark it FINISHED."""
@@ -134,6 +150,10 @@ class MlflowTracker:
                             redact_url(first))
             else:
                 log.debug("MLflow logging failed again: %s", redact_url(first))
+
+    def log_dataset(self, run_id: str, dataset: DatasetRecord) -> None:
+        """mlflow.log_input through the client: the run's Datasets column (name, digest, context)."""
+        self.client.log_inputs(run_id, [dataset_input(dataset)])
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         self._log_batch(run_id, tags=_clean_items(tags, TAG_VALUE_MAX))
@@ -185,15 +205,18 @@ class MlflowTracker:
 
     # ----- internals
 
-    def _bind_experiment(self, name: str, create: bool) -> None:
+    def _bind_experiment(self, name: str, create: bool, tags: dict[str, str] | None = None) -> None:
+        """Find (or create) the study's experiment and make sure it carries `tags` (default: its kind only)."""
         from mlflow.exceptions import MlflowException
 
+        tags = tags or dict(EXPERIMENT_TAGS)
         exp = self.client.get_experiment_by_name(name)
         if exp is None and not create:
             raise LatentsweepError(f"MLflow experiment '{name}' not found in {redact_url(self.tracking_uri)}")
         if exp is None:
             try:
-                self.experiment_id = self.client.create_experiment(name, artifact_location=self._location(name))
+                self.experiment_id = self.client.create_experiment(name, artifact_location=self._location(name),
+                                                                   tags=tags)
             except MlflowException as exc:
                 if exc.error_code != "RESOURCE_ALREADY_EXISTS":  # else another worker created it just now
                     raise
@@ -202,6 +225,9 @@ class MlflowTracker:
             if exp.lifecycle_stage == "deleted":
                 self.client.restore_experiment(exp.experiment_id)
             self.experiment_id = exp.experiment_id
+            for key, value in tags.items():  # experiments made before these tags existed get them too
+                if exp.tags.get(key) != value:
+                    self.client.set_experiment_tag(exp.experiment_id, key, value)
         self.study_name = name
 
     def _location(self, name: str) -> str | None:

@@ -55,3 +55,6 @@ def tiny_study_file(tmp: Path, name: str, n_trials: int = 3, epochs: int = 2, pr
     path = tmp / f"{name}.toml"
     path.write_text(TINY_STUDY.format(name=name, n_trials=n_trials, epochs=epochs, pruner=pruner, extra=extra))
     return path
+
+
+from bad_input_kit import data, existing  # noqa: E402,F401 - session fixtures of the bad-input corpus, by name

@@ -20,6 +20,8 @@ def non_default() -> Config:
         "geometry.whiten_eps": 1e-7, "slots.k": 3, "loss.triplet.weight": 0.5, "loss.triplet.max_violation": False,
         "loss.infonce.label_smoothing": 0.1, "temperature.mode": "curriculum", "queue.size": 123,
         "optim.lr": 3.3e-4, "schedule.name": "step", "train.epochs": 7, "eval.gallery_size": 50,
+        "loss.triplet.direction": "c2i", "queue.slice_mode": "stepwise", "queue.in_batch": False,
+        "train.monitor": "val/loss", "model.bias": False, "loss.multilabel_triplet.positives": "fixed",
     })
 
 
@@ -36,7 +38,8 @@ def test_dump_toml_round_trips(cfg):
 def test_dump_toml_has_one_table_per_section():
     tree = tomllib.loads(dump_toml(non_default()))
     assert tree["model"]["hidden"] == [1024, 512, 7]
-    assert tree["loss"]["triplet"] == {"weight": 0.5, "margin": 0.2, "max_violation": False, "warmup_epochs": 0}
+    assert tree["loss"]["triplet"] == {"weight": 0.5, "margin": 0.2, "max_violation": False, "warmup_epochs": 0,
+                                       "direction": "c2i"}
     assert set(tree) == {f.name for f in dataclasses.fields(Config)}
 
 
@@ -136,6 +139,21 @@ def test_choice_error_lists_choices_and_closest():
     msg = str(info.value)
     assert "model.activation" in msg and "gelu, relu, silu, tanh" in msg
     assert "did you mean 'gelu'" in msg
+
+
+@pytest.mark.parametrize("key, raw, closest_value", [
+    ("train.monitor", "val/los", "val/loss"), ("loss.triplet.direction", "c2I", "c2i"),
+    ("queue.slice_mode", "step", "stepwise"),
+])
+def test_recipe_knob_choices_name_the_closest(key, raw, closest_value):
+    with pytest.raises(ConfigError, match=f"did you mean '{closest_value}'"):
+        with_values(Config(), {key: raw})
+
+
+def test_recipe_knob_defaults_keep_the_previous_behaviour():
+    cfg = Config()
+    assert (cfg.loss.triplet.direction, cfg.queue.slice_mode, cfg.queue.in_batch, cfg.train.monitor,
+            cfg.model.bias) == ("both", "linear", True, "val/mrr", True)
 
 
 def test_choice_accepts_listed_value():

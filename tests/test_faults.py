@@ -18,7 +18,7 @@ from search.storage import StorageSettings, dispose, open_storage
 from search.study import reap
 from search.tracking import InMemoryTracker
 from test_postgres import (  # noqa: F401 - fixtures are used by name
-    assert_clean, cli_args, pg_db, pg_url, spawn_worker, study_file, synthetic, trial_runs, tracking,
+    assert_clean, cli_args, parent_run, pg_db, pg_url, spawn_worker, study_file, synthetic, trial_runs, tracking,
 )
 
 GRACE_S = 3
@@ -79,7 +79,8 @@ def test_killed_worker_trial_is_failed_retried_and_its_run_reaped(backend, reque
     time.sleep(GRACE_S + 2)  # longer than the grace period without a heartbeat: the trial is dead
 
     if backend == "sqlite":  # no worker alive: `study reap` fails the trial (queuing its retry) and closes the run
-        assert main(["study", "reap", *args]) == 0
+        assert main(["study", "reap", name, "--storage", storage, "--tracking-uri", tracking, "--state-dir",
+                     str(state), *HEARTBEAT]) == 0
         assert "closed 1 stale MLflow run(s)" in capsys.readouterr().out
         dead, retry = trials(storage, name)
         assert (dead.state.name, retry.state.name) == ("FAIL", "WAITING")
@@ -98,6 +99,7 @@ def test_killed_worker_trial_is_failed_retried_and_its_run_reaped(backend, reque
     assert runs[1].data.tags["latentsweep.retry_of"] == "0"
     assert [runs[n].info.status for n in (1, 2)] == ["FINISHED", "FINISHED"]
     assert "latentsweep.retry_of" not in runs[2].data.tags
+    assert parent_run(tracking, name).info.status == "FINISHED"  # nothing is left RUNNING in MLflow
 
 
 @pytest.mark.slow

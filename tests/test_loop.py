@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from trainers import metrics
-from trainers.checkpoint import Translator, load_model
+from trainers.checkpoint import Translator, load_loss_state, load_model
 from trainers.config import Config, with_values
 from trainers.data import load_train
 from trainers.errors import ConfigError
 from trainers.loop import EpochReport, TrainingDiverged, seed_everything, train
+from trainers.loss_state import LossState
+from trainers.losses import compute_losses
 from trainers.models import build_model
 from trainers.synthetic import write_synthetic
 from trainers.tasks import TASKS, predict
@@ -153,6 +155,55 @@ def test_early_stopping_stops(data):
     assert result.history[0]["val/mrr"] == result.history[1]["val/mrr"]
 
 
+def test_val_loss_is_the_configured_losses_on_the_val_batches(data):
+    # lr = 0: the model stays as initialised, so val/loss can be recomputed from the untrained model; it never
+    # improves, so early stopping on it (patience 1) stops after epoch 1.
+    cfg = small_cfg(**{"optim.lr": 0.0, "train.early_stop": 1, "train.epochs": 4, "train.monitor": "val/loss",
+                       "loss.cosine.weight": 0.5})
+    result = train(cfg, data)
+    assert len(result.history) == 2
+    seed_everything(cfg.train.seed)
+    task = TASKS.get(cfg.data.task)(cfg, data, torch.device("cpu"))
+    model = Translator(build_model(cfg, task.model_context()), task.text_mean).eval()
+    state = LossState(cfg, task.dim_out)
+    with torch.no_grad():
+        losses = [float(compute_losses(cfg, model(b["x"]), b, state)[0]) for b in task.val_batches()]
+    assert sum(len(b["x"]) for b in task.val_batches()) == len(task.val_x)  # every val caption, once
+    assert result.history[0]["val/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    assert "val/loss" not in train(small_cfg(**{"train.epochs": 1}), data).history[0]  # only computed if watched
+
+
+def test_early_stopping_and_plateau_watch_val_loss_but_the_best_epoch_is_by_mrr(data):
+    cfg = small_cfg(**{"optim.name": "adam", "optim.lr": 0.05, "train.early_stop": 3, "train.epochs": 10,
+                       "train.monitor": "val/loss", "schedule.name": "plateau", "schedule.plateau_patience": 0})
+    result = train(cfg, data)
+    losses = [row["val/loss"] for row in result.history]
+    worse = [e > 0 and losses[e] >= min(losses[:e]) for e in range(len(losses))]  # val/loss did not improve
+    assert any(worse)  # the LR is high enough for the loss to bounce, so the checks below see both cases
+    stale, stop = 0, len(losses) - 1
+    for e in range(len(losses)):
+        stale = stale + 1 if worse[e] else 0
+        if stale >= 3:
+            stop = e
+            break
+    assert len(result.history) == stop + 1  # stopped by val/loss patience, not by val/mrr's
+    assert result.best_epoch == max(range(len(losses)), key=lambda e: result.history[e]["val/mrr"])
+    lrs = [row["lr"] for row in result.history]  # the LR each epoch trained with
+    for e in range(1, len(lrs)):  # patience 0: the LR halves right after an epoch whose val/loss did not improve
+        assert lrs[e] == pytest.approx(lrs[e - 1] * (0.5 if worse[e - 1] else 1.0))
+
+
+def test_learnable_tau_is_logged_and_saved(data, tmp_path):
+    cfg = small_cfg(**{"temperature.mode": "learnable", "temperature.tau": 0.1, "train.epochs": 2})
+    result = train(cfg, data, out_dir=tmp_path)
+    taus = [row["train/tau"] for row in result.history]
+    assert len(taus) == 2 and all(t != pytest.approx(0.1, rel=1e-4) for t in taus)  # learned, and logged
+    state = LossState(cfg, 48)
+    assert load_loss_state(tmp_path / "best.pt", state)
+    assert float(state.tau().detach()) == pytest.approx(result.best_metrics["train/tau"], rel=1e-5)
+    assert "train/tau" not in train(small_cfg(**{"train.epochs": 1}), data).history[0]  # fixed tau: not logged
+
+
 def test_huge_lr_sgd_with_mse_diverges(data, tmp_path):
     cfg = small_cfg(**{"loss.infonce.weight": 0.0, "loss.mse.weight": 1.0, "model.out_norm": False,
                        "optim.name": "sgd", "optim.lr": 1e6, "train.epochs": 2})
@@ -176,6 +227,25 @@ def test_multilabel_task_reports_label_metrics(data, negatives):
         assert 0.0 < row["val/mrr"] <= 1.0
         assert 0.0 <= row["val/recall@5"] <= 1.0
     assert result.val_ranks is None
+
+
+def test_multilabel_fixed_positives_are_drawn_once(data):
+    cfg = small_cfg(**{"data.task": "multilabel", "loss.infonce.weight": 0.0, "loss.multilabel_triplet.weight": 1.0,
+                       "loss.multilabel_triplet.positives": "fixed", "model.out_dim": 16, "eval.recall_k": 5,
+                       "train.epochs": 2, "model.kind": "linear", "model.bias": False})
+    task = TASKS.get("multilabel")(cfg, data, torch.device("cpu"))
+    pos = task.fixed_pos
+    assert torch.equal(pos, TASKS.get("multilabel")(cfg, data, torch.device("cpu")).fixed_pos)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):  # two epochs: the same positive for each anchor
+        for batch in task.batches(gen):
+            expected = pos[batch["img"]]
+            assert torch.equal(batch["has_pos"], expected >= 0)
+            assert torch.equal(batch["pos_x"][batch["has_pos"]], task.x[expected[expected >= 0]])
+    result = train(cfg, data)
+    assert len(result.history) == 2 and result.history[-1]["train/multilabel_triplet"] > 0
+    with pytest.raises(ConfigError, match="val/loss"):
+        validate(with_values(cfg, {"train.monitor": "val/loss"}))
 
 
 def test_validate_rejects_label_loss_on_translate_task(data):

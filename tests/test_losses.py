@@ -13,7 +13,7 @@ from trainers.config import Config, LossCfg, with_values
 from trainers.errors import ConfigError
 from trainers.loss_state import LossState
 from trainers.losses import LOSSES, compute_losses, validate
-from trainers.losses_multilabel import negative_mask, positive_mask
+from trainers.losses_multilabel import draw_fixed_positives, negative_mask, positive_mask
 
 DIN, D, K, L = 8, 6, 3, 4
 IMG = torch.tensor([0, 0, 1, 2, 2, 3])  # two images with two captions each
@@ -138,6 +138,23 @@ def test_triplet_masks_same_image_captions():
     assert float(sum(same.values())) == 0.0 and float(sum(distinct.values())) > 0
 
 
+def test_triplet_direction_keeps_the_named_hinges():
+    torch.manual_seed(0)
+    pred, y = unit(torch.randn(5, 4)), unit(torch.randn(5, 4))
+    batch, out = {"y_n": y, "img": torch.arange(5)}, {"pred": pred}
+    both = LOSSES.get("triplet")(out, batch, make_cfg({"loss.triplet.margin": 1.0}).loss.triplet, None)
+    assert set(both) == {"triplet_c2i", "triplet_i2c"} and float(both["triplet_c2i"]) != float(both["triplet_i2c"])
+    for direction in ("c2i", "i2c"):
+        cfg = make_cfg({"loss.triplet.margin": 1.0, "loss.triplet.direction": direction}).loss.triplet
+        terms = LOSSES.get("triplet")(out, batch, cfg, None)
+        assert set(terms) == {f"triplet_{direction}"}
+        assert torch.equal(terms[f"triplet_{direction}"], both[f"triplet_{direction}"])
+    # c2i: caption i's hinge against image j is max(0, m + cos(p_i, y_j) - cos(p_i, y_i)), hardest j, batch mean.
+    sim = pred @ y.T
+    hinge = (1.0 + sim - sim.diagonal()[:, None]).clamp(min=0).masked_fill(torch.eye(5, dtype=torch.bool), 0)
+    assert math.isclose(float(both["triplet_c2i"]), float(hinge.max(dim=1).values.mean()), rel_tol=1e-5)
+
+
 def test_slot_triplet_uses_best_slot_and_needs_slots():
     y = torch.eye(3)
     junk = unit([[-1.0, -1.0, -1.0]]).expand(3, 3)
@@ -149,14 +166,29 @@ def test_slot_triplet_uses_best_slot_and_needs_slots():
     assert LOSSES.get("slot_triplet")({"pred": y}, batch, cfg, None) == {}
 
 
-def test_condensation_and_diversity_definitions():
-    pred = unit(torch.randn(4, D)).requires_grad_()
-    slots = pred.detach()[:, None, :].expand(4, K, D).clone().requires_grad_()
-    cfg = make_cfg()
-    cond = LOSSES.get("condensation")({"pred": pred, "slots": slots}, {}, cfg.loss.condensation, None)["condensation"]
-    assert abs(float(cond.detach())) < 1e-6
-    (cond + (slots * 0).sum()).backward()
-    assert pred.grad is None  # pred is a stop-gradient target
+def test_condensation_pulls_pred_toward_the_slot_that_best_matches_the_image():
+    y = torch.eye(3)[:2]  # two images, e0 and e1
+    pred = unit([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]).requires_grad_()
+    # slot 0 equals pred (the closest to pred), slot 1 is the image plus a little of e2 (the closest to the image):
+    # the seed picks s* by the image, so s* = slot 1.
+    near_image = unit(y + 0.2 * torch.tensor([0.0, 0.0, 1.0]))
+    slots = torch.stack([pred.detach(), near_image], dim=1).requires_grad_()  # [2, 2, 3]
+    batch = {"y_n": y, "img": torch.arange(2)}
+    cond = LOSSES.get("condensation")({"pred": pred, "slots": slots}, batch, make_cfg().loss.condensation,
+                                      None)["condensation"]
+    expected = (1.0 - (pred.detach() * near_image).sum(dim=-1)).mean()
+    assert math.isclose(float(cond.detach()), float(expected), rel_tol=1e-5)
+    cond.backward()
+    assert pred.grad is not None and float(pred.grad.abs().sum()) > 0  # the gradient goes into pred
+    assert float(slots.grad[:, 1].abs().sum()) > 0  # and, as in the seed (nothing detached), into s*
+    assert float(slots.grad[:, 0].abs().sum()) == 0  # but not into the other slots
+    stepped = unit(pred.detach() - 0.1 * pred.grad)  # a descent step on pred moves it toward s*
+    assert bool(((stepped * near_image).sum(-1) > (pred.detach() * near_image).sum(-1)).all())
+
+
+def test_slot_diversity_definition():
+    pred = unit(torch.randn(4, D))
+    slots = pred[:, None, :].expand(4, K, D)
     div = make_cfg({"loss.slot_diversity.delta": 0.5}).loss.slot_diversity
     # identical slots: every pair has cos 1 -> relu(1 - 0.5) = 0.5; orthogonal slots: 0.
     same = LOSSES.get("slot_diversity")({"pred": pred, "slots": slots}, {}, div, None)["slot_diversity"]
@@ -245,6 +277,52 @@ def test_queue_infonce_masks_queued_copies_of_the_own_image():
     assert float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]) > 1e-6
 
 
+def test_queue_only_negatives_drop_the_in_batch_images():
+    cfg = make_cfg({"temperature.tau": 1.0, "queue.in_batch": False})
+    state = LossState(cfg, 3)
+    e = torch.eye(3)
+    pred, y = e[:2].clone(), e[:2].clone()  # two captions of two distinct images
+    batch, out = {"y_n": y, "img": torch.tensor([0, 1])}, {"pred": pred}
+    # empty queue: the only column is the own image, log softmax of one logit = 0 (MoCo before anything is queued)
+    assert float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]) == 0.0
+    state.enqueue(e[2:])  # one queue negative, orthogonal to both predictions
+    loss = float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"])
+    assert math.isclose(loss, math.log(1 + math.exp(-1.0)), rel_tol=1e-5)  # [pos 1, queue 0]: no in-batch column
+    with_batch = LossState(make_cfg({"temperature.tau": 1.0}), 3)
+    with_batch.enqueue(e[2:])
+    both = float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, with_batch)["queue_infonce"])
+    assert math.isclose(both, math.log(1 + 2 * math.exp(-1.0)), rel_tol=1e-5)  # the other image is a negative too
+
+
+def test_moment_std_term_is_optional():
+    pred, y = unit([[1.0, 0.0], [1.0, 0.0]]), unit([[1.0, 0.0], [0.0, 1.0]])
+    batch = {"y_n": y}
+    both = LOSSES.get("moment")({"pred": pred}, batch, make_cfg().loss.moment, None)
+    means = LOSSES.get("moment")({"pred": pred}, batch, make_cfg({"loss.moment.std": False}).loss.moment, None)
+    # batch means (1, 0) and (0.5, 0.5): 0.25 + 0.25; stds (0, 0) and (0.5, 0.5): 0.25 + 0.25
+    assert set(means) == {"moment_mean"} and math.isclose(float(means["moment_mean"]), 0.5, rel_tol=1e-6)
+    assert math.isclose(float(both["moment_std"]), 0.5, rel_tol=1e-6)
+
+
+def test_agreement_is_the_mean_per_dimension_variance_of_an_images_captions():
+    a = unit([[3.0, 4.0, 0.0], [3.0, 0.0, 4.0]])  # image 0: two captions
+    b = unit([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])  # image 1: three captions
+    lone = unit([[1.0, 1.0, 1.0]])  # image 2: one caption, no variance to count
+    pred = torch.cat([a, b, lone])
+    batch = {"img": torch.tensor([0, 0, 1, 1, 1, 2])}
+    value = float(LOSSES.get("agreement")({"pred": pred}, batch, None, None)["agreement"])
+    # by hand: image 0 varies in dims 1 and 2 by 0.8 (values 0.8/0 and 0/0.8): unbiased variance 0.32 each, 0 in
+    # dim 0 -> mean 0.64/3; image 1: each dim holds (1, 0, 0): variance 1/3 -> mean 1/3. Averaged over the 2 images.
+    assert math.isclose(value, (0.64 / 3 + 1 / 3) / 2, rel_tol=1e-5)
+    torch_var = (a.var(dim=0).mean() + b.var(dim=0).mean()) / 2
+    assert math.isclose(value, float(torch_var), rel_tol=1e-5)
+    # the scale: D times smaller than the mean pairwise 1 - cos it replaces (the seed's definition)
+    pairwise = float((1.0 - a[0] @ a[1] + (1.0 - b @ b.T).triu(1).sum() / 3) / 2)
+    assert value < pairwise / 2
+    single = {"img": torch.arange(6)}
+    assert float(LOSSES.get("agreement")({"pred": pred}, single, None, None)["agreement"]) == 0.0
+
+
 # ---------------------------------------------------------------------------------------------- LossState queue
 
 def rows(start: int, stop: int) -> torch.Tensor:
@@ -312,6 +390,26 @@ def test_queue_slice_curriculum_grows_from_newest():
     assert queue_ids(small) == [0]  # round(0.25 * 1) = 0 -> at least one
 
 
+def test_queue_stepwise_slices_double_from_the_newest():
+    cfg = make_cfg({"queue.warmup_epochs": 2, "queue.slice_start": 0.25, "queue.slice_epochs": 1,
+                    "queue.slice_mode": "stepwise", "queue.size": 16})
+    state = LossState(cfg, 3)
+    state.enqueue(rows(0, 16))
+    sizes = {}
+    for epoch in range(7):
+        state.epoch = epoch
+        sizes[epoch] = len(queue_ids(state))
+    # BigJump: 2 enqueue-only epochs, then a quarter, a half, the whole queue (16k -> 32k -> 65k of 65,536)
+    assert sizes == {0: 0, 1: 0, 2: 4, 3: 8, 4: 16, 5: 16, 6: 16}
+    state.epoch = 2
+    assert queue_ids(state) == [12, 13, 14, 15]  # the newest quarter
+    slow = LossState(with_values(cfg, {"queue.slice_epochs": 2}), 3)
+    slow.enqueue(rows(0, 16))
+    assert [len(queue_ids(slow)) for slow.epoch in range(2, 8)] == [4, 4, 8, 8, 16, 16]
+    with pytest.raises(ConfigError, match="slice_start"):
+        validate(with_values(cfg, {"queue.slice_start": 0.0}))
+
+
 def test_queue_not_allocated_without_queue_loss():
     state = LossState(make_cfg({"loss.queue_infonce.weight": 0.0}), 3)
     state.enqueue(rows(0, 4))
@@ -327,6 +425,18 @@ def test_tau_fixed_and_curriculum_endpoints():
     for progress, expected in ((0.0, 0.2), (0.5, 0.11), (1.0, 0.02)):
         state.progress = progress
         assert math.isclose(float(state.tau().detach()), expected, rel_tol=1e-5)
+
+
+def test_tau_is_logged_when_it_moves_and_checkpointed():
+    assert LossState(make_cfg(), 3).log_values() == {}
+    state = LossState(make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1}), 3)
+    assert math.isclose(state.log_values()["train/tau"], 0.1, rel_tol=1e-5)
+    with torch.no_grad():
+        state.logit_scale.fill_(math.log(1 / 0.04))
+    restored = LossState(make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1}), 3)
+    restored.load_checkpoint_state(state.checkpoint_state())
+    assert math.isclose(restored.log_values()["train/tau"], 0.04, rel_tol=1e-5)
+    assert set(state.checkpoint_state()) == {"logit_scale"}  # not the queue
 
 
 def test_learnable_tau_moves_with_a_gradient_step_and_is_clamped():
@@ -392,6 +502,35 @@ def test_multilabel_random_uses_neg_pred():
     assert float(far["multilabel_triplet"]) == 0.0
     assert math.isclose(float(near["multilabel_triplet"]), cfg.margin, rel_tol=1e-5)
     with pytest.raises(ConfigError, match="neg_pred"):
+        LOSSES.get("multilabel_triplet")({"pred": pred}, batch, cfg, None)
+
+
+def test_fixed_positives_are_drawn_once_among_items_sharing_a_label():
+    labels = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 1], [0, 0, 0], [1, 0, 0]]).bool()
+    pos = draw_fixed_positives(labels, torch.Generator().manual_seed(0))
+    assert pos[3] == -1 and pos[4] == -1  # the only item with label 2; an item without labels
+    for i in (0, 1, 2, 5):
+        assert pos[i] != i and bool((labels[i] & labels[pos[i]]).any())
+    again = draw_fixed_positives(labels, torch.Generator().manual_seed(0))
+    assert torch.equal(pos, again)  # a fixed draw for a fixed seed
+    draws = {tuple(draw_fixed_positives(labels, torch.Generator().manual_seed(s)).tolist()) for s in range(20)}
+    assert len(draws) > 1  # random, not the first candidate
+
+
+def test_multilabel_fixed_positive_uses_pos_pred():
+    cfg = make_cfg({"loss.multilabel_triplet.positives": "fixed"}).loss.multilabel_triplet
+    e0, e1 = [1.0, 0.0], [0.0, 1.0]
+    pred = unit([e0, e1])
+    batch = {"labels": torch.tensor([[1, 0], [0, 1]]).bool(), "has_pos": torch.tensor([True, True])}
+    # in-batch the only negative of each item is the other (distance 1); the fixed positive sets d(a, p)
+    near = LOSSES.get("multilabel_triplet")({"pred": pred, "pos_pred": pred}, batch, cfg, None)
+    far = LOSSES.get("multilabel_triplet")({"pred": pred, "pos_pred": -pred}, batch, cfg, None)
+    assert float(near["multilabel_triplet"]) == 0.0
+    assert math.isclose(float(far["multilabel_triplet"]), cfg.margin + 1.0, rel_tol=1e-5)
+    none = {**batch, "has_pos": torch.tensor([False, False])}
+    assert float(LOSSES.get("multilabel_triplet")({"pred": pred, "pos_pred": -pred}, none, cfg, None)
+                 ["multilabel_triplet"]) == 0.0
+    with pytest.raises(ConfigError, match="pos_pred"):
         LOSSES.get("multilabel_triplet")({"pred": pred}, batch, cfg, None)
 
 

@@ -112,6 +112,21 @@ def test_mlp_shapes_match_the_config():
     assert sum(isinstance(m, nn.LayerNorm) for m in moco.modules()) == 2
 
 
+@pytest.mark.parametrize("kind, hidden", [("linear", ()), ("mlp", (40, 40)), ("moco_mlp", (40,))])
+def test_bias_off_removes_every_linear_bias(kind, hidden):
+    on = build_model(small_cfg(**{"model.kind": kind, "model.hidden": hidden or (40,)}), make_ctx())
+    off = build_model(small_cfg(**{"model.kind": kind, "model.hidden": hidden or (40,), "model.bias": False}),
+                      make_ctx())
+    assert all(m.bias is not None for m in on.modules() if isinstance(m, nn.Linear))
+    linears = [m for m in off.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(m.bias is None for m in linears)
+    if kind != "moco_mlp":  # (its LayerNorm keeps a shift) without biases, 0 maps to 0
+        assert torch.equal(off(torch.zeros(2, DIN))["raw"], torch.zeros(2, DOUT))
+    if kind == "linear":  # the seed's encoder: a pure linear map, f(a x) = a f(x)
+        x = torch.randn(3, DIN)
+        assert torch.allclose(off(2 * x)["raw"], 2 * off(x)["raw"], atol=1e-5)
+
+
 def test_deep_mlp_needs_two_hidden_layers():
     with pytest.raises(ConfigError, match="model.hidden"):
         build_model(small_cfg(**{"model.kind": "deep_mlp", "model.hidden": (32,)}), make_ctx())

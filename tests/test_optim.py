@@ -81,12 +81,39 @@ def test_unknown_names_suggest_closest():
 def test_param_groups_default_and_extra():
     model = nn.Linear(3, 3)
     groups = param_groups(cfg_of(**{"optim.lr": 0.5}), model, Extra())
-    assert len(groups) == 1 and groups[0]["lr"] == 0.5
-    assert len(groups[0]["params"]) == 3  # weight, bias and the extra logit scale join the first group
+    assert [(g["name"], g["lr"], len(g["params"])) for g in groups] == [("main", 0.5, 2), ("temperature", 0.5, 1)]
 
     groups = param_groups(cfg_of(**{"optim.lr": 0.5}), TwoGroups(), Extra())
-    assert [(g["name"], g["lr"]) for g in groups] == [("body", 0.5), ("head", 0.05)]
-    assert len(groups[0]["params"]) == 3 and len(groups[1]["params"]) == 2
+    assert [(g["name"], g["lr"]) for g in groups] == [("body", 0.5), ("head", 0.05), ("temperature", 0.5)]
+    assert len(groups[0]["params"]) == 2 and len(groups[1]["params"]) == 2
+
+
+class FrozenBaseFirst(nn.Module):
+    """Like the geometry model: its first group is the closed-form base at LR x 0.05."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 4)
+        self.adapter = nn.Linear(4, 4)
+
+    def param_groups(self):
+        return [("base", list(self.base.parameters()), 0.05), ("adapter", list(self.adapter.parameters()), 1.0)]
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
+def test_temperature_group_has_base_lr_and_no_weight_decay(name):
+    cfg = cfg_of(**{"optim.name": name, "optim.lr": 0.1, "optim.weight_decay": 0.5, "schedule.name": "constant"})
+    extra = Extra()
+    opt, _ = build_optimizer(cfg, FrozenBaseFirst(), extra, steps_per_epoch=1)
+    temp = next(g for g in opt.param_groups if g["name"] == "temperature")
+    assert temp["lr"] == pytest.approx(0.1) and temp["weight_decay"] == 0.0
+    assert temp["params"] == [extra.logit_scale]
+    assert opt.param_groups[0]["weight_decay"] == 0.5  # the model groups keep theirs
+    with torch.no_grad():
+        extra.logit_scale.fill_(3.0)
+    extra.logit_scale.grad = torch.zeros(())  # no loss gradient: only weight decay could move it
+    opt.step()
+    assert float(extra.logit_scale.detach()) == 3.0
 
 
 # ---------------------------------------------------------------------------------------------- curves
@@ -154,6 +181,19 @@ def test_plateau_reduces_after_patience_bad_epochs():
     assert lrs == pytest.approx([1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.25])
 
 
+def test_plateau_on_val_loss_reduces_when_the_loss_stops_falling():
+    cfg = cfg_of(**{"schedule.name": "plateau", "schedule.plateau_patience": 1, "schedule.plateau_factor": 0.5,
+                    "train.epochs": 10, "train.monitor": "val/loss"})
+    opt, schedule = build_optimizer(cfg, nn.Linear(2, 2), None, 2)
+    lrs = []
+    for loss in (3.0, 2.0, 1.0, 1.5, 1.4, 0.5):  # val/loss: lower is better
+        run_steps(opt, schedule, 2)
+        schedule.after_epoch(loss)
+        lrs.append(opt.param_groups[0]["lr"])
+    # falling losses never reduce (a val/mrr monitor would have halved here); two epochs above 1.0 do
+    assert lrs == pytest.approx([1.0, 1.0, 1.0, 1.0, 0.5, 0.5])
+
+
 def test_plateau_warmup_reaches_the_peak():
     cfg = cfg_of(**{"schedule.name": "plateau", "schedule.warmup_epochs": 1.0, "train.epochs": 3})
     opt, schedule = build_optimizer(cfg, nn.Linear(2, 2), None, 4)
@@ -190,11 +230,12 @@ def test_group_multipliers_are_kept(name, optimizer):
     cfg = cfg_of(**{"schedule.name": name, "optim.name": optimizer, "optim.lr": 0.01, "train.epochs": 4,
                     **SCHEDULE_SETTINGS.get(name, {})})
     opt, schedule = build_optimizer(cfg, TwoGroups(), Extra(), steps_per_epoch=3)
-    assert [g["name"] for g in opt.param_groups] == ["body", "head"]
+    assert [g["name"] for g in opt.param_groups] == ["body", "head", "temperature"]
     body_lrs = []
     for score in (0.5, 0.4, 0.3, 0.2):  # worsening: the plateau schedule reduces too
-        for body, head in run_steps(opt, schedule, 3):
+        for body, head, temperature in run_steps(opt, schedule, 3):
             assert head == pytest.approx(0.1 * body, rel=1e-9)
+            assert temperature == pytest.approx(body, rel=1e-9)
             body_lrs.append(body)
         schedule.after_epoch(score)
     assert len(set(body_lrs)) > 1  # the schedule did change the LR, so the ratio was tested under change

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import optuna
+from optuna.trial import TrialState
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
@@ -126,11 +127,13 @@ def test_candidates_must_share_the_val_split():
         cfg = with_values(Config(), values)
         return picker.Candidate(name, 0, Path("x"), cfg, (4, 6), 0.5, None, "local", None)
 
-    picker.check_agreement([cand("a"), cand("b")])
+    picker.check_agreement([cand("a"), cand("b")], same_split=True)
     with pytest.raises(LatentsweepError, match=r"data.val_ratio"):
-        picker.check_agreement([cand("a"), cand("b", **{"data.val_ratio": 0.3})])
+        picker.check_agreement([cand("a"), cand("b", **{"data.val_ratio": 0.3})], same_split=True)
     with pytest.raises(LatentsweepError, match=r"data.salt"):
-        picker.check_agreement([cand("a"), cand("b", **{"data.salt": "x"})])
+        picker.check_agreement([cand("a"), cand("b", **{"data.salt": "x"})], same_split=True)
+    # out-of-fold selection retrains every candidate on the same folds: the study's splits may differ
+    picker.check_agreement([cand("a"), cand("b", **{"data.val_ratio": 0.3})], same_split=False)
 
 
 # ---------------------------------------------------------------------------------------------- a real tiny study
@@ -154,7 +157,7 @@ def world(tmp_path_factory):
 def greedy_pick(world):
     out = world.root / "picked" / "submission.csv"
     code = main(["pick", STUDY, "--state-dir", str(world.state), "--top", "4", "--register", "tiny-ensemble",
-                 "--out", str(out), "--quiet"])
+                 "--out", str(out), "--selection", "halves", "--no-refit", "--quiet"])
     assert code == 0
     return out, json.loads(out.with_name("submission.manifest.json").read_text())
 
@@ -171,7 +174,9 @@ def test_pick_writes_a_valid_submission_manifest_and_report(world, greedy_pick):
     for member in manifest["members"]:
         assert Path(member["checkpoint"]).is_file() and len(member["config_sha256"]) == 64
     report = pd.read_csv(out.with_name("submission.report.csv"))
-    assert set(report["role"]) == {"member", "best_single", "mean", "ensemble"}
+    assert set(report["role"]) == {"member", "best_single", "mean", "ensemble", "submission_model"}
+    made = report[report["role"] == "submission_model"]
+    assert set(made["origin"]) == {"local"} and made["weight"].sum() == pytest.approx(1.0)  # --no-refit
     assert not list(out.parent.glob(".pick-*"))  # no staging left behind
 
 
@@ -203,6 +208,7 @@ def test_mlflow_run_pyfunc_model_reproduces_the_submission_and_is_registered(wor
     assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {
         "submission.csv", "submission.manifest.json", "submission.report.csv"}
     assert run.data.metrics["report/ensemble_mrr"] == pytest.approx(manifest["scores"]["report"]["ensemble"]["mrr"])
+    assert run.data.metrics["gain_mrr"] == pytest.approx(manifest["gain_mrr"])
     versions = client.search_model_versions("name='tiny-ensemble'")
     assert [v.version for v in versions] == [int(manifest["mlflow"]["registered"]["version"])]
     assert versions[0].run_id == run.info.run_id
@@ -222,13 +228,14 @@ def test_seed_reruns_weighted_and_checkpoint_download(world):
     """--seeds retrains the best configs; a trial whose local best.pt is gone is fetched from its MLflow run."""
     study = optuna.load_study(study_name=STUDY, storage=world.storage)
     best = sorted(study.trials, key=lambda t: -t.value)[0]
-    local = Path(best.user_attrs["checkpoint"])
+    local = world.state / best.user_attrs["checkpoint"]  # relative to the state directory
     hidden = local.with_name("best.pt.hidden")
     shutil.move(local, hidden)
     try:
         out = world.root / "seeds" / "sub.csv"
         assert main(["pick", STUDY, "--state-dir", str(world.state), "--top", "2", "--seeds", "1",
-                     "--method", "weighted", "--out", str(out), "--quiet"]) == 0
+                     "--method", "weighted", "--out", str(out), "--selection", "halves", "--no-refit",
+                     "--quiet"]) == 0
     finally:
         shutil.move(hidden, local)
     manifest = json.loads(out.with_name("sub.manifest.json").read_text())
@@ -268,3 +275,85 @@ def test_errors_exit_2_with_one_line_and_leave_no_files(world, tmp_path, capsys)
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("latentsweep: error: ") and message in err[-1], (argv, err)
         assert _files(world.state, tmp_path) == before, argv
+
+
+# ---------------------------------------------------------------------------------------------- default: oof + refit
+
+@pytest.fixture(scope="module")
+def oof_pick(world):
+    out = world.root / "oof" / "submission.csv"
+    code = main(["pick", STUDY, "--state-dir", str(world.state), "--top", "3", "--folds", "3", "--seeds", "2",
+                 "--out", str(out), "--quiet"])
+    assert code == 0
+    return out, json.loads(out.with_name("submission.manifest.json").read_text())
+
+
+@pytest.mark.slow
+def test_default_pick_refits_chosen_members_on_every_image_with_seeds(world, oof_pick):
+    from trainers.checkpoint import load_model
+
+    out, manifest = oof_pick
+    assert manifest["selection"] == "oof" and manifest["folds"] == 3
+    chosen = {name for name, w in manifest["weights"].items() if w > 0}
+    made = manifest["submission_models"]
+    assert {m["member"] for m in made} == chosen and len(made) == 2 * len(chosen)
+    assert sum(m["weight"] for m in made) == pytest.approx(1.0)
+    members = {m["name"]: m for m in manifest["members"]}
+    data = load_train(world.train)
+    for m in made:
+        assert m["origin"] == "refit"
+        model, cfg, meta = load_model(m["checkpoint"])
+        assert cfg.data.split == "all" and cfg.train.stop_after == members[m["member"]]["best_epoch"] + 1
+        assert meta["data_fingerprint"] == data.fingerprint  # every labelled image, not a subset
+    seeds = sorted(load_model(m["checkpoint"])[1].train.seed for m in made)
+    assert len(set(seeds)) == 2  # two seeds per member
+    # the submission is the weighted mean of the refit models' normalised outputs
+    test = load_test(world.test)
+    preds = [picker.outputs([load_model(m["checkpoint"])[0]], test.embeddings, "cpu")[0] for m in made]
+    expected = ensemble.combine(preds, [m["weight"] for m in made])
+    assert np.allclose(read_submission(out)[1], expected, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_refits_are_nested_mlflow_runs_with_checkpoints(world, oof_pick):
+    _, manifest = oof_pick
+    client = MlflowClient(world.tracking)
+    pick_run = manifest["mlflow"]["run_id"]
+    for m in manifest["submission_models"]:
+        run = client.get_run(m["mlflow_run_id"])
+        assert run.data.tags["mlflow.parentRunId"] == pick_run and run.info.status == "FINISHED"
+        assert "best.pt" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    metrics = client.get_run(pick_run).data.metrics
+    assert metrics["gain_mrr"] == pytest.approx(manifest["nested"]["gain_mrr"])
+    assert len(manifest["nested"]["fold_gains"]) == 3
+
+
+@pytest.mark.slow
+def test_rerun_reuses_finished_jobs_and_budget_drops_are_reported(world, oof_pick, capsys):
+    out = world.root / "oof2" / "submission.csv"
+    assert main(["pick", STUDY, "--state-dir", str(world.state), "--top", "3", "--folds", "3", "--seeds", "2",
+                 "--out", str(out), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "trained" not in err and err.count("reused") >= 3 * 3  # every fold job and refit came from disk
+    assert np.allclose(read_submission(out)[1], read_submission(oof_pick[0])[1], atol=1e-6)
+    tight = world.root / "oof3" / "submission.csv"
+    # a tiny budget with a fresh fold count (nothing to reuse) must shrink the plan and say so
+    assert main(["pick", STUDY, "--state-dir", str(world.state), "--top", "3", "--folds", "4", "--seeds", "3",
+                 "--budget", "0.001", "--out", str(tight), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "--budget" in err and "folds 4 -> 3" in err
+    manifest = json.loads(tight.with_name("submission.manifest.json").read_text())
+    assert manifest["notes"] and any("--budget" in n for n in manifest["notes"])
+
+
+def test_top_trials_rank_pruned_trials_by_their_best_reported_value():
+    study = optuna.create_study(direction="maximize")
+    for values, state in (([0.2, 0.4], TrialState.COMPLETE), ([0.1, 0.5], TrialState.PRUNED),
+                          ([0.3], TrialState.PRUNED), ([], TrialState.PRUNED)):
+        trial = study.ask()
+        for step, v in enumerate(values):
+            trial.report(v, step)
+        study.tell(trial, values[-1] if state == TrialState.COMPLETE else None, state=state)
+    ranked = picker.top_trials(study, 5)
+    assert [t.number for t in ranked] == [1, 0, 2]  # 0.5 (pruned), 0.4 (complete), 0.3; no value: left out
+    assert picker.trial_value(ranked[0], maximize=True) == 0.5

@@ -101,6 +101,13 @@ def trial_runs(tracking: str, name: str) -> list:
     return client.search_runs([exp.experiment_id], "tags.`latentsweep.role` = 'trial'", max_results=1000)
 
 
+def parent_run(tracking: str, name: str):
+    client = MlflowClient(tracking)
+    exp = client.get_experiment_by_name(name)
+    (parent,) = client.search_runs([exp.experiment_id], "tags.`latentsweep.role` = 'parent'")
+    return parent
+
+
 def assert_clean(err: str) -> None:
     bad = [line for line in err.splitlines() if any(b in line for b in BAD_OUTPUT)]
     assert not bad, err
@@ -136,6 +143,9 @@ def test_four_workers_share_one_postgres_study(tmp_path, pg_db, tracking, synthe
         assert run.info.run_id == t.user_attrs["mlflow_run_id"]
         assert run.info.status == "FINISHED" and run.data.tags["optuna.state"] == "COMPLETE"
         assert float(run.data.params["optim.lr"]) == pytest.approx(t.params["optim.lr"])
+    # no `study run` around the workers: the one that finished the last trial closed the parent run with the summary
+    parent = parent_run(tracking, "pg4")
+    assert parent.info.status == "FINISHED" and parent.data.metrics["trials_complete"] == 8
 
 
 def _all_text(client: MlflowClient, run) -> str:
@@ -149,7 +159,8 @@ def test_password_in_storage_url_is_never_shown(tmp_path, pg_db, tracking, synth
     assert main(["study", "create", *args]) == 0
     assert main(["study", "run", *args]) == 0
     assert main(["worker", *args]) == 0  # budget spent: joins, reaps, runs nothing
-    assert main(["study", "reap", *args]) == 0
+    assert main(["study", "reap", "secret", "--storage", pg_url(pg_db, PASSWORD), "--tracking-uri", tracking,
+                 "--state-dir", str(tmp_path / "state")]) == 0
     assert main(["worker", *args, "--name", "nosuch"]) == 2  # the error names the storage
     assert main(["study", "status", "secret", "--storage", pg_url(pg_db, PASSWORD)]) == 0
     wrong_port = pg_url(pg_db, PASSWORD).replace(f":{PG_PORT}/", ":1/")

@@ -53,6 +53,7 @@ def child_runs(state: Path, name: str):
 
 def test_study_runs_and_tracks_every_trial(tmp_path, state, synthetic, capsys):
     sf = study_file(tmp_path, "tracked", n_trials=3, epochs=3)
+    sf.write_text(sf.read_text().replace("[study]\n", '[study]\ndescription = "a tiny study"\n', 1))
     assert run([str(sf), "--data", str(synthetic), "--state-dir", str(state)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     study = optuna_study(state, "tracked")
@@ -69,8 +70,21 @@ def test_study_runs_and_tracks_every_trial(tmp_path, state, synthetic, capsys):
         trial = trials[number]
         assert r.info.status == "FINISHED"
         assert r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
-        assert r.data.tags["data_fingerprint"] and r.data.tags["seed"] == "0" and r.data.tags["git_commit"]
+        assert r.data.tags["data_fingerprint"] and r.data.tags["seed"] == "0"
+        assert len(r.data.tags["mlflow.source.git.commit"]) == 40  # MLflow's Source column
         assert r.data.params["optim.lr"] == str(trial.params["optim.lr"])
+        # searched knobs: listed in a tag and logged apart from the resolved config as search.<knob>
+        assert set(r.data.tags["latentsweep.searched"].split(",")) >= set(trial.params)
+        assert {k[len("search."):] for k in r.data.params if k.startswith("search.")} == set(trial.params)
+        # the objective Optuna records (best epoch), not the last epoch's val/mrr, and the best epoch
+        assert r.data.metrics["best/val/mrr"] == pytest.approx(trial.value)
+        best_so_far = [m.value for m in c.get_metric_history(r.info.run_id, "best/val/mrr")]
+        assert len(best_so_far) == 3 and best_so_far == sorted(best_so_far)  # one point per epoch, never down
+        assert r.data.metrics["best_epoch"] == trial.user_attrs["best_epoch"]
+        assert "val/mrr" in r.data.tags["mlflow.note.content"]
+        (dataset,) = r.inputs.dataset_inputs
+        assert dataset.dataset.digest == r.data.tags["data_fingerprint"] and dataset.dataset.name == synthetic.name
+        assert {t.key: t.value for t in dataset.tags}["mlflow.data.context"] == "train"
         assert r.data.params["train.epochs"] == "3"
         history = c.get_metric_history(r.info.run_id, "val/mrr")
         assert [m.step for m in history] == [0, 1, 2]
@@ -81,6 +95,11 @@ def test_study_runs_and_tracks_every_trial(tmp_path, state, synthetic, capsys):
         assert {"best.pt", "config.toml", "metrics.csv", "rank_distribution.png"} <= names
     parent_artifacts = {a.path for a in c.list_artifacts(parents[0].info.run_id, "plots")}
     assert "plots/optimization_history.png" in parent_artifacts
+    # MLflow 3 shows a classic ML experiment (not a GenAI app); the study file's description is shown
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert exp.tags["mlflow.experiment.primaryMetric.name"] == "best/val/mrr"
+    assert parents[0].data.tags["mlflow.note.content"] == "a tiny study"
+    assert study.metric_names == ["val/mrr"]  # optuna-dashboard's label instead of "Objective 0"
 
 
 def test_conditional_knob_only_sampled_when_condition_holds(tmp_path, state, synthetic):
@@ -111,7 +130,7 @@ def test_parallel_sqlite_workers_spend_exact_budget(tmp_path, state, synthetic, 
     assert all(r.info.status == "FINISHED" for r in runs)
 
 
-def test_pruned_trial_is_killed_in_mlflow(tmp_path, state, synthetic):
+def test_pruned_trial_is_told_apart_from_failures_in_mlflow(tmp_path, state, synthetic):
     extra = '\n[[enqueue]]\n"optim.lr" = 0.01\n"loss.triplet.weight" = 0.0\n' \
             '\n[[enqueue]]\n"optim.lr" = 0.0001\n"loss.triplet.weight" = 0.0\n'
     sf = study_file(tmp_path, "pruned", n_trials=2, epochs=3, pruner="median", extra=extra)
@@ -122,8 +141,12 @@ def test_pruned_trial_is_killed_in_mlflow(tmp_path, state, synthetic):
     trials = optuna_study(state, "pruned").get_trials()
     assert trials[1].state == optuna.trial.TrialState.PRUNED
     _, _, runs = child_runs(state, "pruned")
-    status = {r.info.run_name: r.info.status for r in runs}
-    assert status == {"trial-0": "FINISHED", "trial-1": "KILLED"}
+    status = {r.info.run_name: (r.info.status, r.data.tags["optuna.state"]) for r in runs}
+    # a pruned trial ended as designed: no red FAILED/KILLED mark (as Optuna's MLflowCallback), its state in a tag
+    assert status == {"trial-0": ("FINISHED", "COMPLETE"), "trial-1": ("FINISHED", "PRUNED")}
+    pruned = next(r for r in runs if r.info.run_name == "trial-1")
+    assert "Pruned" in pruned.data.tags["mlflow.note.content"]
+    assert pruned.data.metrics["best/val/mrr"] == pytest.approx(max(trials[1].intermediate_values.values()))
 
 
 def test_failing_config_fails_trial_and_run_but_not_study(tmp_path, state, synthetic):

@@ -63,14 +63,14 @@ def test_shipped_study_loads_and_validates(path):
 @pytest.mark.parametrize("path", STUDIES, ids=[p.stem for p in STUDIES])
 def test_shipped_study_enqueue_lies_inside_its_space(path):
     study = load_study_file(path)
-    searched = {p.key: p for p in study.space}
+    searched = {p.name: p for p in study.space}  # entries are keyed by Optuna name (KEY or KEY#branch)
     assert study.enqueue, f"{path.name} enqueues no known-good recipe"
     for entry in study.enqueue:
         assert set(entry) <= set(searched)
-        for key, value in entry.items():
-            assert searched[key].contains(value), (key, value)
+        for name, value in entry.items():
+            assert searched[name].contains(value), (name, value)
         # The enqueued recipe applied to the base is itself a trainable config.
-        validate(with_values(study.base, entry))
+        validate(with_values(study.base, {searched[name].key: value for name, value in entry.items()}))
 
 
 SELF_RECIPES = [p for p in STUDIES if {"recipe": p.name} in tomllib.loads(p.read_text()).get("enqueue", [])]
@@ -84,11 +84,12 @@ def test_some_studies_enqueue_their_own_base():
 def test_shipped_self_recipe_reproduces_the_base(path):
     study = load_study_file(path)
     base = flatten(study.base)
+    keys = {p.name: p.key for p in study.space}
     for entry in study.enqueue[:1]:
-        for key, value in entry.items():
-            expected = base[key]
+        for name, value in entry.items():
+            expected = base[keys[name]]
             shown = ",".join(map(str, expected)) if isinstance(expected, tuple) else expected
-            assert value == shown, key
+            assert value == shown, name
 
 
 # ---------------------------------------------------------------------------------------------- defaults

@@ -108,7 +108,8 @@ def test_in_memory_tracker_records_runs(tmp_path):
     assert tr.runs[runs[0]]["artifacts"] == ["out/ckpt/model.pt"]
     tr.end_trial(runs[0], "COMPLETE")
     tr.end_trial(runs[1], optuna.trial.TrialState.PRUNED)
-    assert [tr.runs[r]["status"] for r in runs] == ["FINISHED", "KILLED", "RUNNING"]
+    assert [tr.runs[r]["status"] for r in runs] == ["FINISHED", "FINISHED", "RUNNING"]  # pruned: by design
+    assert tr.runs[runs[1]]["tags"]["optuna.state"] == "PRUNED"
     assert tr.close_stale_runs(alive_numbers=set()) == [runs[2]]
     assert tr.runs[runs[2]]["tags"]["latentsweep.reaped"] == "true"
     assert tr.find_trial_run(1) == runs[1] and tr.find_trial_run(7) is None
@@ -195,7 +196,7 @@ def test_log_epoch_survives_tracking_failures(tracker, monkeypatch, caplog):
 
 def test_end_trial_maps_optuna_states(tracker):
     tracker.ensure_study("state study", {})
-    expected = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED", "WAITING": "FAILED"}
+    expected = {"COMPLETE": "FINISHED", "PRUNED": "FINISHED", "FAIL": "FAILED", "WAITING": "FAILED"}
     for number, (state, status) in enumerate(expected.items()):
         run_id = tracker.start_trial(number, {}, {})
         tracker.end_trial(run_id, getattr(optuna.trial.TrialState, state))
@@ -259,7 +260,8 @@ def test_end_study_writes_summary_and_plots(tracker):
     summary = study_summary(study)
     assert summary["trials_complete"] == 3 and summary["best_params"] == study.best_params
     figures = plots.study_figures(study)
-    assert set(figures) == {"optimization_history.png", "parallel_coordinate.png", "param_importances.png"}
+    # 3 complete trials are too few for importances: left out (see test_importances_need_enough_trials)
+    assert set(figures) == {"optimization_history.png", "parallel_coordinate.png"}
     tracker.end_study(summary, figures)
     assert plt.get_fignums() == []  # logged figures are closed
     run = tracker.client.get_run(parent)
@@ -280,6 +282,8 @@ def test_rank_histogram_titles_mrr():
     fig = plots.rank_histogram(np.array([1, 2, 4, 100, 3000]), "global")
     title = fig.axes[0].get_title()
     assert f"MRR {np.mean(1 / np.array([1, 2, 4, 100, 3000])):.4f}" in title and "n=5" in title
+    assert "global protocol" in title and "val/mrr_global" in title  # which protocol, next to val/mrr's
+    assert "leaderboard protocol" in " ".join(t.get_text() for t in fig.texts)
     assert fig.axes[0].get_xscale() == "log"
     with pytest.raises(ValueError):
         plots.rank_histogram(np.array([0, 1]), "bad")
@@ -287,7 +291,27 @@ def test_rank_histogram_titles_mrr():
 
 def test_study_figures_skips_importances_without_variation():
     assert plots.study_figures(_study(0)) == {}
-    figures = plots.study_figures(_study(2, vary=False))
-    assert set(figures) == {"optimization_history.png", "parallel_coordinate.png"}
+    figures = plots.study_figures(_study(plots.MIN_IMPORTANCE_TRIALS, vary=False))
+    assert set(figures) == {"optimization_history.png"}  # no knob varied: nothing to draw per knob
     for fig in figures.values():
         plt.close(fig)
+
+
+def test_importances_need_enough_trials_and_say_how_many():
+    few = plots.study_figures(_study(plots.MIN_IMPORTANCE_TRIALS - 1))
+    assert "param_importances.png" not in few
+    figures = plots.study_figures(_study(plots.MIN_IMPORTANCE_TRIALS), objective="val/mrr")
+    fig = figures["param_importances.png"]
+    notes = " ".join(t.get_text() for t in fig.texts)
+    assert f"{plots.MIN_IMPORTANCE_TRIALS} complete trials" in notes
+    width, height = fig.get_size_inches()
+    assert width >= 10 and height >= 5
+    ax = fig.axes[0]
+    assert "x" in [label.get_text() for label in ax.get_yticklabels()]  # the full knob name, not clipped
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    left = min(label.get_window_extent(renderer).x0 for label in ax.get_yticklabels() if label.get_text())
+    assert left >= 0  # tight layout: no tick label is cut at the figure's left edge
+    assert "val/mrr" in figures["optimization_history.png"].axes[0].get_ylabel()
+    for f in list(figures.values()) + list(few.values()):
+        plt.close(f)

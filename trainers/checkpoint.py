@@ -57,21 +57,22 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         raise
 
 
-def checkpoint_payload(model: Translator, cfg: Config, dims: tuple[int, int], meta: dict) -> dict:
-    """Plain types and tensors only, so that torch.load(weights_only=True) can read it back."""
+def checkpoint_payload(model: Translator, cfg: Config, dims: tuple[int, int], meta: dict,
+                       loss_state: dict[str, torch.Tensor] | None = None) -> dict:
+    """Plain types and tensors only, so that torch.load(weights_only=True) can read it back. `loss_state` is
+    `LossState.checkpoint_state()` (the learned logit scale), restored by `load_loss_state`."""
     return {
         "format": FORMAT_VERSION,
         "config": to_dict(cfg),
         "dim_in": int(dims[0]),
         "dim_out": int(dims[1]),
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "loss_state": dict(loss_state or {}),
         "meta": meta,
     }
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Translator, Config, dict]:
-    """Rebuild the model from a checkpoint (no closed-form refit: weights come from the state dict)."""
-    path = Path(path)
+def _read(path: Path) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -80,8 +81,32 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Tr
         raise LatentsweepError(f"{path}: not a readable latentsweep checkpoint ({type(exc).__name__})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
         raise LatentsweepError(f"{path}: not a latentsweep checkpoint (format {FORMAT_VERSION} expected)")
-    cfg = from_dict(payload["config"], where=str(path))
-    ctx = ModelContext(payload["dim_in"], payload["dim_out"], fit_x=None, fit_y=None)
-    model = Translator(build_model(cfg, ctx), torch.zeros(payload["dim_in"]))
-    model.load_state_dict(payload["state_dict"])
-    return model.to(device).eval(), cfg, payload.get("meta", {})
+    return payload
+
+
+def load_loss_state(path: str | Path, state: nn.Module) -> bool:
+    """Restore the saved loss state (learned logit scale) into `state` (a LossState) to continue training from a
+    checkpoint; False when the checkpoint has none (written before it was saved)."""
+    saved = _read(Path(path)).get("loss_state") or {}
+    if saved:
+        state.load_checkpoint_state(saved)
+    return bool(saved)
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Translator, Config, dict]:
+    """Rebuild the model from a checkpoint (no closed-form refit: weights come from the state dict)."""
+    path = Path(path)
+    payload = _read(path)
+    try:
+        cfg = from_dict(payload["config"], where=str(path))
+        ctx = ModelContext(int(payload["dim_in"]), int(payload["dim_out"]), fit_x=None, fit_y=None)
+        model = Translator(build_model(cfg, ctx), torch.zeros(ctx.dim_in))
+        model.load_state_dict(payload["state_dict"])
+    except LatentsweepError as exc:
+        raise LatentsweepError(f"{path}: checkpoint config is invalid: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a missing key, a wrong shape or type: the file does not fit its config
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise LatentsweepError(f"{path}: checkpoint does not match its config ({type(exc).__name__}: {reason})") \
+            from None
+    meta = payload.get("meta", {})
+    return model.to(device).eval(), cfg, meta if isinstance(meta, dict) else {}

@@ -17,6 +17,13 @@ from typing import Any
 from trainers.errors import ConfigError, closest
 
 
+# numpy's legacy seeding (np.random.seed, used by seed_everything) accepts [0, 2**32 - 1] only.
+MAX_SEED = 2**32 - 1
+# Widest layer accepted: 65536 x 1536 float32 weights are 400 MB per layer; wider is a typo (an extra digit) that
+# would fail at allocation with an out-of-memory traceback mid-trial.
+MAX_WIDTH = 65536
+
+
 def _f(default, *, low=None, high=None, choices=None, doc=""):
     """A field with range/choice metadata (checked by `check_values`)."""
     meta = {"low": low, "high": high, "choices": choices, "doc": doc}
@@ -29,7 +36,8 @@ def _f(default, *, low=None, high=None, choices=None, doc=""):
 class DataCfg:
     path: str = _f("", doc="train npz; empty = bundled demo data")
     task: str = _f("translate", choices=("translate", "multilabel"))
-    split: str = _f("hash", choices=("hash", "kfold"))
+    split: str = _f("hash", choices=("hash", "kfold", "all"),
+                    doc="all = every image trains, no validation (refits: the epoch count comes from a study)")
     val_ratio: float = _f(0.1, low=0.01, high=0.9)
     n_folds: int = _f(5, low=2)
     fold: int = _f(0, low=0)
@@ -40,16 +48,19 @@ class DataCfg:
 @dataclass(frozen=True)
 class ModelCfg:
     kind: str = _f("mlp", doc="models registry name")
-    hidden: tuple[int, ...] = _f((2048,), low=1, doc="hidden widths (each >= 1: a 0-wide layer cuts the signal)")
+    hidden: tuple[int, ...] = _f((2048,), low=1, high=MAX_WIDTH,
+                                 doc="hidden widths (each >= 1: a 0-wide layer cuts the signal)")
     activation: str = _f("gelu", choices=("gelu", "relu", "silu", "tanh"))
     norm: str = _f("none", choices=("none", "layernorm", "batchnorm"))
     dropout: float = _f(0.0, low=0.0, high=0.9)
     init: str = _f("default", choices=("default", "xavier", "kaiming", "orthogonal"))
     residual: bool = _f(False)
     out_norm: bool = _f(True, doc="L2-normalise the output")
-    out_dim: int = _f(0, low=0, doc="multilabel task embedding size; 0 = input size")
+    bias: bool = _f(True, doc="the Linear layers of the MLP (linear and MLP kinds) have a bias; "
+                              "false: none, as the multi-label seed's linear encoder")
+    out_dim: int = _f(0, low=0, high=MAX_WIDTH, doc="multilabel task embedding size; 0 = input size")
     n_anchors: int = _f(256, low=2, doc="relative-representation anchors")
-    adapter_hidden: int = _f(512, low=1)
+    adapter_hidden: int = _f(512, low=1, high=MAX_WIDTH)
     adapter_dropout: float = _f(0.1, low=0.0, high=0.9)
 
 
@@ -67,7 +78,7 @@ class GeometryCfg:
 @dataclass(frozen=True)
 class SlotCfg:
     k: int = _f(0, low=0, doc="number of slots; 0 = no slot head")
-    hidden: int = _f(1024, low=1)
+    hidden: int = _f(1024, low=1, high=MAX_WIDTH)
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,8 @@ class TripletCfg:
     margin: float = _f(0.2, low=0.0)
     max_violation: bool = _f(True, doc="VSE++ hardest negative; False = sum over negatives")
     warmup_epochs: int = _f(0, low=0, doc="sum over negatives before hardest negatives (VSE++ warm-up)")
+    direction: str = _f("both", choices=("both", "c2i", "i2c"),
+                        doc="caption->image, image->caption or both hinges (the VSE++ + slots seed: c2i)")
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,12 @@ class WeightCfg:
 
 
 @dataclass(frozen=True)
+class MomentCfg:
+    weight: float = _f(0.0, low=0.0)
+    std: bool = _f(True, doc="match the per-dimension stds too, not only the means (BigJump matches means only)")
+
+
+@dataclass(frozen=True)
 class InfoNCECfg:
     weight: float = _f(0.0, low=0.0)
     symmetric: bool = _f(True)
@@ -109,10 +128,18 @@ class InfoNCECfg:
 
 
 @dataclass(frozen=True)
+class SmoothedInfoNCECfg:
+    weight: float = _f(0.0, low=0.0)
+    label_smoothing: float = _f(0.0, low=0.0, high=0.5)
+
+
+@dataclass(frozen=True)
 class MultiLabelTripletCfg:
     weight: float = _f(0.0, low=0.0)
     margin: float = _f(0.2, low=0.0)
-    positives: str = _f("all", choices=("all", "any"), doc="share all labels, else at least one")
+    positives: str = _f("all", choices=("all", "any", "fixed"),
+                        doc="hardest in-batch item sharing all labels (else one) or any label; fixed = one random "
+                            "positive per anchor drawn once before training (the multi-label seed)")
     negatives: str = _f("batch_hard", choices=("batch_hard", "global_hard", "random"))
 
 
@@ -124,10 +151,10 @@ class LossCfg:
     slot_diversity: DiversityCfg = field(default_factory=DiversityCfg)
     condensation: WeightCfg = field(default_factory=WeightCfg)
     infonce: InfoNCECfg = field(default_factory=InfoNCECfg)
-    multipos_infonce: WeightCfg = field(default_factory=WeightCfg)
-    queue_infonce: WeightCfg = field(default_factory=WeightCfg)
+    multipos_infonce: SmoothedInfoNCECfg = field(default_factory=SmoothedInfoNCECfg)
+    queue_infonce: SmoothedInfoNCECfg = field(default_factory=SmoothedInfoNCECfg)
     cosine: WeightCfg = field(default_factory=WeightCfg)
-    moment: WeightCfg = field(default_factory=WeightCfg)
+    moment: MomentCfg = field(default_factory=MomentCfg)
     agreement: WeightCfg = field(default_factory=WeightCfg)
     mse: WeightCfg = field(default_factory=WeightCfg)
     multilabel_triplet: MultiLabelTripletCfg = field(default_factory=MultiLabelTripletCfg)
@@ -147,7 +174,11 @@ class QueueCfg:
     size: int = _f(4096, low=1)
     warmup_epochs: int = _f(1, low=0, doc="enqueue-only epochs before queue negatives are used")
     slice_start: float = _f(1.0, low=0.0, high=1.0, doc="fraction of the queue (newest first) used at first")
-    slice_epochs: int = _f(0, low=0, doc="epochs to grow the used slice to the full queue")
+    slice_epochs: int = _f(0, low=0, doc="linear: epochs to grow the used slice to the full queue; "
+                                         "stepwise: epochs between two doublings of the slice")
+    slice_mode: str = _f("linear", choices=("linear", "stepwise"),
+                         doc="linear growth, or stepwise doubling (BigJump: 16k -> 32k -> 65k of a 65k queue)")
+    in_batch: bool = _f(True, doc="in-batch images are negatives too; false = queue-only negatives (MoCo)")
 
 
 @dataclass(frozen=True)
@@ -173,20 +204,33 @@ class ScheduleCfg:
 @dataclass(frozen=True)
 class TrainCfg:
     epochs: int = _f(20, low=1)
+    stop_after: int = _f(0, low=0, doc="stop after this many epochs, schedule still planned over train.epochs; "
+                                         "0 = run all (refits replay a trial up to its best epoch)")
     batch_size: int = _f(256, low=2)
     grad_clip: float = _f(0.0, low=0.0, doc="max grad norm; 0 = off")
     amp: bool = _f(True, doc="mixed precision where the device supports it (CUDA)")
     early_stop: int = _f(0, low=0, doc="patience in epochs without val improvement; 0 = off")
-    seed: int = _f(0, low=0)
+    seed: int = _f(0, low=0, high=MAX_SEED)
     device: str = _f("auto", doc="auto | cpu | cuda | cuda:N")
     threads: int = _f(0, low=0, doc="torch CPU threads; 0 = leave as is")
     sampler: str = _f("caption", choices=("caption", "image"), doc="batches of captions, or of images with all their captions")
+    monitor: str = _f("val/mrr", choices=("val/mrr", "val/loss"),
+                      doc="what ReduceLROnPlateau and early stopping watch; the best checkpoint is always by val/mrr")
+    average: str = _f("none", doc="weight averaging validated and checkpointed: none | ema | swa (trainers.regularise)")
+    ema_decay: float = _f(0.999, low=0.0, high=0.99999, doc="EMA decay per optimiser step (train.average = 'ema')")
+    swa_start: float = _f(0.75, low=0.0, high=0.99, doc="SWA averages epochs from floor(swa_start * epochs) on")
+
+
+@dataclass(frozen=True)
+class AugmentCfg:
+    mixup_alpha: float = _f(0.0, low=0.0, doc="embedding mixup, lambda ~ Beta(alpha, alpha); 0 = off (translate task)")
+    noise_std: float = _f(0.0, low=0.0, doc="Gaussian input noise, in units of each input dim's train std; 0 = off")
 
 
 @dataclass(frozen=True)
 class EvalCfg:
     gallery_size: int = _f(100, low=2, doc="challenge leaderboard galleries have 100 images")
-    seed: int = _f(0, low=0)
+    seed: int = _f(0, low=0, high=MAX_SEED)
     recall_k: int = _f(10, low=1, doc="label recall@k for the multilabel task")
 
 
@@ -202,6 +246,7 @@ class Config:
     optim: OptimCfg = field(default_factory=OptimCfg)
     schedule: ScheduleCfg = field(default_factory=ScheduleCfg)
     train: TrainCfg = field(default_factory=TrainCfg)
+    augment: AugmentCfg = field(default_factory=AugmentCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
 
 
@@ -368,7 +413,10 @@ def from_dict(tree: dict[str, Any], base: Config | None = None, where: str = "co
     """Build a Config from a nested dict (a TOML table): every key checked, unknown ones named with the closest."""
     flat: dict[str, Any] = {}
     _flatten_dict(tree, "", flat, where)
-    return with_values(base or Config(), flat)
+    try:
+        return with_values(base or Config(), flat)
+    except ConfigError as exc:  # a value out of range or of the wrong type: name the file like the key errors do
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _flatten_dict(tree: dict[str, Any], prefix: str, out: dict[str, Any], where: str) -> None:

@@ -28,6 +28,9 @@ SPARSE_PREFIX = "captions/label_"
 _READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError, NotImplementedError)
 
 
+INT64_MAX = np.iinfo(np.int64).max  # ids are stored as int64 everywhere
+
+
 @dataclass(frozen=True)
 class TrainSet:
     path: str
@@ -100,7 +103,15 @@ class _Npz:
             return _read_header(f)
 
     def array(self, key: str) -> np.ndarray:
+        """The whole member, after its header is checked against the member's size: a hostile header declaring a
+        huge shape would otherwise make numpy allocate it (terabytes) before noticing the data is missing."""
         with self.open(key) as f:
+            shape, _, dtype = _read_header(f)
+            declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if not dtype.hasobject and declared != self.zip.getinfo(self.keys[key]).file_size - f.tell():
+                raise self.error(key, f"header declares shape {shape} ({declared} bytes of {dtype}) but the member "
+                                      f"holds {self.zip.getinfo(self.keys[key]).file_size - f.tell()} data bytes")
+            f.seek(0)
             return npformat.read_array(f, allow_pickle=False)
 
     def vector(self, key: str, kinds: str, n: int | None = None, ref: str = "") -> np.ndarray:
@@ -110,6 +121,9 @@ class _Npz:
         if n is not None and len(arr) != n:
             raise self.error(key, f"has {len(arr)} rows but {ref} has {n}")
         if "i" in kinds and arr.dtype.kind in "iu":
+            if arr.dtype.kind == "u" and len(arr) and int(arr.max()) > INT64_MAX:  # astype would wrap negative
+                row = int(np.argmax(arr))
+                raise self.error(key, f"row {row} has id {int(arr[row])}, above the int64 maximum {INT64_MAX}")
             return arr.astype(np.int64, copy=False)
         if "U" in kinds and arr.dtype.kind == "S":
             return arr.astype(str)
@@ -267,11 +281,12 @@ def load_train(path, *, label_chunk_rows: int | None = None) -> TrainSet:
     with _Npz(path) as npz:
         text = npz.matrix("captions/embeddings")
         nc = len(text)
-        ids = npz.vector("captions/ids", "i", nc, "captions/embeddings")
+        ids = _unique_ids(npz, "captions/ids", npz.vector("captions/ids", "i", nc, "captions/embeddings"))
         caption_text = npz.vector("captions/text", "U", nc, "captions/embeddings")
         image = npz.matrix("images/embeddings")
         ni = len(image)
-        names = npz.vector("images/names", "U", ni, "images/embeddings")
+        # names key the hash split and the submission's image lookup: a repeated name would put one image twice
+        names = _unique_names(npz, "images/names", npz.vector("images/names", "U", ni, "images/embeddings"))
         cap2img = _read_cap2img(npz, nc, ni, label_chunk_rows)
         labels = label_names = None
         if "images/labels" in npz.keys:
@@ -294,6 +309,15 @@ def _unique_ids(npz: _Npz, key: str, ids: np.ndarray) -> np.ndarray:
     if dup.size:
         raise npz.error(key, f"row {int(order[dup[0] + 1])} repeats id {int(ids[order[dup[0]]])}")
     return ids
+
+
+def _unique_names(npz: _Npz, key: str, names: np.ndarray) -> np.ndarray:
+    uniq, first, counts = np.unique(names, return_index=True, return_counts=True)
+    if (counts > 1).any():
+        name = uniq[np.argmax(counts > 1)]
+        rows = np.flatnonzero(names == name)[:2]
+        raise npz.error(key, f"rows {int(rows[0])} and {int(rows[1])} both name image {str(name)[:80]!r}")
+    return names
 
 
 def load_test(path) -> TestSet:

@@ -18,10 +18,11 @@ from trainers.data import TrainSet
 from trainers.errors import LatentsweepError
 from trainers.losses import LossState, compute_losses
 from trainers.models import build_model
-from trainers.optim import build_optimizer
+from trainers.optim import MONITOR_MODES, build_optimizer
 from trainers.records import EpochLog
+from trainers.regularise import BatchAugment, build_average
 from trainers.tasks import TASKS
-from trainers.validate import validate
+from trainers.validate import DEVICE_NAME, validate
 
 
 class TrainingDiverged(LatentsweepError):
@@ -46,11 +47,16 @@ class TrainResult:
 
 
 def resolve_device(name: str) -> torch.device:
+    """auto | cpu | cuda | cuda:N as a torch device that exists on this machine (one-line error otherwise)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not DEVICE_NAME.fullmatch(name):
+        raise LatentsweepError(f"device '{name}' is not one of auto, cpu, cuda, cuda:N")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise LatentsweepError(f"train.device='{name}' but no CUDA device is available")
+        raise LatentsweepError(f"device '{name}' but no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise LatentsweepError(f"device '{name}' but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -76,29 +82,41 @@ def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None
     opt, schedule = build_optimizer(cfg, model, state, steps)
     amp = cfg.train.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler(device.type, enabled=amp)
+    augment, average = BatchAugment(cfg, task.x), build_average(cfg, model)
     log = EpochLog(out_dir)
     best, best_state, best_epoch, stale = -math.inf, None, -1, 0
-    epochs = tqdm(range(cfg.train.epochs), desc="epochs", disable=not progress, leave=False)
+    sign = 1.0 if MONITOR_MODES[cfg.train.monitor] == "max" else -1.0  # monitored value as higher-is-better
+    best_watched = -math.inf
+    epochs = tqdm(range(cfg.train.stop_after or cfg.train.epochs), desc="epochs", disable=not progress, leave=False)
     for epoch in epochs:
         model.on_epoch_start(epoch)
         state.epoch = epoch
         task.on_epoch_start(model, state)
-        sums = _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, steps, amp)
-        metrics = {**sums, **task.evaluate(model), "lr": opt.param_groups[0]["lr"]}
-        score = metrics[task.metric_key]
-        improved = score > best
+        sums = _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, steps, amp, augment, average)
+        average.after_epoch(epoch)
+        judged = average.model(model)  # the averaged weights when train.average is on: validated and saved
+        metrics = {**sums, **state.log_values(), **task.evaluate(judged), "lr": opt.param_groups[0]["lr"]}
+        validated = task.metric_key in metrics  # False with data.split = "all" (nothing held out)
+        if cfg.train.monitor == "val/loss" and validated:
+            metrics["val/loss"] = _val_loss(cfg, task, judged, state)
+        # Without validation every epoch counts as the best (the last one is kept), and the schedule and early
+        # stopping watch the training loss instead.
+        score = metrics.get(task.metric_key, -metrics["train/loss"])
+        improved = score > best or not validated
         if improved:
-            best, best_epoch, stale = score, epoch, 0
-            best_state = copy.deepcopy(model.state_dict())
+            best, best_epoch = score, epoch
+            best_state = copy.deepcopy(judged.state_dict())
             if out_dir is not None:
-                atomic_torch_save(checkpoint_payload(model, cfg, (task.dim_in, task.dim_out),
+                atomic_torch_save(checkpoint_payload(judged, cfg, (task.dim_in, task.dim_out),
                                                      {"epoch": epoch, "metrics": metrics,
-                                                      "data_fingerprint": data.fingerprint}),
+                                                      "data_fingerprint": data.fingerprint},
+                                                     loss_state=state.checkpoint_state()),
                                   Path(out_dir) / "best.pt")
-        else:
-            stale += 1
+        watched = metrics[cfg.train.monitor] if validated else -sign * metrics["train/loss"]
+        stale = 0 if sign * watched > best_watched else stale + 1
+        best_watched = max(best_watched, sign * watched)
         model.on_epoch_end(epoch, score)
-        schedule.after_epoch(score)
+        schedule.after_epoch(watched)
         log.append(epoch, metrics)
         epochs.set_postfix({"val/mrr": f"{score:.4f}", "best": f"{best:.4f}"})
         if callback is not None:
@@ -110,18 +128,21 @@ def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None
     return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, task.val_ranks(model))
 
 
-def _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, steps, amp) -> dict[str, float]:
+def _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, steps, amp, augment,
+                 average) -> dict[str, float]:
     """One pass over the training batches; returns the mean of every loss term as train/<term>."""
     model.train()
     sums: dict[str, torch.Tensor] = {}
     n = 0
     use_queue = cfg.loss.queue_infonce.weight > 0
-    for i, batch in enumerate(task.batches(gen)):
+    for i, real in enumerate(task.batches(gen)):
         state.progress = (epoch + i / steps) / cfg.train.epochs
+        batch = augment(real)  # the queue below keeps the real images
         with torch.autocast(task_device(batch), enabled=amp):
             out = model(batch["x"])
-            if "neg_x" in batch:
-                out["neg_pred"] = model(batch["neg_x"])["pred"]
+            for extra in ("neg", "pos"):  # the multilabel task's random negatives and fixed positives
+                if f"{extra}_x" in batch:
+                    out[f"{extra}_pred"] = model(batch[f"{extra}_x"])["pred"]
         loss, terms = compute_losses(cfg, out, batch, state)
         opt.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
@@ -131,8 +152,9 @@ def _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, ste
         scaler.step(opt)
         scaler.update()
         schedule.after_step()
+        average.after_step()
         if use_queue:
-            state.enqueue(batch["y_n"])
+            state.enqueue(real["y_n"])
         # Sum on the device: no host sync per step (the .item() happens once per epoch).
         for k, v in {"loss": loss.detach(), **terms}.items():
             sums[k] = sums.get(k, 0) + v.detach().float()
@@ -141,6 +163,19 @@ def _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, ste
     if not all(math.isfinite(v) for v in means.values()):
         raise TrainingDiverged(f"loss is not finite at epoch {epoch}: {means}")
     return means
+
+
+@torch.no_grad()
+def _val_loss(cfg, task, model, state) -> float:
+    """The configured losses on the validation batches, eval mode, no gradient, nothing enqueued: the mean over
+    batches. Eval mode drops the slot head's output, so the slot losses are not part of it."""
+    model.eval()
+    total, n = 0.0, 0
+    for batch in task.val_batches():
+        loss, _ = compute_losses(cfg, model(batch["x"]), batch, state)
+        total, n = total + float(loss), n + 1
+    model.train()
+    return total / max(n, 1)
 
 
 def task_device(batch: dict) -> str:

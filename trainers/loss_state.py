@@ -1,7 +1,7 @@
 """LossState: the losses' trainable and persistent state (temperature, FIFO image queue) plus loop-set fields.
 
-Persistent (in `state_dict`, so a checkpoint resumes them): `logit_scale` (parameter), `queue` [Q, D], `queue_ptr`
-(long scalar, next write row), `queue_count` (long scalar, valid rows, <= Q).
+Persistent (in `state_dict`): `logit_scale` (parameter), `queue` [Q, D], `queue_ptr` (long scalar, next write row),
+`queue_count` (long scalar, valid rows, <= Q). Training checkpoints keep only `checkpoint_state()` (the logit scale).
 Plain attributes set by the training loop (not saved): `epoch` (int, 0-based), `progress` (float in [0, 1] over the
 whole run), `bank` [N, D] / `bank_labels` [N, L] (whole-training-set embeddings and labels for global hard negatives).
 
@@ -61,6 +61,22 @@ class LossState(nn.Module):
             return torch.tensor(value, dtype=torch.float32, device=device)
         return torch.tensor(t.tau, dtype=torch.float32, device=device)
 
+    def log_values(self) -> dict[str, float]:
+        """Per-epoch metrics: the temperature now (train/tau) when it moves (learnable or curriculum)."""
+        if self.temperature.mode == "fixed":
+            return {}
+        return {"train/tau": float(self.tau().detach())}
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this state: the (learned) logit scale. The queue is left out: a 65,536-row
+        queue is 400 MB of image embeddings, rebuilt in the first epoch anyway."""
+        return {"logit_scale": self.logit_scale.detach().cpu().clone()}
+
+    def load_checkpoint_state(self, saved: dict[str, torch.Tensor]) -> None:
+        """Restore what `checkpoint_state` saved (the queue keeps its current contents)."""
+        with torch.no_grad():
+            self.logit_scale.copy_(saved["logit_scale"])
+
     # ------------------------------------------------------------------------------------------ queue
 
     @torch.no_grad()
@@ -82,13 +98,12 @@ class LossState(nn.Module):
         self.queue_count.copy_(torch.clamp(self.queue_count + y.shape[0], max=size))
 
     def slice_fraction(self) -> float:
-        """Fraction of the valid queue used now: slice_start right after warmup, growing linearly to 1 over
-        slice_epochs epochs (slice_epochs == 0: the whole queue at once)."""
+        """Fraction of the valid queue used now, by queue.slice_mode (SLICE_SHAPES); slice_epochs == 0: the whole
+        queue at once."""
         q = self.queue_cfg
-        after = self.epoch - q.warmup_epochs
         if q.slice_epochs == 0:
             return 1.0
-        return min(1.0, q.slice_start + (1.0 - q.slice_start) * max(after, 0) / q.slice_epochs)
+        return min(1.0, SLICE_SHAPES[q.slice_mode](q, max(self.epoch - q.warmup_epochs, 0)))
 
     def queue_negatives(self) -> torch.Tensor:
         """[M, D] queue rows to use as extra negatives, oldest first: empty during warmup epochs, else the newest
@@ -102,3 +117,13 @@ class LossState(nn.Module):
         n = min(count, max(1, round(self.slice_fraction() * count)))
         rows = (self.queue_ptr - n + torch.arange(n, device=self.queue.device)) % self.queue.shape[0]
         return self.queue[rows]
+
+
+# Used queue fraction after `after` (>= 0) post-warmup epochs, by queue.slice_mode.
+SLICE_SHAPES = {
+    # slice_start right after warmup, growing linearly to 1 over slice_epochs epochs
+    "linear": lambda q, after: q.slice_start + (1.0 - q.slice_start) * after / q.slice_epochs,
+    # slice_start, doubled every slice_epochs epochs: BigJump's recent slices 16k -> 32k -> 65k of a 65,536 queue are
+    # slice_start = 0.25 with slice_epochs = 1
+    "stepwise": lambda q, after: q.slice_start * 2.0 ** (after // q.slice_epochs),
+}

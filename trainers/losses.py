@@ -5,7 +5,9 @@ loss; the loop weights the sum by `cfg.loss.<name>.weight`. Registry names equal
 Conventions shared by all losses:
   * Everything is computed in float32 with autocast disabled (inputs cast with .float()), so logits divided by a
     small temperature cannot overflow half precision.
-  * Cosine similarities: `pred`, `slots` and `y_n` are (re-)normalised here, so `model.out_norm = false` is fine.
+  * Cosine similarities: `pred`, `slots` and `y_n` are (re-)normalised here, so `model.out_norm = false` is fine;
+    `compute_losses` tells `unit` which float32 tensors are unit already (y_n; pred when model.out_norm), so the
+    hot path does not normalise them twice.
   * False negatives: captions of the same image (equal batch["img"]) are never negatives of each other; contrastive
     losses mask them out (multipos_infonce instead counts them as positives).
 `LossState` lives in trainers/loss_state.py and the multi-label triplet in trainers/losses_multilabel.py; both are
@@ -13,6 +15,7 @@ importable from here (importing this module registers every loss).
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 
 import torch
@@ -28,6 +31,8 @@ LOSSES = Registry("loss")
 # Fill value for masked logits: finite (not -inf) so that 0 * log_softmax stays 0 in the label-smoothing sum, and far
 # below any real logit (|cos| / tau <= 1e4 for the smallest allowed tau, 1e-4).
 _MASKED = -1e9
+# The float32 tensors of the current `compute_losses` call that are L2-normalised already (`unit` returns them as is).
+_KNOWN_UNIT: contextvars.ContextVar[tuple[torch.Tensor, ...]] = contextvars.ContextVar("known_unit", default=())
 # Losses that read out["slots"] and therefore need the slot head (cfg.slots.k > 0).
 SLOT_LOSSES = ("slot_triplet", "slot_infonce", "slot_diversity", "condensation")
 
@@ -52,8 +57,11 @@ def register_loss(name: str):
 # ---------------------------------------------------------------------------------------------- helpers
 
 def unit(x: torch.Tensor) -> torch.Tensor:
-    """float32 rows L2-normalised along the last dim (eps guards zero vectors)."""
-    return F.normalize(x.float(), dim=-1, eps=1e-8)
+    """float32 rows L2-normalised along the last dim (eps guards zero vectors); a known-unit tensor as is."""
+    if any(x is known for known in _KNOWN_UNIT.get()):
+        return x
+    x = x.float()
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-8)  # = F.normalize(x, dim=-1, eps=1e-8), see l2_normalize
 
 
 def same_image(img: torch.Tensor) -> torch.Tensor:
@@ -84,10 +92,15 @@ def _vse_hinge(sim: torch.Tensor, neg: torch.Tensor, margin: float, hardest: boo
     """VSE++ hinge both ways. sim [B, B]: caption i vs the image of caption j, positives on the diagonal;
     neg [B, B] bool marks true negatives. Returns (caption->image, image->caption) averaged over the batch."""
     pos = sim.diagonal()
+    if hardest:
+        # The hinge is monotone in sim, so the hardest violation is the hinge of the hardest negative: two [B, B]
+        # reductions instead of hinges over the whole matrix (same value and gradient; no negative -> 0).
+        hard = sim.masked_fill(~neg, -torch.inf)
+        c2i = (margin + hard.max(dim=1).values - pos).clamp(min=0)
+        i2c = (margin + hard.max(dim=0).values - pos).clamp(min=0)
+        return c2i.mean(), i2c.mean()
     c2i = (margin + sim - pos[:, None]).clamp(min=0) * neg  # row i: caption i against negative images j
     i2c = (margin + sim - pos[None, :]).clamp(min=0) * neg  # column j: image j against negative captions i
-    if hardest:
-        return c2i.max(dim=1).values.mean(), i2c.max(dim=0).values.mean()
     return c2i.sum(dim=1).mean(), i2c.sum(dim=0).mean()
 
 
@@ -98,17 +111,23 @@ def _slots(out: dict) -> torch.Tensor | None:
 
 # ---------------------------------------------------------------------------------------------- ranking losses
 
+# Which hinge directions the triplet keeps, by cfg.loss.triplet.direction.
+TRIPLET_DIRECTIONS = {"both": ("triplet_c2i", "triplet_i2c"), "c2i": ("triplet_c2i",), "i2c": ("triplet_i2c",)}
+
+
 @register_loss("triplet")
 def triplet(out, batch, cfg_term, state):
-    """VSE++ (Faghri et al. 2018): hinge on cosine with in-batch negatives, both directions; hardest negative if
-    max_violation else the sum over negatives; averaged (not summed) over the batch.
+    """VSE++ (Faghri et al. 2018): hinge on cosine with in-batch negatives, in the directions named by
+    `direction` (the VSE++ + slots seed uses caption->image only); hardest negative if max_violation else the sum
+    over negatives; averaged (not summed) over the batch.
 
     From a random init the hardest-negative form can collapse every output onto one point (loss stuck at 2 x margin);
     VSE++ therefore warms up with the sum over negatives: hardest negatives start at epoch `warmup_epochs`."""
     sim = unit(out["pred"]) @ unit(batch["y_n"]).T
     hardest = cfg_term.max_violation and (state is None or state.epoch >= cfg_term.warmup_epochs)
     c2i, i2c = _vse_hinge(sim, ~same_image(batch["img"]), cfg_term.margin, hardest)
-    return {"triplet_c2i": c2i, "triplet_i2c": i2c}
+    terms = {"triplet_c2i": c2i, "triplet_i2c": i2c}
+    return {name: terms[name] for name in TRIPLET_DIRECTIONS[cfg_term.direction]}
 
 
 @register_loss("slot_triplet")
@@ -154,16 +173,16 @@ def slot_diversity(out, batch, cfg_term, state):
 
 @register_loss("condensation")
 def condensation(out, batch, cfg_term, state):
-    """Condense the slots onto the prediction: mean over captions of 1 - cos(normalise(mean_k slot_k), pred).
-
-    pred is detached (stop-gradient): the auxiliary slots are pulled toward the main head's output, never the other
-    way round, because only `pred` is used at inference.
-    """
+    """Condense the best slot into the prediction: mean over captions of 1 - cos(pred, s*), where
+    s* = argmax_k cos(slot_k, y_n) is the caption's slot that best matches its own image (as the VSE++ + slots seed
+    computes it). Nothing is detached, as in the seed: the gradient moves pred (the only vector used at inference)
+    toward s* and s* toward pred; the other slots get none."""
     slots = _slots(out)
     if slots is None:
         return {}
-    centre = unit(slots.mean(dim=1))
-    return {"condensation": (1.0 - (centre * unit(out["pred"]).detach()).sum(dim=-1)).mean()}
+    best = torch.einsum("bkd,bd->bk", slots, unit(batch["y_n"])).argmax(dim=1)  # [B]
+    s_star = slots[torch.arange(slots.shape[0], device=slots.device), best]  # [B, D]
+    return {"condensation": (1.0 - (unit(out["pred"]) * s_star).sum(dim=-1)).mean()}
 
 
 # ---------------------------------------------------------------------------------------------- InfoNCE family
@@ -197,14 +216,18 @@ def multipos_infonce(out, batch, cfg_term, state):
     caption->image: softmax over the U distinct images of the batch, target = the caption's image.
     image->caption (SupCon, Khosla et al. 2020): for each distinct image, the mean over ALL its captions of
     -log softmax over the B captions (positives stay in the denominator).
+    label_smoothing eps (both directions, as torch's): the target puts eps uniformly over all columns (U images,
+    resp. B captions) and 1 - eps on the positive(s); 0 = the unsmoothed loss.
     """
     first, inverse = _unique_images(batch["img"])
     p, y_u = unit(out["pred"]), unit(batch["y_n"])[first]  # [B, D], [U, D]
     logits = p @ y_u.T / state.tau()  # [B, U]
-    c2i = F.cross_entropy(logits, inverse)
+    eps = cfg_term.label_smoothing
+    c2i = F.cross_entropy(logits, inverse, label_smoothing=eps)
     positives = (inverse[None, :] == torch.arange(first.shape[0], device=p.device)[:, None]).float()  # [U, B]
     logp = logits.T.log_softmax(dim=-1)
     i2c = (-(logp * positives).sum(dim=-1) / positives.sum(dim=-1)).mean()
+    i2c = (1.0 - eps) * i2c - eps * logp.mean(dim=-1).mean()  # eps uniform over the B captions
     return {"multipos_infonce": 0.5 * (c2i + i2c)}
 
 
@@ -217,15 +240,20 @@ _SAME_IMAGE_COS = 1.0 - 1e-5
 def queue_infonce(out, batch, cfg_term, state):
     """caption->image InfoNCE over in-batch images plus the queue negatives (state.queue_negatives(), detached)
     at state.tau(); in-batch same-image columns and queue copies of the caption's own image are masked; with an
-    empty queue (warmup) this is plain in-batch InfoNCE."""
+    empty queue (warmup) this is plain in-batch InfoNCE. label_smoothing is spread over the kept columns (masked_ce).
+
+    With queue.in_batch = false (MoCo: logits = [l_pos, l_neg over the queue]) the only in-batch column is the
+    caption's own image; the loss is then 0 while the queue is still empty."""
     p, y = unit(out["pred"]), unit(batch["y_n"])
     queue = state.queue_negatives().to(device=p.device, dtype=torch.float32).detach()
     b = p.shape[0]
     keep_batch = ~same_image(batch["img"]) | torch.eye(b, dtype=torch.bool, device=p.device)
+    if not state.queue_cfg.in_batch:
+        keep_batch = torch.eye(b, dtype=torch.bool, device=p.device)
     keep_queue = (y @ queue.T) < _SAME_IMAGE_COS  # [B, M]
     logits = p @ torch.cat([y, queue]).T / state.tau()  # [B, B + M]
     keep = torch.cat([keep_batch, keep_queue], dim=1)
-    return {"queue_infonce": masked_ce(logits, keep, torch.arange(b, device=p.device))}
+    return {"queue_infonce": masked_ce(logits, keep, torch.arange(b, device=p.device), cfg_term.label_smoothing)}
 
 
 # ---------------------------------------------------------------------------------------------- regression / alignment
@@ -238,23 +266,31 @@ def cosine(out, batch, cfg_term, state):
 
 @register_loss("moment")
 def moment(out, batch, cfg_term, state):
-    """Moment alignment of normalised pred to y_n over the batch: squared L2 distance between the batch means and
-    between the per-dimension (population) stds. Summed over dimensions (= D x MSE) so the term does not shrink
-    as 1/D with the embedding width."""
+    """Moment alignment of normalised pred to y_n over the batch: squared L2 distance between the batch means and,
+    if cfg_term.std, between the per-dimension (population) stds. Summed over dimensions (= D x MSE) so the term
+    does not shrink as 1/D with the embedding width; the means alone are BigJump's ||mu_z - mu_y||^2."""
     p, y = unit(out["pred"]), unit(batch["y_n"])
-    mean_term = (p.mean(dim=0) - y.mean(dim=0)).pow(2).sum()
-    std_term = (p.std(dim=0, correction=0) - y.std(dim=0, correction=0)).pow(2).sum()
-    return {"moment_mean": mean_term, "moment_std": std_term}
+    terms = {"moment_mean": (p.mean(dim=0) - y.mean(dim=0)).pow(2).sum()}
+    if cfg_term.std:
+        terms["moment_std"] = (p.std(dim=0, correction=0) - y.std(dim=0, correction=0)).pow(2).sum()
+    return terms
 
 
 @register_loss("agreement")
 def agreement(out, batch, cfg_term, state):
-    """Caption agreement: mean over same-image caption pairs i < j of 1 - cos(pred_i, pred_j); 0 with no pairs."""
+    """Caption agreement (BigJump): for each image with >= 2 captions in the batch, the per-dimension variance
+    (unbiased, as torch.var) of its captions' normalised predictions, averaged over the D dimensions; then averaged
+    over those images. 0 when no image has two captions in the batch."""
     p = unit(out["pred"])
-    pairs = same_image(batch["img"]).triu(diagonal=1)
-    if not bool(pairs.any()):
+    first, inverse = _unique_images(batch["img"])
+    u = first.shape[0]
+    counts = torch.bincount(inverse, minlength=u).float()  # [U]
+    mean = torch.zeros(u, p.shape[1], device=p.device).index_add(0, inverse, p) / counts[:, None]  # [U, D]
+    sq_dev = torch.zeros(u, device=p.device).index_add(0, inverse, (p - mean[inverse]).pow(2).mean(dim=1))  # [U]
+    groups = counts >= 2
+    if not bool(groups.any()):
         return {"agreement": zero_like(p)}
-    return {"agreement": (1.0 - (p @ p.T)[pairs]).mean()}
+    return {"agreement": (sq_dev[groups] / (counts[groups] - 1.0)).mean()}
 
 
 @register_loss("mse")
@@ -280,6 +316,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"loss.{name}.weight > 0 needs the slot head: set slots.k > 0")
     if "slot_diversity" in active and cfg.slots.k < 2:
         raise ConfigError(f"loss.slot_diversity.weight > 0 needs slots.k >= 2 (got {cfg.slots.k})")
+    if cfg.queue.slice_mode == "stepwise" and cfg.queue.slice_start == 0 and cfg.queue.slice_epochs > 0:
+        raise ConfigError("queue.slice_mode = 'stepwise' doubles queue.slice_start, which must then be > 0")
     if "multilabel_triplet" in active and cfg.data.task != "multilabel":
         raise ConfigError(f"loss.multilabel_triplet.weight > 0 needs data.task = 'multilabel' (got '{cfg.data.task}')")
 
@@ -287,17 +325,28 @@ def validate(cfg: Config) -> None:
 def compute_losses(cfg: Config, out: dict, batch: dict,
                    state: LossState) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(total = sum over losses with weight > 0 of weight * sum(terms), {term name: detached value})."""
-    total = zero_like(out["pred"])
+    total: torch.Tensor | None = None
     logged: dict[str, torch.Tensor] = {}
-    for name in LOSSES.names():
-        weight = _weight(cfg, name)
-        if weight <= 0:
-            continue
-        terms = LOSSES.get(name)(out, batch, getattr(cfg.loss, name), state)
-        for key, value in terms.items():
-            total = total + weight * value
-            logged[key] = value.detach()
-    return total, logged
+    token = _KNOWN_UNIT.set(_known_unit(cfg, out, batch))
+    try:
+        for name in LOSSES.names():
+            weight = _weight(cfg, name)
+            if weight <= 0:
+                continue
+            terms = LOSSES.get(name)(out, batch, getattr(cfg.loss, name), state)
+            for key, value in terms.items():
+                total = weight * value if total is None else total + weight * value
+                logged[key] = value.detach()
+    finally:
+        _KNOWN_UNIT.reset(token)
+    return (zero_like(out["pred"]) if total is None else total), logged
+
+
+def _known_unit(cfg: Config, out: dict, batch: dict) -> tuple[torch.Tensor, ...]:
+    """y_n is unit by the batch contract, pred by the model contract when model.out_norm; float32 only (a half
+    precision pred re-normalised in float32 differs)."""
+    known = [batch.get("y_n"), out["pred"] if cfg.model.out_norm else None]
+    return tuple(t for t in known if t is not None and t.dtype == torch.float32)
 
 
 from trainers import losses_multilabel  # noqa: E402,F401  (registers multilabel_triplet into LOSSES)

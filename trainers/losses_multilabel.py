@@ -6,6 +6,9 @@ Label rules (for anchor a and candidate c):
   positive, positives = "all": identical non-empty label sets. If the anchor has no such partner in the batch it falls
       back to the "any" rule for that anchor.
   positive, positives = "any": at least one shared label.
+  positive, positives = "fixed": one item per anchor drawn once before training by `draw_fixed_positives` (the
+      multi-label seed's pairs); its embedding is out["pos_pred"] [B, D] (the model's output for batch["pos_x"]),
+      batch["has_pos"] [B] bool marks anchors that have one.
   negative: no shared label (the anchor itself is never its own positive or negative).
 Distance d = 1 - cos. Per anchor: hinge relu(margin + d(a, hardest positive) - d(a, negative)) where the negative is
   batch_hard: the closest in-batch negative; global_hard: the closest negative in state.bank [N, D] (labels
@@ -41,6 +44,28 @@ def positive_mask(labels: torch.Tensor, rule: str) -> torch.Tensor:
     return torch.where(pos_all.any(dim=1, keepdim=True), pos_all, pos_any)
 
 
+def draw_fixed_positives(labels: torch.Tensor, generator: torch.Generator, chunk: int = 4096) -> torch.Tensor:
+    """[N] long: for each item, one random other item sharing a label with it, or -1 if none; drawn once.
+
+    As the seed's code draws them: a random one of the anchor's labels, then a random other item carrying that label
+    (its intended "share all labels first" rule intersects with an empty set and never fires).
+    """
+    labels = labels.bool().cpu()
+    n = labels.shape[0]
+    out = torch.full((n,), -1, dtype=torch.long)
+    has_label = labels.any(dim=1)
+    label = torch.zeros(n, dtype=torch.long)
+    label[has_label] = torch.multinomial(labels[has_label].float(), 1, generator=generator).squeeze(1)
+    for start in range(0, n, chunk):
+        rows = torch.arange(start, min(start + chunk, n))
+        cand = labels[:, label[rows]].T & has_label[rows, None]  # [c, N] items carrying the drawn label
+        cand[torch.arange(len(rows)), rows] = False
+        ok = cand.any(dim=1)
+        if bool(ok.any()):
+            out[rows[ok]] = torch.multinomial(cand[ok].float(), 1, generator=generator).squeeze(1)
+    return out
+
+
 def negative_mask(labels_a: torch.Tensor, labels_c: torch.Tensor) -> torch.Tensor:
     """[A, C] bool: candidate c shares no label with anchor a."""
     return label_relations(labels_a, labels_c)[2]
@@ -66,16 +91,26 @@ def _hardest_negative_distance(p, labels, cfg_term, state, out) -> tuple[torch.T
     return dist.masked_fill(~neg, 3.0).min(dim=1).values, neg.any(dim=1)
 
 
+def _positive_distance(p, labels, cfg_term, out, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d(a, positive) [B], has_positive [B] bool): the fixed positive, or the hardest in-batch one."""
+    if cfg_term.positives == "fixed":
+        if out.get("pos_pred") is None:
+            raise ConfigError("loss.multilabel_triplet.positives = 'fixed' needs out['pos_pred'] "
+                              "(the loop must supply batch['pos_x'])")
+        return 1.0 - (p * unit(out["pos_pred"])).sum(dim=-1), batch["has_pos"].to(p.device)
+    pos = positive_mask(labels, cfg_term.positives)
+    # Cosine distance lies in [0, 2]; -1 marks "not a positive" so max() never picks it.
+    return (1.0 - p @ p.T).masked_fill(~pos, -1.0).max(dim=1).values, pos.any(dim=1)
+
+
 @register_loss("multilabel_triplet")
 def multilabel_triplet(out, batch, cfg_term, state):
     """Hinge triplet on cosine distance with label-defined positives and mined negatives (see module docstring)."""
     p = unit(out["pred"])
     labels = batch["labels"].to(p.device).bool()
-    pos = positive_mask(labels, cfg_term.positives)
-    # Cosine distance lies in [0, 2]; -1 marks "not a positive" so max() never picks it.
-    d_ap = (1.0 - p @ p.T).masked_fill(~pos, -1.0).max(dim=1).values
+    d_ap, has_pos = _positive_distance(p, labels, cfg_term, out, batch)
     d_an, has_neg = _hardest_negative_distance(p, labels, cfg_term, state, out)
-    valid = pos.any(dim=1) & has_neg
+    valid = has_pos & has_neg
     if not bool(valid.any()):
         return {"multilabel_triplet": zero_like(p)}
     hinge = (cfg_term.margin + d_ap[valid] - d_an[valid]).clamp(min=0)

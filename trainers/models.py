@@ -73,25 +73,32 @@ class MLP(nn.Module):
     """Linear -> norm -> activation -> dropout per hidden width, then a final Linear (no activation) to dim_out.
 
     With `residual`, a hidden block whose input and output widths match adds its input (h = h + block(h)).
+    With `bias` False no Linear layer has a bias (the multi-label seed's linear encoder).
     """
 
     def __init__(self, dim_in: int, dim_out: int, hidden: tuple[int, ...] = (), *, activation: str = "gelu",
-                 norm: str = "none", dropout: float = 0.0, residual: bool = False):
+                 norm: str = "none", dropout: float = 0.0, residual: bool = False, bias: bool = True):
         super().__init__()
         act = lookup(ACTIVATIONS, "model.activation", activation)
         make_norm = lookup(NORMS, "model.norm", norm)
         widths = (dim_in, *hidden)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(a, b), make_norm(b), act(), nn.Dropout(dropout))
+            nn.Sequential(nn.Linear(a, b, bias=bias), make_norm(b), act(), nn.Dropout(dropout))
             for a, b in zip(widths[:-1], widths[1:])
         )
         self.skips = [residual and a == b for a, b in zip(widths[:-1], widths[1:])]
-        self.head = nn.Linear(widths[-1], dim_out)
+        self.head = nn.Linear(widths[-1], dim_out, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block, skip in zip(self.blocks, self.skips):
             x = x + block(x) if skip else block(x)
         return self.head(x)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """F.normalize(x, dim=-1) with the same values and gradients, dividing by the [B, 1] norm without expanding it
+    to [B, D] first: its backward then divides by a [B, 1] tensor instead of a materialised [B, D] one."""
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
 
 
 class Translator(nn.Module):
@@ -106,7 +113,7 @@ class Translator(nn.Module):
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         raw = self.translate(x)
-        return {"pred": F.normalize(raw, dim=-1) if self.out_norm else raw, "raw": raw}
+        return {"pred": l2_normalize(raw) if self.out_norm else raw, "raw": raw}
 
 
 class MLPTranslator(Translator):
@@ -123,13 +130,13 @@ class MLPTranslator(Translator):
 def _mlp(cfg: Config, dim_in: int, dim_out: int, **override) -> MLP:
     """An MLP through cfg.model.hidden with the config's activation/norm/dropout/residual unless overridden."""
     m = cfg.model
-    kw = dict(activation=m.activation, norm=m.norm, dropout=m.dropout, residual=m.residual) | override
+    kw = dict(activation=m.activation, norm=m.norm, dropout=m.dropout, residual=m.residual, bias=m.bias) | override
     return MLP(dim_in, dim_out, m.hidden, **kw)
 
 
 @MODELS.register("linear")
 def build_linear(cfg: Config, ctx: ModelContext) -> nn.Module:
-    net = MLP(ctx.dim_in, ctx.dim_out, ())
+    net = MLP(ctx.dim_in, ctx.dim_out, (), bias=cfg.model.bias)
     return MLPTranslator(init_linears(net, cfg.model.init), cfg.model.out_norm)
 
 
@@ -139,11 +146,23 @@ def build_mlp(cfg: Config, ctx: ModelContext) -> nn.Module:
     return MLPTranslator(init_linears(_mlp(cfg, ctx.dim_in, ctx.dim_out), cfg.model.init), cfg.model.out_norm)
 
 
+# Hidden layers a model kind needs at least (kinds not listed take any number)
+MIN_HIDDEN_LAYERS = {"deep_mlp": 2}
+
+
+def check_model(cfg: Config) -> None:
+    """The model checks that need no data (run by trainers.validate before training and by the study-file check)."""
+    MODELS.get(cfg.model.kind)
+    need = MIN_HIDDEN_LAYERS.get(cfg.model.kind, 0)
+    if len(cfg.model.hidden) < need:
+        raise ConfigError(f"model.hidden: {cfg.model.kind} needs at least {need} hidden layers, "
+                          f"got {list(cfg.model.hidden)}")
+
+
 @MODELS.register("deep_mlp")
 def build_deep_mlp(cfg: Config, ctx: ModelContext) -> nn.Module:
     """The MLP with >= 2 hidden layers and a norm between them (LayerNorm when model.norm is 'none')."""
-    if len(cfg.model.hidden) < 2:
-        raise ConfigError(f"model.hidden: deep_mlp needs at least 2 hidden layers, got {list(cfg.model.hidden)}")
+    check_model(cfg)
     norm = {"none": "layernorm"}.get(cfg.model.norm, cfg.model.norm)
     net = _mlp(cfg, ctx.dim_in, ctx.dim_out, norm=norm)
     return MLPTranslator(init_linears(net, cfg.model.init), cfg.model.out_norm)

@@ -17,12 +17,15 @@ def param_groups(cfg: Config, model: nn.Module, extra: nn.Module | None = None) 
     """One torch param group per model group (`model.param_groups()` when defined), LR = optim.lr x multiplier.
 
     Frozen parameters stay in their group: with requires_grad False their .grad stays None, which Adam/AdamW skip,
-    so a later unfreeze needs no optimiser rebuild. `extra` (the loss state: learnable logit scale) joins the first group.
+    so a later unfreeze needs no optimiser rebuild. `extra` (the loss state: learnable logit scale) gets its own
+    group "temperature" at the base LR without weight decay: decay would pull the logit scale toward 0, i.e. tau
+    toward 1, and the first model group may run at a reduced LR (the geometry model's frozen base).
     """
     groups = model.param_groups() if hasattr(model, "param_groups") else [("main", list(model.parameters()), 1.0)]
     out = [{"name": name, "params": list(params), "lr": cfg.optim.lr * mult} for name, params, mult in groups]
     if extra is not None:
-        out[0]["params"] += [p for p in extra.parameters()]
+        out.append({"name": "temperature", "params": list(extra.parameters()), "lr": cfg.optim.lr,
+                    "weight_decay": 0.0})
     return [g for g in out if g["params"]]
 
 
@@ -52,8 +55,13 @@ def _sgd(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=o.lr, momentum=o.beta1, nesterov=o.beta1 > 0, weight_decay=o.weight_decay)
 
 
+# ReduceLROnPlateau's mode for each value train.monitor may name.
+MONITOR_MODES = {"val/mrr": "max", "val/loss": "min"}
+
+
 class Schedule:
-    """Uniform face of every schedule: the loop calls after_step() each batch and after_epoch(val) each epoch."""
+    """Uniform face of every schedule: the loop calls after_step() each batch and after_epoch(value) each epoch with
+    the value of train.monitor."""
 
     def __init__(self, per_step=None, per_epoch=None):
         self.per_step, self.per_epoch = per_step, per_epoch
@@ -141,7 +149,7 @@ def _plateau(opt, cfg: Config, steps_per_epoch: int) -> Schedule:
     s = cfg.schedule
     warmup = _ManualWarmup(opt, int(round(s.warmup_epochs * steps_per_epoch)))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
-        opt, mode="max", factor=s.plateau_factor, patience=s.plateau_patience
+        opt, mode=MONITOR_MODES[cfg.train.monitor], factor=s.plateau_factor, patience=s.plateau_patience
     )
     return Schedule(per_step=warmup, per_epoch=plateau)
 

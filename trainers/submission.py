@@ -15,6 +15,7 @@ from trainers.errors import DataError
 from trainers.metrics import GALLERY_SIZE, leaderboard_from_ordered
 
 HEADER = "id,embedding"
+ID_MIN, ID_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 # 9 significant digits are enough to round-trip any float32 (IEEE 754: ceil(24*log10(2)) + 1 = 9).
 FLOAT_FORMAT = "%.9g"
 # How many offending ids an error message lists.
@@ -126,9 +127,12 @@ def _parse(path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not sep:
             raise DataError(f"{path}: line {lineno}: expected 'id,\"[...]\"', got {line[:40]!r}")
         try:
-            ids.append(int(head.strip()))
+            row_id = int(head.strip())
         except ValueError:
             raise DataError(f"{path}: line {lineno}: id {head.strip()[:40]!r} is not an integer") from None
+        if not ID_MIN <= row_id <= ID_MAX:  # ids are int64 in every data file; larger ones would overflow
+            raise DataError(f"{path}: line {lineno}: id {head.strip()[:40]} is outside the int64 range")
+        ids.append(row_id)
         values = _parse_values(path, lineno, rest)
         if rows and len(values) != len(rows[0]):
             raise DataError(f"{path}: line {lineno}: {len(values)} values, expected {len(rows[0])} "
@@ -188,6 +192,9 @@ def check_submission(path, test, dim: int | None = None) -> tuple[int, int]:
 def score_submission(path, answers_path, gallery_size: int = GALLERY_SIZE) -> dict[str, float]:
     """Score a submission with the leaderboard protocol: captions sorted by id, consecutive chunks of `gallery_size`,
     each caption ranked against the true images of its chunk. Returns the `trainers.metrics.summarize` dict."""
+    if isinstance(gallery_size, bool) or not isinstance(gallery_size, int) or gallery_size < 2:
+        raise DataError(f"gallery size must be a whole number >= 2 (a gallery ranks images against each other), "
+                        f"got {gallery_size!r}")
     ans_ids, ans_img = load_answers(answers_path)
     ans_ids = np.asarray(ans_ids, dtype=np.int64)
     if np.unique(ans_ids).size != ans_ids.size:

@@ -11,6 +11,7 @@ from trainers import metrics
 from trainers.config import Config
 from trainers.data import TrainSet, captions_of, kfold_by_image, split_by_hash
 from trainers.errors import ConfigError, DataError
+from trainers.losses_multilabel import draw_fixed_positives
 from trainers.models import ModelContext
 from trainers.registry import Registry
 
@@ -23,11 +24,19 @@ EVAL_CHUNK = 4096
 def split_images(cfg: Config, data: TrainSet) -> tuple[np.ndarray, np.ndarray]:
     """(train image indices, val image indices): always by image, never by caption."""
     d = cfg.data
+    if d.split == "all":
+        return np.arange(len(data.image_names)), np.zeros(0, np.int64)
     if d.split == "kfold":
         if d.fold >= d.n_folds:
             raise ConfigError(f"data.fold={d.fold} must be < data.n_folds={d.n_folds}")
         return kfold_by_image(data.image_names, d.n_folds, d.fold, seed=0)
     return split_by_hash(data.image_names, d.val_ratio, salt=d.salt)
+
+
+def check_split(cfg: Config, data: TrainSet) -> None:
+    """Fail before training when `data` cannot be split for cfg's task, so a study learns it before its first
+    trial instead of failing every trial."""
+    TASKS.get(cfg.data.task).check_data(cfg, data)
 
 
 @torch.no_grad()
@@ -47,6 +56,16 @@ class Task:
     dim_out: int
     metric_key = "val/mrr"
 
+    @staticmethod
+    def val_keys(cfg: Config) -> tuple[str, ...]:
+        """The validation metrics evaluate() logs each epoch (what a study may use as its objective)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def check_data(cfg: Config, data: TrainSet) -> None:
+        """Raise a one-line error when the split of `data` cannot train this task (the split itself checks sizes)."""
+        split_images(cfg, data)
+
     def model_context(self) -> ModelContext:
         raise NotImplementedError
 
@@ -62,6 +81,10 @@ class Task:
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         raise NotImplementedError
 
+    def val_batches(self) -> Iterator[dict]:
+        """Validation batches (fixed order, train.batch_size rows) for the validation loss (train.monitor)."""
+        raise NotImplementedError
+
     def val_ranks(self, model: torch.nn.Module):
         """Ranks for the rank-distribution plot; None where the task has no single true item."""
         return None
@@ -69,12 +92,24 @@ class Task:
 
 @TASKS.register("translate")
 class TranslateTask(Task):
+    @staticmethod
+    def val_keys(cfg: Config) -> tuple[str, ...]:
+        return tuple(f"val/{k}" for k in metrics.METRIC_KEYS)
+
+    @staticmethod
+    def check_data(cfg: Config, data: TrainSet) -> None:
+        """Both sides of the split need captions (images may have none): no training pairs or no val queries."""
+        for side, img in zip(("training", "validation"), split_images(cfg, data)):
+            if len(captions_of(data.cap2img, img)) == 0:
+                raise ConfigError(f"{data.path}: the {cfg.data.split} split leaves the {side} images without "
+                                  f"any caption; change data.val_ratio or data.salt, or use more images")
+
     """Caption embedding -> image embedding; validation ranks val captions against val images."""
 
     def __init__(self, cfg: Config, data: TrainSet, device: torch.device):
         self.cfg, self.device = cfg, device
         train_img, val_img = split_images(cfg, data)
-        if len(train_img) == 0 or len(val_img) == 0:
+        if len(train_img) == 0 or (len(val_img) == 0 and cfg.data.split != "all"):
             raise DataError(f"{data.path}: split leaves no train or no val images (val_ratio={cfg.data.val_ratio})")
         self.x, self.img = self._captions(data, train_img)  # [N, Dt], [N] local train image index
         self.images = torch.as_tensor(data.image[train_img], device=device)  # [Ni, Di] raw
@@ -122,7 +157,16 @@ class TranslateTask(Task):
             counts.cumsum(0) - counts, counts)
         return self.by_image[torch.repeat_interleave(starts, counts) + within]
 
+    def val_batches(self) -> Iterator[dict]:
+        b = self.cfg.train.batch_size
+        for start in range(0, len(self.val_x), b):
+            img = self.val_img[start : start + b]
+            y = self.val_images[img]
+            yield {"x": self.val_x[start : start + b], "y": y, "y_n": F.normalize(y, dim=1), "img": img}
+
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        if len(self.val_x) == 0:  # data.split = "all": nothing held out, the loop keeps the last epoch
+            return {}
         pred = predict(model, self.val_x)
         e = self.cfg.eval
         scores = metrics.evaluate(pred, self.val_images, self.val_img, gallery_size=e.gallery_size, seed=e.seed)
@@ -130,11 +174,17 @@ class TranslateTask(Task):
 
     def val_ranks(self, model: torch.nn.Module):
         """Exact ranks of every val caption's image among all val images (global protocol), for the rank plot."""
+        if len(self.val_x) == 0:
+            return None
         return metrics.ranks(predict(model, self.val_x), self.val_images, self.val_img.cpu().numpy())
 
 
 @TASKS.register("multilabel")
 class MultiLabelTask(Task):
+    @staticmethod
+    def val_keys(cfg: Config) -> tuple[str, ...]:
+        return ("val/mrr", f"val/recall@{cfg.eval.recall_k}", "val/queries")  # metrics.label_retrieval's keys
+
     """Image -> embedding where images sharing labels are close; validation is label retrieval among val images."""
 
     def __init__(self, cfg: Config, data: TrainSet, device: torch.device):
@@ -151,6 +201,10 @@ class MultiLabelTask(Task):
         self.text_mean = torch.zeros(self.dim_in, device=device)
         if len(self.x) < 2 or len(self.val_x) < 2:
             raise DataError(f"{data.path}: split leaves fewer than 2 train or val images")
+        self.fixed_pos = None  # [N] the seed's positive per train item, drawn once (-1: none)
+        if cfg.loss.multilabel_triplet.positives == "fixed":
+            gen = torch.Generator().manual_seed(cfg.train.seed)
+            self.fixed_pos = draw_fixed_positives(self.labels, gen).to(device)
 
     def model_context(self) -> ModelContext:
         # Closed-form fits regress each item onto itself when dims agree (geometry keeps the space), else no fit.
@@ -169,6 +223,9 @@ class MultiLabelTask(Task):
             batch = {"x": self.x[idx], "labels": self.labels[idx], "img": idx}
             if random_negs:
                 batch["neg_x"] = self.x[self._random_negatives(idx, generator)]
+            if self.fixed_pos is not None:
+                pos = self.fixed_pos[idx]
+                batch["pos_x"], batch["has_pos"] = self.x[pos.clamp(min=0)], pos >= 0
             yield batch
 
     def _random_negatives(self, idx: torch.Tensor, generator: torch.Generator, tries: int = 16) -> torch.Tensor:

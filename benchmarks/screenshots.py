@@ -1,0 +1,133 @@
+"""Screenshots of both UIs on a finished study: MLflow runs table, a trial's metric chart, optuna-dashboard's study.
+
+    python benchmarks/screenshots.py [--state-dir DIR] [--study quickstart] [--out DIR]
+
+Without a finished study in --state-dir, runs studies/quickstart.toml there first (a few minutes on 2 cores). Starts
+`latentsweep ui` on free ports, takes the pictures with headless Chromium (`apt-get install -y chromium`), stops the
+UI (SIGTERM: it stops both servers) and prints the PNG paths.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from search.servers import free_port  # noqa: E402
+
+WINDOW = "1920,1080"
+# MLflow 3 keeps a GenAI/"Model training" switch per browser (localStorage, GenAI by default); this URL parameter
+# selects the classic ML pages (Training runs, Model metrics) that a study's runs belong to.
+ML_MODE = "workflowType=machine_learning"
+TRIALS_FILTER = urllib.parse.quote("tags.`latentsweep.role` = 'trial'")
+# MLflow's UI is a JavaScript app that fetches runs after the first paint: give it virtual time to render.
+VIRTUAL_TIME_MS = 30000  # 15 s left the metric charts spinning on a loaded 2-core machine
+UI_START_S = 180  # `latentsweep ui` waits up to 120 s for both servers; a loaded machine gets some more
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "search", *args]
+
+
+def ensure_study(state: Path, study: str) -> None:
+    if (state / "optuna.db").is_file():
+        listed = subprocess.run(cli("study", "list", "--state-dir", str(state), "--csv"), capture_output=True,
+                                text=True, cwd=ROOT, check=True).stdout
+        if any(line.split(",")[0] == study for line in listed.splitlines()[1:]):
+            return
+    print(f"running studies/{study}.toml into {state} ...", flush=True)
+    subprocess.run(cli("study", "run", f"studies/{study}.toml", "--state-dir", str(state), "--quiet"), cwd=ROOT,
+                   check=True)
+
+
+def targets(state: Path, study: str) -> tuple[str, str, int]:
+    """(experiment id, run id of the best trial, Optuna study id)."""
+    import optuna
+    from mlflow import MlflowClient
+
+    from search.tracking_paths import relocate_mlflow
+
+    relocate_mlflow(state)
+    loaded = optuna.load_study(study_name=study, storage=f"sqlite:///{state / 'optuna.db'}")
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(study)
+    return exp.experiment_id, loaded.best_trial.user_attrs["mlflow_run_id"], loaded._study_id
+
+
+def start_ui(state: Path, mlflow_port: int, dash_port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(cli("ui", "--state-dir", str(state), "--mlflow-port", str(mlflow_port),
+                                "--dashboard-port", str(dash_port)), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + UI_START_S
+    for line in proc.stdout:
+        print(f"  ui: {line.rstrip()}", flush=True)
+        if "press Ctrl-C" in line:
+            return proc
+        if time.monotonic() > deadline:
+            break
+    stop_ui(proc)
+    raise SystemExit("latentsweep ui did not start")
+
+
+def stop_ui(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if proc.stdout:
+        for line in proc.stdout:
+            print(f"  ui: {line.rstrip()}", flush=True)
+
+
+def shoot(browser: str, url: str, out: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                        f"--user-data-dir={profile}", f"--window-size={WINDOW}",
+                        f"--virtual-time-budget={VIRTUAL_TIME_MS}", f"--screenshot={out}", url],
+                       check=True, capture_output=True, timeout=180)
+    print(f"{out}  <-  {url}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--state-dir", default=os.path.join(tempfile.gettempdir(), "latentsweep-screens"))
+    parser.add_argument("--study", default="quickstart")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "latentsweep-screens", "png"))
+    args = parser.parse_args()
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        raise SystemExit("no Chromium found: apt-get install -y chromium")
+    state, out = Path(args.state_dir).resolve(), Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ensure_study(state, args.study)
+    exp_id, run_id, study_id = targets(state, args.study)
+    mlflow_port, dash_port = free_port(), free_port()
+    while dash_port == mlflow_port:
+        dash_port = free_port()
+    proc = start_ui(state, mlflow_port, dash_port)
+    try:
+        mlflow, dash = f"http://127.0.0.1:{mlflow_port}", f"http://127.0.0.1:{dash_port}"
+        runs = f"{mlflow}/#/experiments/{exp_id}/runs"
+        shoot(browser, f"{runs}?{ML_MODE}&searchFilter={TRIALS_FILTER}&orderByKey=metrics.%60best%2Fval%2Fmrr%60"
+                       "&orderByAsc=false", out / "mlflow_runs_table.png")
+        shoot(browser, f"{runs}/{run_id}/model-metrics?{ML_MODE}", out / "mlflow_trial_metrics.png")
+        shoot(browser, f"{runs}/{run_id}?{ML_MODE}", out / "mlflow_trial_overview.png")
+        shoot(browser, f"{dash}/dashboard/studies/{study_id}", out / "optuna_dashboard_study.png")
+    finally:
+        stop_ui(proc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Out-of-fold selection and refit jobs of `latentsweep pick`: folds, subsets, budget plans, nested gains, and the
+trainer's no-validation replay (data.split = "all", train.stop_after)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from search import ensemble, oof, refit
+from trainers.config import Config, with_values
+from trainers.data import captions_of, load_train
+from trainers.errors import ConfigError
+from trainers.loop import train
+from trainers.metrics import evaluate_leaderboard
+from trainers.synthetic import write_synthetic
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    train_path, _, _ = write_synthetic(tmp_path_factory.mktemp("refit"), 120, dim_text=8, dim_image=12, n_test=0)
+    return load_train(train_path)
+
+
+def test_folds_partition_images_and_subset_keeps_pairs(data):
+    fold_of = refit.fold_assignment(data.image_names, 4)
+    assert sorted(np.bincount(fold_of)) == [30, 30, 30, 30]
+    part = refit.subset(data, np.flatnonzero(fold_of != 0))
+    assert len(part.image) == 90 and part.fingerprint != data.fingerprint
+    held = set(data.image_names[fold_of == 0])
+    assert not held & set(part.image_names)
+    caps = captions_of(data.cap2img, np.flatnonzero(fold_of != 0))
+    assert np.array_equal(part.text, data.text[caps])
+    assert np.array_equal(part.image[part.cap2img], data.image[data.cap2img[caps]])  # each caption keeps its image
+
+
+def test_replay_config_trains_without_validation_up_to_the_best_epoch():
+    cfg = refit.replay_config(with_values(Config(), {"train.epochs": 10, "train.seed": 4}), best_epoch=3, seed=7)
+    assert (cfg.data.split, cfg.train.stop_after, cfg.train.epochs, cfg.train.seed) == ("all", 4, 10, 7)
+
+
+def test_stop_after_keeps_the_schedule_horizon_and_the_last_epoch(data):
+    cfg = with_values(Config(), {"data.split": "all", "model.hidden": [16], "loss.infonce.weight": 1.0,
+                                 "train.epochs": 6, "train.stop_after": 3, "train.batch_size": 64,
+                                 "schedule.name": "cosine", "optim.lr": 1e-3})
+    result = train(cfg, data)
+    assert len(result.history) == 3 and result.best_epoch == 2  # no validation: the last epoch is kept
+    assert not any(k.startswith("val/") for k in result.history[-1])
+    # cosine planned over 6 epochs: after 3 of them the LR is still about half, not at its floor
+    assert 0.3e-3 < result.history[-1]["lr"] < 0.7e-3
+    with pytest.raises(ConfigError, match="stop_after"):
+        train(with_values(cfg, {"train.stop_after": 7}), data)
+
+
+def test_plan_drops_in_order_and_notes_each_drop():
+    cost = lambda top, folds, seeds: top * (folds + seeds) * 10.0  # noqa: E731
+    assert refit.plan(cost, 5, 5, 3, None).notes == []
+    p = refit.plan(cost, 5, 5, 3, budget=130)
+    assert (p.top, p.folds, p.seeds) == (3, 3, 1)  # folds 5->3, seeds 3->2, top 5->3, seeds 2->1
+    assert [n.split(", so ")[1] for n in p.notes] == ["folds 5 -> 3", "seeds 3 -> 2", "top 5 -> 3", "seeds 2 -> 1"]
+    single = refit.plan(cost, 5, 5, 3, budget=1)
+    assert (single.top, single.folds) == (1, 0) and "smallest plan" in single.notes[-1]
+
+
+def _members(n_images: int = 120, caps_per_image: int = 2, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    image = rng.standard_normal((n_images, 16)).astype(np.float32)
+    cap2img = np.repeat(np.arange(n_images), caps_per_image)
+    noisy = [image[cap2img] + rng.standard_normal((len(cap2img), 16)).astype(np.float32) * (1.6 + 0.1 * i)
+             for i in range(4)]
+    return image, cap2img, noisy
+
+
+def test_nested_gain_matches_an_oracle_that_selects_on_the_other_folds():
+    image, cap2img, outs = _members()
+    fold_of = np.arange(len(image)) % 3
+    sel = oof.select(outs, oof.Folds(fold_of, cap2img), image, "greedy", 6)
+    assert sel.weights.sum() == pytest.approx(1.0) and len(sel.fold_gains) == 3
+    for g in range(3):  # naive re-implementation of fold g
+        inner, outer = np.flatnonzero(fold_of != g), np.flatnonzero(fold_of == g)
+
+        def mrr_on(imgs, pred_rows):
+            caps = np.flatnonzero(np.isin(cap2img, imgs))
+            local = {img: k for k, img in enumerate(imgs)}
+            target = np.array([local[i] for i in cap2img[caps]])
+            return evaluate_leaderboard(pred_rows[caps], image[imgs], target, gallery_size=min(100, len(imgs)))["mrr"]
+
+        in_caps = np.flatnonzero(np.isin(cap2img, inner))
+        w = ensemble.method_weights("greedy", [o[in_caps] for o in outs],
+                                    lambda p: mrr_on(inner, _scatter(p, in_caps, len(cap2img))), 6)
+        best = int(np.argmax([mrr_on(inner, o) for o in outs]))
+        ens = mrr_on(outer, ensemble.combine(outs, w))
+        assert sel.fold_ensemble[g] == pytest.approx(ens)
+        assert sel.fold_best[g] == pytest.approx(mrr_on(outer, outs[best]))
+    assert sel.gain > 0  # independent noise: the nested ensemble beats the nested best single on average
+
+
+def _scatter(rows: np.ndarray, at: np.ndarray, n: int) -> np.ndarray:
+    full = np.zeros((n, rows.shape[1]), np.float32)
+    full[at] = rows
+    return full

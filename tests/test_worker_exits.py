@@ -1,0 +1,141 @@
+"""Every exit path of a worker closes what it owns (trial, MLflow run, parent run); resume continues the search;
+`study reap` never changes a finished study. Real Optuna on SQLite, real MLflow on SQLite."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+
+from conftest import tiny_study_file as study_file
+from search.cli import main
+from trainers.synthetic import write_synthetic
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("state")
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> Path:
+    train, _, _ = write_synthetic(tmp_path_factory.mktemp("syn"), 120, dim_text=8, dim_image=12, n_test=20)
+    return train
+
+
+def run(sf: Path, state: Path, synthetic: Path, *extra: str) -> int:
+    return main(["study", "run", str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet", *extra])
+
+
+def trials(state: Path, name: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{state / 'optuna.db'}").get_trials()
+
+
+def runs(state: Path, name: str) -> dict[str, str]:
+    """MLflow run name -> status for the study's experiment (parent and trials)."""
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(name)
+    return {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
+
+
+def assert_nothing_running(state: Path, name: str) -> None:
+    assert [t.number for t in trials(state, name) if t.state.name == "RUNNING"] == []
+    assert [n for n, s in runs(state, name).items() if s == "RUNNING"] == []
+
+
+def test_full_disk_before_training_fails_and_retries_the_trial(state, synthetic, tmp_path, monkeypatch, capsys):
+    import search.objective
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", "config.toml")
+
+    monkeypatch.setattr(search.objective, "dump_toml", full)
+    sf = study_file(tmp_path, "fulldisk", n_trials=2)
+    assert run(sf, state, synthetic) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "latentsweep: error: trial 0: cannot write config.toml: No space left on device"
+    assert [t.state.name for t in trials(state, "fulldisk")] == ["FAIL", "WAITING"]  # retried, not counted
+    assert_nothing_running(state, "fulldisk")
+    assert runs(state, "fulldisk") == {"study-fulldisk": "FINISHED"}  # no trial run was opened
+
+
+def test_error_after_the_run_started_closes_the_run(state, synthetic, tmp_path, monkeypatch, capsys):
+    import search.objective
+
+    def dies(*args, **kwargs):
+        raise SystemExit(3)  # not an Exception: passes the trial's own `except Exception`
+
+    monkeypatch.setattr(search.objective, "train", dies)
+    sf = study_file(tmp_path, "sysexit", n_trials=2)
+    with pytest.raises(SystemExit):
+        run(sf, state, synthetic)
+    assert [t.state.name for t in trials(state, "sysexit")] == ["FAIL", "WAITING"]
+    assert_nothing_running(state, "sysexit")
+    assert runs(state, "sysexit")["trial-0"] == "KILLED"
+
+
+def test_interrupt_between_claim_and_run_fails_the_claimed_trial(state, synthetic, tmp_path, monkeypatch, capsys):
+    import search.study
+
+    calls = []
+    real = search.study.close_dead_runs
+
+    def interrupted(*args, **kwargs):  # the first call is the start-up reap, the second follows the first claim
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search.study, "close_dead_runs", interrupted)
+    sf = study_file(tmp_path, "claimint", n_trials=2)
+    assert run(sf, state, synthetic) == 130
+    assert [t.state.name for t in trials(state, "claimint")] == ["FAIL", "WAITING"]
+    assert_nothing_running(state, "claimint")
+
+
+def test_dead_workers_trials_are_reaped_by_owner_at_once(state, synthetic, tmp_path):
+    from search.cmd_study import make_spec
+    from search.cli import build_parser
+    from search.study import claim_trial, dispose_study, load_or_create, reap_owner, worker_id
+    from search.tracking import make_tracker
+
+    sf = study_file(tmp_path, "owner", n_trials=2)
+    args = build_parser().parse_args(["study", "run", str(sf), "--data", str(synthetic), "--state-dir", str(state)])
+    spec = make_spec(args)
+    tracker = make_tracker(spec.tracking_uri, spec.artifact_root)
+    study = load_or_create(__import__("search.studyfile").studyfile.load_study_file(sf), spec, tracker)
+    trial = claim_trial(study, spec.n_trials)
+    assert trial is not None and study.trials[0].user_attrs["latentsweep.worker"] == worker_id()
+    assert reap_owner(study, tracker, "elsewhere:1") == [] and study.trials[0].state.name == "RUNNING"
+    reap_owner(study, tracker, worker_id())  # well within the heartbeat grace period
+    assert [t.state.name for t in study.trials] == ["FAIL", "WAITING"]
+    dispose_study(study)
+
+
+def test_worker_command_closes_the_parent_run_when_done(state, synthetic, tmp_path, capsys):
+    sf = study_file(tmp_path, "lastworker", n_trials=1)
+    base = [str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet"]
+    assert main(["study", "create", *base]) == 0
+    assert runs(state, "lastworker") == {"study-lastworker": "RUNNING"}
+    assert main(["worker", *base]) == 0
+    assert runs(state, "lastworker") == {"study-lastworker": "FINISHED", "trial-0": "FINISHED"}
+
+
+def test_resume_continues_the_search_instead_of_replaying_it(state, synthetic, tmp_path, capsys):
+    sf = study_file(tmp_path, "resume", n_trials=1, epochs=1)
+    assert run(sf, state, synthetic) == 0
+    assert run(sf, state, synthetic, "--n-trials", "2") == 0
+    first, second = trials(state, "resume")
+    assert first.params["optim.lr"] != second.params["optim.lr"]
+
+
+def test_reap_leaves_a_finished_study_unchanged(state, synthetic, tmp_path, capsys):
+    sf = study_file(tmp_path, "reapdone", n_trials=1, epochs=1)
+    assert run(sf, state, synthetic) == 0
+    before_runs = runs(state, "reapdone")
+    before_attrs = optuna.load_study(study_name="reapdone", storage=f"sqlite:///{state / 'optuna.db'}").user_attrs
+    assert main(["study", "reap", str(sf), "--state-dir", str(state)]) == 0
+    assert runs(state, "reapdone") == before_runs and set(before_runs.values()) == {"FINISHED"}
+    assert optuna.load_study(study_name="reapdone",
+                             storage=f"sqlite:///{state / 'optuna.db'}").user_attrs == before_attrs
