@@ -9,14 +9,16 @@ from typing import IO, Iterator
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Iterator[IO]:
+def atomic_write(path: str | os.PathLike, mode: str = "w", *, parents: bool = True, **open_kwargs) -> Iterator[IO]:
     """Open a temporary file beside `path` (same directory, so the rename cannot cross file systems); on a clean exit
     flush, fsync and `os.replace` it onto `path`. On any error (Ctrl-C included) the temporary file is removed and an
     existing file at `path` is left untouched: a reader or a crash never sees a half-written file.
 
-    mode: "w" (text, default) or "wb"; open_kwargs go to `open` (encoding, newline)."""
+    mode: "w" (text, default) or "wb"; open_kwargs go to `open` (encoding, newline). parents: create missing parent
+    directories; False makes a missing directory an error (FileNotFoundError), as for `open`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode, **open_kwargs) as fh:

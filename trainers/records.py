@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
+
+from trainers.io import atomic_write
 
 
 class EpochLog:
@@ -20,14 +21,12 @@ class EpochLog:
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    """Atomic rewrite (tmp + rename): a reader never sees a half-written file; columns are the union of keys."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Atomic rewrite (trainers.io.atomic_write): a reader never sees a half-written file; columns are the union
+    of keys."""
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as fh:
+    with atomic_write(path, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, path)

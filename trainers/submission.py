@@ -5,13 +5,11 @@ Values are written as float32 with 9 significant digits, which round-trips every
 """
 from __future__ import annotations
 
-import os
-import tempfile
-
 import numpy as np
 
 from trainers.data import load_answers
 from trainers.errors import DataError
+from trainers.io import atomic_write
 from trainers.metrics import GALLERY_SIZE, leaderboard_from_ordered
 
 HEADER = "id,embedding"
@@ -61,27 +59,16 @@ def _write_rows(f, path: str, ids, embeddings) -> int:
 
 
 def write_submission(path, ids, embeddings) -> int:
-    """Write the CSV atomically: a temporary file in the same directory, fsync, then os.replace.
+    """Write the CSV atomically (trainers.io.atomic_write: a temporary file beside it, fsync, os.replace).
 
     ids: iterable of ints [N]; embeddings: array / tensor [N, D] or any iterable of N rows (a generator works).
     On any error (non-finite value, inconsistent dim, duplicate id, count mismatch, an exception from the iterable)
     the temporary file is removed and an existing file at `path` is left untouched. Returns the row count.
     """
     path = str(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(HEADER + "\n")
-            n = _write_rows(f, path, ids, embeddings)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return n
+    with atomic_write(path, "w", parents=False, encoding="utf-8", newline="") as f:
+        f.write(HEADER + "\n")
+        return _write_rows(f, path, ids, embeddings)
 
 
 def _parse_values(path: str, lineno: int, text: str) -> list[float]:
@@ -150,7 +137,7 @@ def read_submission(path) -> tuple[np.ndarray, np.ndarray]:
     return ids, emb
 
 
-def _first(values) -> str:
+def _list_first_few(values) -> str:
     values = list(values)
     return ", ".join(str(v) for v in values[:SHOW_FIRST]) + (", ..." if len(values) > SHOW_FIRST else "")
 
@@ -162,14 +149,14 @@ def _check_rows(path: str, ids, emb, lines, expected_ids, source: str, dim: int 
     problems = []
     missing = np.setdiff1d(expected, uniq)
     if missing.size:
-        problems.append(f"{missing.size} missing (first: {_first(missing)})")
+        problems.append(f"{missing.size} missing (first: {_list_first_few(missing)})")
     dup = uniq[counts > 1]
     if dup.size:
-        problems.append(f"{dup.size} duplicated (first: {_first(dup)}; id {dup[0]} on lines "
-                        f"{_first(lines[ids == dup[0]])})")
+        problems.append(f"{dup.size} duplicated (first: {_list_first_few(dup)}; id {dup[0]} on lines "
+                        f"{_list_first_few(lines[ids == dup[0]])})")
     extra = np.setdiff1d(uniq, expected)
     if extra.size:
-        problems.append(f"{extra.size} not in {source} (first: {_first(extra)})")
+        problems.append(f"{extra.size} not in {source} (first: {_list_first_few(extra)})")
     if problems:
         raise DataError(f"{path}: ids do not match {source}: " + "; ".join(problems))
     if dim is not None and emb.shape[1] != dim:
