@@ -13,7 +13,7 @@ import torch
 
 from bad_input_kit import GOOD_STUDY, NAME, assert_rejected, problem_lines, snapshot
 from search.cli import main
-from trainers.data import split_by_hash
+from trainers.splits import split_by_hash
 from trainers.submission import write_submission
 
 SECRET = "s3cr3t-pw"

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from search.cli import main
-from trainers.data import write_train_npz
+from trainers.data_writer import write_train_npz
 from trainers.synthetic import make_synthetic, write_synthetic
 
 

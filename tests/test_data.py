@@ -1,4 +1,5 @@
-"""Tests of trainers.data (challenge npz reading, validation, writing, image-level splits) and trainers.synthetic."""
+"""Tests of trainers.data (challenge npz reading, validation), trainers.data_writer, trainers.splits (image-level
+splits) and trainers.synthetic."""
 import hashlib
 import tracemalloc
 
@@ -7,9 +8,10 @@ import pytest
 import scipy.sparse
 
 from trainers import data as D
-from trainers.data import (captions_of, check_compatible, kfold_by_image, load_answers, load_test, load_train,
-                           split_by_hash, write_train_npz)
+from trainers.data import check_text_dim, load_answers, load_test, load_train
+from trainers.data_writer import write_train_npz
 from trainers.errors import ConfigError, DataError
+from trainers.splits import captions_of, kfold_by_image, split_by_hash
 from trainers.synthetic import make_synthetic, write_synthetic
 
 NI, CPI, DT, DI = 40, 5, 6, 8
@@ -152,7 +154,7 @@ def test_test_and_answers_files(tmp_path, syn):
     ids, image = load_answers(answers)
     np.testing.assert_array_equal(ids, ts.ids)
     np.testing.assert_array_equal(image, syn["answers"]["image"])
-    check_compatible(load_train(train), ts)
+    check_text_dim(ts, load_train(train).text.shape[1])
     assert [D.describe_npz(p)["kind"] for p in (train, test, answers)] == ["train", "test", "answers"]
 
 
@@ -252,9 +254,9 @@ def test_test_file_errors(tmp_path, syn):
     bad_dim = load_test(save(tmp_path / "t2.npz", test, captions__ids=np.arange(1, 5),
                              captions__embeddings=np.ones((4, DT + 1), np.float32)))
     train = load_train(save(tmp_path / "train.npz", challenge_arrays(syn)))
-    check_compatible(train, good)
-    with pytest.raises(DataError, match=r"t2\.npz: key 'captions/embeddings': text dim 7 differs from 6"):
-        check_compatible(train, bad_dim)
+    check_text_dim(good, train.text.shape[1])
+    with pytest.raises(DataError, match=r"t2\.npz: captions/embeddings has dim 7, the model expects 6"):
+        check_text_dim(bad_dim, train.text.shape[1])
 
 
 # ---- splits ------------------------------------------------------------------------------------------
@@ -292,6 +294,8 @@ def test_split_ratio_validated(ratio):
 def test_split_that_leaves_a_side_empty_is_refused():
     with pytest.raises(ConfigError, match="empty validation"):
         split_by_hash(NAMES[:3], 0.01)
+    with pytest.raises(ConfigError, match="empty validation"):
+        kfold_by_image(NAMES[:1], 2, 1)
 
 
 def test_kfold_partitions_images():

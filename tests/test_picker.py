@@ -17,7 +17,8 @@ from mlflow import MlflowClient
 from search import ensemble, picker
 from search.cli import main
 from trainers.config import Config, with_values
-from trainers.data import load_test, load_train, write_test_npz
+from trainers.data import load_test, load_train
+from trainers.data_writer import write_test_npz
 from trainers.errors import LatentsweepError
 from trainers.metrics import evaluate_leaderboard
 from trainers.submission import check_submission, read_submission

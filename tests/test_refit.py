@@ -7,10 +7,11 @@ import pytest
 
 from search import ensemble, oof, refit
 from trainers.config import Config, with_values
-from trainers.data import captions_of, load_train
+from trainers.data import load_train
 from trainers.errors import ConfigError
 from trainers.loop import train
 from trainers.metrics import evaluate_leaderboard
+from trainers.splits import captions_of
 from trainers.synthetic import write_synthetic
 
 

@@ -1,19 +1,20 @@
-"""Challenge data files: read, validate and write train/test/answers npz files, and split them by image."""
+"""Challenge data files: read and validate train/test/answers npz files (written by trainers.data_writer, split by
+image in trainers.splits)."""
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import numbers
 import os
 import zipfile
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from numpy.lib import format as npformat
 
-from trainers.errors import ConfigError, DataError, closest
+from trainers.errors import DataError, closest
+# Re-exported: search/ imports these two from here (their home is trainers.splits).
+from trainers.splits import captions_of, kfold_by_image  # noqa: F401
 
 # Dense-label bytes decoded (or encoded) per step: the real label is 125000 x 25000 bools = 3.1 GB, so it is streamed.
 LABEL_CHUNK_BYTES = 32 << 20
@@ -341,12 +342,11 @@ def load_answers(path) -> tuple[np.ndarray, np.ndarray]:
     return ids, image
 
 
-def check_compatible(train: TrainSet, test: TestSet) -> None:
-    """Raise DataError when a test file's text embeddings cannot be fed to a model trained on `train`."""
-    dt_train, dt_test = train.text.shape[1], test.embeddings.shape[1]
-    if dt_train != dt_test:
-        raise DataError(f"{test.path}: key 'captions/embeddings': text dim {dt_test} differs from "
-                        f"{dt_train} in {train.path}")
+def check_text_dim(test: TestSet, dim_in: int, expected_by: str = "the model expects") -> None:
+    """Raise DataError when the test file's text embeddings are not `dim_in` wide (what the model was trained on)."""
+    if test.embeddings.shape[1] != dim_in:
+        raise DataError(f"{test.path}: captions/embeddings has dim {test.embeddings.shape[1]}, {expected_by} "
+                        f"{dim_in}")
 
 
 def describe_npz(path) -> dict:
@@ -370,135 +370,3 @@ def describe_npz(path) -> dict:
         raise DataError(f"{path}: cannot tell the file kind: no key 'captions/label' (train), "
                         f"'captions/embeddings' (test) or 'images/embeddings' (answers); keys: {sorted(keys)}")
     return {"kind": kind, "label_format": fmt, "keys": keys}
-
-
-# ---- writing -------------------------------------------------------------------------------------------------------
-
-def _write_npz(path, members: list[tuple[str, object]]) -> Path:
-    """Write (key, array-or-writer) members as a compressed npz (np.savez_compressed layout), atomically."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, allowZip64=True) as zf:
-            for key, value in members:
-                with zf.open(key + ".npy", "w", force_zip64=True) as f:
-                    if callable(value):
-                        value(f)
-                    else:
-                        npformat.write_array(f, np.asanyarray(value), allow_pickle=False)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def _dense_label_writer(cap2img: np.ndarray, ni: int, chunk_rows: int | None):
-    """A member writer emitting the one-hot bool [Nc, Ni] label in row chunks (never the whole matrix)."""
-    def write(f) -> None:
-        nc = len(cap2img)
-        npformat.write_array_header_1_0(f, {"descr": npformat.dtype_to_descr(np.dtype(bool)),
-                                            "fortran_order": False, "shape": (nc, ni)})
-        step = chunk_rows or max(1, LABEL_CHUNK_BYTES // max(ni, 1))
-        for start in range(0, nc, step):
-            idx = cap2img[start:start + step]
-            block = np.zeros((len(idx), ni), np.uint8)  # uint8 0/1 has the same bytes as numpy bool
-            block[np.arange(len(idx)), idx] = 1
-            f.write(memoryview(block.reshape(-1)))
-    return write
-
-
-def _label_members(cap2img: np.ndarray, ni: int, label_format: str, chunk_rows: int | None) -> list:
-    nc = len(cap2img)
-    if label_format == "dense":
-        return [("captions/label", _dense_label_writer(cap2img, ni, chunk_rows))]
-    if label_format == "index":
-        return [("captions/label", cap2img)]
-    if label_format == "sparse":
-        p = SPARSE_PREFIX
-        return [(p + "data", np.ones(nc, bool)), (p + "indices", cap2img), (p + "indptr", np.arange(nc + 1)),
-                (p + "shape", np.array([nc, ni], np.int64)), (p + "format", np.array("csr"))]
-    raise ConfigError(f"label_format '{label_format}' is unknown{closest(label_format, ['dense', 'index', 'sparse'])}")
-
-
-def _metadata(**values: int) -> list:
-    return [(f"metadata/{k}", np.array([v], np.int64)) for k, v in values.items()]
-
-
-def write_train_npz(path, *, caption_ids, caption_text, text, image, cap2img, image_names, image_labels=None,
-                    label_names=None, label_format: str = "dense", label_chunk_rows: int | None = None) -> Path:
-    """Write a challenge-layout train.npz; the dense label is encoded in row chunks straight into the zip member.
-
-    label_format: 'dense' (the challenge layout), or 'index' / 'sparse' (the other layouts load_train accepts).
-    """
-    text, image = np.asarray(text, np.float32), np.asarray(image, np.float32)
-    cap2img = np.asarray(cap2img, np.int64)
-    nc, ni = len(text), len(image)
-    if len(cap2img) != nc or (nc and (cap2img.min() < 0 or cap2img.max() >= ni)):
-        raise DataError(f"{path}: key 'captions/label': cap2img needs {nc} image indices in [0, {ni})")
-    members = _metadata(num_captions=nc, num_images=ni, embedding_dim_text=text.shape[1],
-                        embedding_dim_image=image.shape[1])
-    members += [("captions/ids", np.asarray(caption_ids, np.int64)), ("captions/text", np.asarray(caption_text, str)),
-                ("captions/embeddings", text)]
-    members += _label_members(cap2img, ni, label_format, label_chunk_rows)
-    members += [("images/names", np.asarray(image_names, str)), ("images/embeddings", image)]
-    if image_labels is not None:
-        members.append(("images/labels", np.asarray(image_labels, bool)))
-        if label_names is not None:
-            members.append(("images/label_names", np.asarray(label_names, str)))
-    return _write_npz(path, members)
-
-
-def write_test_npz(path, *, ids, text, embeddings) -> Path:
-    """Write a test.clean.npz: captions only (ids, text, embeddings) plus metadata."""
-    emb = np.asarray(embeddings, np.float32)
-    return _write_npz(path, _metadata(num_captions=len(emb), embedding_dim_text=emb.shape[1]) + [
-        ("captions/ids", np.asarray(ids, np.int64)), ("captions/text", np.asarray(text, str)),
-        ("captions/embeddings", emb)])
-
-
-def write_answers_npz(path, *, ids, image, image_names) -> Path:
-    """Write an answer key: the true image embedding (and name) of each test caption, in test order."""
-    return _write_npz(path, [("captions/ids", np.asarray(ids, np.int64)),
-                             ("images/embeddings", np.asarray(image, np.float32)),
-                             ("images/names", np.asarray(image_names, str))])
-
-
-# ---- splits (always by image, so no image has captions on both sides) ------------------------------------------------
-
-def _md5_unit(text: str) -> float:
-    """Map a string to [0, 1) through the first 8 bytes of its MD5 (same value on every machine)."""
-    return int.from_bytes(hashlib.md5(text.encode("utf-8")).digest()[:8], "big") / 2.0 ** 64
-
-
-def split_by_hash(image_names, val_ratio: float, salt: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """(train_img_idx, val_img_idx): an image goes to validation when MD5(salt + name) in [0, 1) < val_ratio."""
-    if isinstance(val_ratio, bool) or not isinstance(val_ratio, numbers.Real) or not 0 < val_ratio < 1:
-        raise ConfigError(f"val_ratio must be a number in (0, 1), got {val_ratio!r}")
-    unit = np.array([_md5_unit(f"{salt}{name}") for name in image_names], np.float64)
-    train, val = np.flatnonzero(unit >= val_ratio), np.flatnonzero(unit < val_ratio)
-    if not len(train) or not len(val):
-        raise ConfigError(f"val_ratio={val_ratio} leaves an empty {'validation' if not len(val) else 'training'} "
-                          f"side out of {len(unit)} images (salt '{salt}')")
-    return train, val
-
-
-def kfold_by_image(image_names, n_folds: int, fold: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(train_img_idx, val_img_idx) of fold `fold`: images sorted by MD5(seed:name), dealt round-robin into folds."""
-    n = len(image_names)
-    if isinstance(n_folds, bool) or not isinstance(n_folds, numbers.Integral) or not 2 <= n_folds <= max(n, 2):
-        raise ConfigError(f"n_folds must be an integer in [2, {max(n, 2)}] (number of images), got {n_folds!r}")
-    if isinstance(fold, bool) or not isinstance(fold, numbers.Integral) or not 0 <= fold < n_folds:
-        raise ConfigError(f"fold must be an integer in [0, {n_folds}), got {fold!r}")
-    keys = [hashlib.md5(f"{seed}:{name}".encode("utf-8")).digest() for name in image_names]
-    fold_of = np.empty(n, np.int64)
-    fold_of[sorted(range(n), key=keys.__getitem__)] = np.arange(n) % n_folds  # balanced: sizes differ by <= 1
-    return np.flatnonzero(fold_of != fold), np.flatnonzero(fold_of == fold)
-
-
-def captions_of(cap2img, img_idx) -> np.ndarray:
-    """Indices (int64, ascending) of the captions whose image is in img_idx."""
-    cap2img, img_idx = np.asarray(cap2img, np.int64), np.asarray(img_idx, np.int64)
-    size = int(max(cap2img.max(initial=-1), img_idx.max(initial=-1))) + 1
-    mask = np.zeros(size, bool)
-    mask[img_idx] = True
-    return np.flatnonzero(mask[cap2img]) if len(cap2img) else np.zeros(0, np.int64)

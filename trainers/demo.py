@@ -13,7 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from trainers.data import load_train
+from trainers.data_writer import write_answers_npz, write_test_npz, write_train_npz
 from trainers.errors import LatentsweepError, closest
+from trainers.splits import captions_of, split_by_hash
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo_data"
 DEB_PACKAGE = "tuxpaint-stamps-default"
@@ -236,7 +239,6 @@ def test_caption(stamp: Stamp, seed: int) -> int:
 def ridge_baseline(train, test_text, test_image, seed: int) -> dict:
     """Closed-form text->image ridge: alpha chosen on a hash split of train (leaderboard protocol), refit on all of
     train, scored on the held-out test in id order (galleries of 100, trainers.metrics.leaderboard_from_ordered)."""
-    from trainers.data import captions_of, split_by_hash
     from trainers.metrics import evaluate_leaderboard, leaderboard_from_ordered
 
     def fit(x, y, alpha):
@@ -290,9 +292,7 @@ def build_demo(out: Path, work: Path, languages=DEFAULT_LANGUAGES, test_fraction
 
 
 def _write_files(out, stamps, image, text, starts, test_idx, seed) -> dict:
-    """Split and write the three .npz files with trainers.data's writers; returns counts and the ridge baseline."""
-    from trainers.data import load_train, write_answers_npz, write_test_npz, write_train_npz
-
+    """Split and write the three .npz files with trainers.data_writer; returns counts and the ridge baseline."""
     out.mkdir(parents=True, exist_ok=True)
     is_test = np.zeros(len(stamps), dtype=bool)
     is_test[test_idx] = True
@@ -340,7 +340,7 @@ def _write_card(out: Path, facts: dict) -> None:
     text = f"""# Demo dataset: Tux Paint stamps (latentsweep's embedded default)
 
 Real images with human-written descriptions, encoded with two small real encoders, in the challenge layout
-(see notes/CONTRACTS.md). Small enough to ship with the package ({mb:.1f} MB) and to train on in seconds.
+(README.md, section Data). Small enough to ship with the package ({mb:.1f} MB) and to train on in seconds.
 
 ## Sources and licences
 - Images and captions: Debian package `{DEB_PACKAGE}` (Tux Paint stamps), GPL-2+. Each stamp X.svg / X.png has a

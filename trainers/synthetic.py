@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainers.data import write_answers_npz, write_test_npz, write_train_npz
+from trainers.data_writer import write_answers_npz, write_test_npz, write_train_npz
 
 # Real challenge image embeddings are not normalised and have L2 norms around 26 (shared/data-sources.md).
 IMAGE_NORM = 26.0

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 
 from trainers import metrics
 from trainers.config import Config
-from trainers.data import TrainSet, captions_of, kfold_by_image, split_by_hash
+from trainers.data import TrainSet
 from trainers.errors import ConfigError, DataError
 from trainers.losses_multilabel import draw_fixed_positives
 from trainers.models import ModelContext
 from trainers.registry import Registry
+from trainers.splits import captions_of, kfold_by_image, split_by_hash
 
 TASKS: Registry = Registry("task")
 
@@ -22,13 +23,12 @@ EVAL_CHUNK = 4096
 
 
 def split_images(cfg: Config, data: TrainSet) -> tuple[np.ndarray, np.ndarray]:
-    """(train image indices, val image indices): always by image, never by caption."""
+    """(train image indices, val image indices): always by image, never by caption. The split functions check
+    their arguments and refuse an empty side (trainers.splits)."""
     d = cfg.data
     if d.split == "all":
         return np.arange(len(data.image_names)), np.zeros(0, np.int64)
     if d.split == "kfold":
-        if d.fold >= d.n_folds:
-            raise ConfigError(f"data.fold={d.fold} must be < data.n_folds={d.n_folds}")
         return kfold_by_image(data.image_names, d.n_folds, d.fold, seed=0)
     return split_by_hash(data.image_names, d.val_ratio, salt=d.salt)
 
@@ -109,8 +109,6 @@ class TranslateTask(Task):
     def __init__(self, cfg: Config, data: TrainSet, device: torch.device):
         self.cfg, self.device = cfg, device
         train_img, val_img = split_images(cfg, data)
-        if len(train_img) == 0 or (len(val_img) == 0 and cfg.data.split != "all"):
-            raise DataError(f"{data.path}: split leaves no train or no val images (val_ratio={cfg.data.val_ratio})")
         self.x, self.img = self._captions(data, train_img)  # [N, Dt], [N] local train image index
         self.images = torch.as_tensor(data.image[train_img], device=device)  # [Ni, Di] raw
         self.images_n = F.normalize(self.images, dim=1)
