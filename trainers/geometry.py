@@ -53,14 +53,15 @@ def _sqrt_pair(cov: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tenso
     return white, colour
 
 
-def _check(X: torch.Tensor, Y: torch.Tensor, whiten_eps: float) -> None:
+def _check_fit_inputs(X: torch.Tensor, Y: torch.Tensor, whiten_eps: float) -> None:
     if X.ndim != 2 or Y.ndim != 2 or X.shape[0] != Y.shape[0] or X.shape[0] < 2:
         raise ValueError(f"need X [N, Dx] and Y [N, Dy] with N >= 2, got {tuple(X.shape)} and {tuple(Y.shape)}")
     if whiten_eps < 0:
         raise ValueError(f"whiten_eps must be >= 0, got {whiten_eps}")
 
 
-def _finish(W: torch.Tensor, mx: torch.Tensor, my: torch.Tensor, like: torch.Tensor):
+def _map_and_intercept(W: torch.Tensor, mx: torch.Tensor, my: torch.Tensor, like: torch.Tensor):
+    """(W, b = my - mx W) on `like`'s device and dtype: the affine map x W + b fitted on centred data."""
     b = my - mx @ W
     return W.to(like.device, like.dtype), b.to(like.device, like.dtype)
 
@@ -71,14 +72,14 @@ def ridge_fit(X: torch.Tensor, Y: torch.Tensor, lam: float, whiten_eps: float) -
     `lam` uses the sum-of-squares convention (as sklearn's Ridge), so its effect shrinks as N grows; lam -> 0 is
     ordinary least squares. Returns W = Wh M [Dx, Dy] and b = mean(Y) - mean(X) W [Dy].
     """
-    _check(X, Y, whiten_eps)
+    _check_fit_inputs(X, Y, whiten_eps)
     n = X.shape[0]
     mx, my, cxx, cxy, _ = _moments(X, Y, with_cyy=False)
     white, _ = _sqrt_pair(cxx, whiten_eps)
     # Normal equations divided by N: (Wh Cxx Wh + lam/N I) M = Wh Cxy.
     gram = white @ cxx @ white + (lam / n) * torch.eye(cxx.shape[0], dtype=cxx.dtype, device=cxx.device)
     M = torch.linalg.solve(gram, white @ cxy)
-    return _finish(white @ M, mx, my, X)
+    return _map_and_intercept(white @ M, mx, my, X)
 
 
 def procrustes_fit(X: torch.Tensor, Y: torch.Tensor, whiten_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,9 +88,9 @@ def procrustes_fit(X: torch.Tensor, Y: torch.Tensor, whiten_eps: float) -> tuple
     Q = U V^T from the SVD of the whitened cross-covariance Wx Cxy Wy; for Dx != Dy the reduced SVD gives a
     semi-orthogonal Q [Dx, Dy]. W = Wx Q Cy^(1/2) [Dx, Dy]. When Y = X R (R orthogonal) and eps -> 0, W = R exactly.
     """
-    _check(X, Y, whiten_eps)
+    _check_fit_inputs(X, Y, whiten_eps)
     mx, my, cxx, cxy, cyy = _moments(X, Y, with_cyy=True)
     white_x, _ = _sqrt_pair(cxx, whiten_eps)
     white_y, colour_y = _sqrt_pair(cyy, whiten_eps)
     U, _, Vh = torch.linalg.svd(white_x @ cxy @ white_y, full_matrices=False)
-    return _finish(white_x @ (U @ Vh) @ colour_y, mx, my, X)
+    return _map_and_intercept(white_x @ (U @ Vh) @ colour_y, mx, my, X)

@@ -77,47 +77,51 @@ class Schedule:
             self.per_epoch.step()
 
 
-def _warmup_then(shape, warmup_steps: int):
-    """LR multiplier: linear warmup over `warmup_steps`, then `shape(t)` for t in [0, 1] of the remaining steps."""
+def linear_warmup(step: int, warmup_steps: int) -> float:
+    """The one linear warm-up: LR multiplier (step + 1) / warmup_steps at 0-based `step`, reaching 1 on the last
+    warm-up step and staying there; 1 throughout when warmup_steps is 0."""
+    return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
-    def factor(step: int, total: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        return shape(min(1.0, (step - warmup_steps) / max(1, total - warmup_steps)))
+
+def _warmup_then(after, warmup_steps: int):
+    """LR multiplier of step `step`: linear warm-up over `warmup_steps`, then `after(step)`."""
+
+    def factor(step: int) -> float:
+        return linear_warmup(step, warmup_steps) if step < warmup_steps else after(step)
 
     return factor
 
 
-def _lambda(opt, cfg: Config, steps_per_epoch: int, shape) -> torch.optim.lr_scheduler.LambdaLR:
+def _warmup_steps(cfg: Config, steps_per_epoch: int) -> int:
+    return int(round(cfg.schedule.warmup_epochs * steps_per_epoch))
+
+
+def _warmup_then_shape(opt, cfg: Config, steps_per_epoch: int, shape) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up, then `shape(t)` for t in [0, 1] over the remaining steps of training."""
     total = cfg.train.epochs * steps_per_epoch
-    warmup = int(round(cfg.schedule.warmup_epochs * steps_per_epoch))
-    factor = _warmup_then(shape, warmup)
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: factor(step, total))
+    warmup = _warmup_steps(cfg, steps_per_epoch)
+    factor = _warmup_then(lambda step: shape(min(1.0, (step - warmup) / max(1, total - warmup))), warmup)
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 @SCHEDULERS.register("cosine")
 def _cosine(opt, cfg: Config, steps_per_epoch: int) -> Schedule:
     floor = cfg.schedule.min_lr_ratio  # BigJump decays to 0.1x; the VSE++ team to 0
     shape = lambda t: floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))  # noqa: E731
-    return Schedule(per_step=_lambda(opt, cfg, steps_per_epoch, shape))
+    return Schedule(per_step=_warmup_then_shape(opt, cfg, steps_per_epoch, shape))
 
 
 @SCHEDULERS.register("constant")
 def _constant(opt, cfg: Config, steps_per_epoch: int) -> Schedule:
-    return Schedule(per_step=_lambda(opt, cfg, steps_per_epoch, lambda t: 1.0))
+    return Schedule(per_step=_warmup_then_shape(opt, cfg, steps_per_epoch, lambda t: 1.0))
 
 
 @SCHEDULERS.register("step")
 def _step(opt, cfg: Config, steps_per_epoch: int) -> Schedule:
     s = cfg.schedule
     # LambdaLR recomputes lr from the base each step, so the step decay lives inside the same lambda
-    warmup = int(round(s.warmup_epochs * steps_per_epoch))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return s.gamma ** (step // (s.step_epochs * steps_per_epoch))
-
+    decay = lambda step: s.gamma ** (step // (s.step_epochs * steps_per_epoch))  # noqa: E731
+    factor = _warmup_then(decay, _warmup_steps(cfg, steps_per_epoch))
     return Schedule(per_step=torch.optim.lr_scheduler.LambdaLR(opt, factor))
 
 
@@ -134,7 +138,7 @@ class _ManualWarmup:
 
     def _apply(self) -> None:
         if self.count <= self.warmup and self.warmup > 0:
-            factor = min(1.0, (self.count + 1) / self.warmup)
+            factor = linear_warmup(self.count, self.warmup)
             for group in self.opt.param_groups:
                 group["lr"] *= factor / self.factor
             self.factor = factor
@@ -147,7 +151,7 @@ class _ManualWarmup:
 @SCHEDULERS.register("plateau")
 def _plateau(opt, cfg: Config, steps_per_epoch: int) -> Schedule:
     s = cfg.schedule
-    warmup = _ManualWarmup(opt, int(round(s.warmup_epochs * steps_per_epoch)))
+    warmup = _ManualWarmup(opt, _warmup_steps(cfg, steps_per_epoch))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
         opt, mode=MONITOR_MODES[cfg.train.monitor], factor=s.plateau_factor, patience=s.plateau_patience
     )
