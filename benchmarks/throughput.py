@@ -4,7 +4,7 @@ Prints, from one run: (1) the machine's float32 matmul rate (GFLOP/s), (2) the t
 it reaches (forward + backward = 3x the forward matmul FLOPs of the MLP), as a fraction of (1) (goal >= 0.80 on CPU),
 (3) a plain `DataLoader(TensorDataset)` loop with the same model, loss and optimiser (goal: trainer not slower on CPU,
 >= 3x faster on a CUDA GPU), (4) the per-epoch evaluation cost (both protocols) as a fraction of a training epoch at
-challenge scale (goal <= 10%). "The trainer" is the real one: the translate task's batches, the Translator wrapper,
+challenge scale (goal <= 10%). "The trainer" is the real one: the translate task's batches, the CenteredModel wrapper,
 the configured optimiser (fused Adam) and the loop's per-epoch body. Each ratio pairs a matmul-rate measurement with
 the epoch right after it (`--repeats` pairs; median and range printed). `--profile` prints the top operators.
 
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainers import metrics  # noqa: E402
-from trainers.checkpoint import Translator  # noqa: E402
+from trainers.checkpoint import CenteredModel  # noqa: E402
 from trainers.config import Config, with_values  # noqa: E402
 from trainers.data import TrainSet  # noqa: E402
 from trainers.loop import _train_epoch  # noqa: E402
@@ -80,7 +80,7 @@ def random_trainset(n_captions: int) -> TrainSet:
 
 
 class TrainerEpoch:
-    """The trainer itself: the translate task's batches, the Translator wrapper, the configured optimiser and
+    """The trainer itself: the translate task's batches, the CenteredModel wrapper, the configured optimiser and
     schedule, and the loop's own per-epoch body (`trainers.loop._train_epoch`), at challenge dims."""
 
     def __init__(self, device: torch.device, steps: int):
@@ -88,7 +88,7 @@ class TrainerEpoch:
         n = int(BATCH * steps / (1 - VAL_RATIO) * 1.2)
         self.cfg = vsepp_cfg()
         self.task = TASKS.get("translate")(self.cfg, random_trainset(n), device)
-        self.model = Translator(build_model(self.cfg, self.task.model_context()), self.task.text_mean).to(device)
+        self.model = CenteredModel(build_model(self.cfg, self.task.model_context()), self.task.text_mean).to(device)
         self.state = LossState(self.cfg, self.task.dim_out).to(device)
         self.steps = self.task.steps_per_epoch()
         self.opt, self.schedule = build_optimizer(self.cfg, self.model, self.state, self.steps)

@@ -1,8 +1,6 @@
-"""Checkpoints: the Translator wrapper (input centring + model), atomic save, and safe (weights_only) load."""
+"""Checkpoints: the CenteredModel wrapper (text centring + model), atomic save, and safe (weights_only) load."""
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +9,13 @@ from torch import nn
 
 from trainers.config import Config, from_dict, to_dict
 from trainers.errors import LatentsweepError
+from trainers.io import atomic_write
 from trainers.models import ModelContext, build_model
 
 FORMAT_VERSION = 1
 
 
-class Translator(nn.Module):
+class CenteredModel(nn.Module):
     """What is trained and saved: subtract the train text mean (zeros when centring is off), then the model."""
 
     def __init__(self, inner: nn.Module, text_mean: torch.Tensor):
@@ -42,22 +41,12 @@ class Translator(nn.Module):
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    """Write to a temp file in the same directory, then rename: a crash never leaves a half-written checkpoint."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """torch.save through trainers.io.atomic_write: a crash never leaves a half-written checkpoint."""
+    with atomic_write(path, "wb") as fh:
+        torch.save(obj, fh)
 
 
-def checkpoint_payload(model: Translator, cfg: Config, dims: tuple[int, int], meta: dict,
+def checkpoint_payload(model: CenteredModel, cfg: Config, dims: tuple[int, int], meta: dict,
                        loss_state: dict[str, torch.Tensor] | None = None) -> dict:
     """Plain types and tensors only, so that torch.load(weights_only=True) can read it back. `loss_state` is
     `LossState.checkpoint_state()` (the learned logit scale), restored by `load_loss_state`."""
@@ -93,14 +82,14 @@ def load_loss_state(path: str | Path, state: nn.Module) -> bool:
     return bool(saved)
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Translator, Config, dict]:
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[CenteredModel, Config, dict]:
     """Rebuild the model from a checkpoint (no closed-form refit: weights come from the state dict)."""
     path = Path(path)
     payload = _read(path)
     try:
         cfg = from_dict(payload["config"], where=str(path))
         ctx = ModelContext(int(payload["dim_in"]), int(payload["dim_out"]), fit_x=None, fit_y=None)
-        model = Translator(build_model(cfg, ctx), torch.zeros(ctx.dim_in))
+        model = CenteredModel(build_model(cfg, ctx), torch.zeros(ctx.dim_in))
         model.load_state_dict(payload["state_dict"])
     except LatentsweepError as exc:
         raise LatentsweepError(f"{path}: checkpoint config is invalid: {exc}") from None

@@ -1,6 +1,7 @@
 """The training loop: pluggable task, model, losses, optimiser and schedule; best epoch by val MRR; per-epoch callback."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from trainers.checkpoint import Translator, atomic_torch_save, checkpoint_payload
+from trainers.checkpoint import CenteredModel, atomic_torch_save, checkpoint_payload
 from trainers.config import Config
 from trainers.data import TrainSet
 from trainers.errors import LatentsweepError
@@ -41,7 +42,7 @@ class TrainResult:
     best_epoch: int
     best_metrics: dict[str, float]
     history: list[dict[str, float]]
-    model: Translator = field(repr=False)
+    model: CenteredModel = field(repr=False)
     checkpoint: Path | None = None
     val_ranks: np.ndarray | None = field(default=None, repr=False)  # [Nval] exact ranks of the best model
 
@@ -67,16 +68,36 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """Run the block with `threads` torch CPU threads (0: as is), then restore the previous count: the thread count
+    is process-wide, and a library call must not leave it changed for the caller."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads:
+            torch.set_num_threads(previous)
+
+
 def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None] | None = None,
           out_dir: str | Path | None = None, progress: bool = False) -> TrainResult:
-    """Train `cfg` on `data`; keep the best epoch by val/mrr; `callback` sees every epoch (and may raise to stop)."""
+    """Train `cfg` on `data`; keep the best epoch by val/mrr; `callback` sees every epoch (and may raise to stop).
+    Runs with cfg.train.threads torch threads (when > 0), restored on return."""
     validate(cfg)
     device = resolve_device(cfg.train.device)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    with torch_threads(cfg.train.threads):
+        return _fit(cfg, data, device, callback, out_dir, progress)
+
+
+def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[EpochReport], None] | None,
+         out_dir: str | Path | None, progress: bool) -> TrainResult:
+    """The body of `train`, under its thread count."""
     gen = seed_everything(cfg.train.seed)
     task = TASKS.get(cfg.data.task)(cfg, data, device)
-    model = Translator(build_model(cfg, task.model_context()), task.text_mean).to(device)
+    model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
     state = LossState(cfg, task.dim_out).to(device)
     steps = task.steps_per_epoch()
     opt, schedule = build_optimizer(cfg, model, state, steps)
