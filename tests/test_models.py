@@ -91,7 +91,9 @@ def test_out_norm_off_returns_raw(kind):
 @pytest.mark.parametrize("kind,norm,residual", [("mlp", "batchnorm", True), ("mlp", "layernorm", False),
                                                 ("deep_mlp", "none", True), ("relative", "none", True)])
 def test_norm_and_residual_variants(kind, norm, residual):
-    model = build_model(small_cfg(**{"model.kind": kind, "model.norm": norm, "model.residual": residual}), make_ctx())
+    # the relative model's anchor mix has its own knob (model.residual is the MLP skip connection everywhere)
+    knob = "model.anchor_mix" if kind == "relative" else "model.residual"
+    model = build_model(small_cfg(**{"model.kind": kind, "model.norm": norm, knob: residual}), make_ctx())
     out = model(torch.randn(6, DIN))
     toy_loss(out).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)

@@ -60,6 +60,8 @@ class ModelCfg:
                               "false: none, as the multi-label seed's linear encoder")
     out_dim: int = _f(0, low=0, high=MAX_WIDTH, doc="multilabel task embedding size; 0 = input size")
     n_anchors: int = _f(256, low=2, doc="relative-representation anchors")
+    anchor_mix: bool = _f(False, doc="relative model: add the softmax(sims / tau) mix of the image anchors to the "
+                                     "MLP output (a learned tau)")
     adapter_hidden: int = _f(512, low=1, high=MAX_WIDTH)
     adapter_dropout: float = _f(0.1, low=0.0, high=0.9)
 

@@ -282,7 +282,7 @@ class RelativeTranslator(Translator):
     """Relative representation: x -> cosine similarities to n text anchors [B, n] -> MLP -> dim_out.
 
     Anchors are n train rows picked by a permutation seeded with cfg.train.seed; their normalised text and paired
-    normalised image embeddings are buffers. With cfg.model.residual, the softmax(sims / tau)-weighted mix of the
+    normalised image embeddings are buffers. With cfg.model.anchor_mix, the softmax(sims / tau)-weighted mix of the
     image anchors is added to the MLP output (tau learnable, starting at CLIP's 0.07), so the MLP learns a correction
     to a nearest-anchors retrieval.
     """
@@ -301,7 +301,7 @@ class RelativeTranslator(Translator):
         self.register_buffer("text_anchors", text)  # [n, dim_in]
         self.register_buffer("image_anchors", image)  # [n, dim_out]
         self.net = init_linears(_mlp(cfg, n, ctx.dim_out), cfg.model.init)
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / _CLIP_INIT_TAU))) if cfg.model.residual else None
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / _CLIP_INIT_TAU))) if cfg.model.anchor_mix else None
 
     def translate(self, x):
         sims = F.normalize(x, dim=-1) @ self.text_anchors.T  # [B, n]
