@@ -25,7 +25,7 @@ __all__ = [
     "LossCfg", "ModelCfg", "MomentCfg", "MultiLabelTripletCfg", "OptimCfg", "QueueInfoNCECfg", "ScheduleCfg",
     "SlotCfg", "SlotInfoNCECfg", "SlotTripletCfg", "SmoothedInfoNCECfg", "TemperatureCfg", "TrainCfg", "TripletCfg",
     "WeightCfg", "MOVED", "check_key", "coerce", "dump_toml", "flatten", "flatten_tree", "from_dict", "key_hint",
-    "leaf_fields", "load_toml", "parse_overrides", "to_dict", "upgrade_tree", "valid_keys", "with_values",
+    "leaf_fields", "load_toml", "moved_to", "parse_overrides", "to_dict", "upgrade_tree", "valid_keys", "with_values",
 ]
 
 # Sections and keys that moved, old dotted path -> new one: an old name fails naming the new one (difflib alone does
