@@ -33,7 +33,7 @@ from trainers.config import Config, with_values  # noqa: E402
 from trainers.data import TrainSet  # noqa: E402
 from trainers.loop import _train_epoch  # noqa: E402
 from trainers.regularise import BatchAugment, build_average  # noqa: E402
-from trainers.losses import LossState, compute_losses  # noqa: E402
+from trainers.losses import Criterion  # noqa: E402
 from trainers.models import ModelContext, build_model  # noqa: E402
 from trainers.optim import build_optimizer  # noqa: E402
 from trainers.tasks import TASKS  # noqa: E402
@@ -89,9 +89,9 @@ class TrainerEpoch:
         self.cfg = vsepp_cfg()
         self.task = TASKS.get("translate")(self.cfg, random_trainset(n), device)
         self.model = CenteredModel(build_model(self.cfg, self.task.model_context()), self.task.text_mean).to(device)
-        self.state = LossState(self.cfg, self.task.dim_out).to(device)
+        self.criterion = Criterion(self.cfg, self.task.dim_out).to(device)
         self.steps = self.task.steps_per_epoch()
-        self.opt, self.schedule = build_optimizer(self.cfg, self.model, self.state, self.steps)
+        self.opt, self.schedule = build_optimizer(self.cfg, self.model, self.criterion, self.steps)
         self.amp = self.cfg.train.amp and device.type == "cuda"
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp)
         self.device, self.gen = device, torch.Generator().manual_seed(0)
@@ -101,7 +101,7 @@ class TrainerEpoch:
         """Samples/s of one training epoch (no evaluation)."""
         sync(self.device)
         start = time.perf_counter()
-        _train_epoch(self.cfg, self.task, self.model, self.state, self.opt, self.schedule, self.scaler, self.gen,
+        _train_epoch(self.cfg, self.task, self.model, self.criterion, self.opt, self.schedule, self.scaler, self.gen,
                      0, self.steps, self.amp, self.augment, self.average)
         sync(self.device)
         return BATCH * self.steps / (time.perf_counter() - start)
@@ -112,14 +112,14 @@ def dataloader_loop(device: torch.device, steps: int) -> float:
     model, loss and optimiser as the trainer."""
     cfg = vsepp_cfg()
     model = build_model(cfg, ModelContext(DIM_TEXT, DIM_IMAGE)).to(device)
-    state = LossState(cfg, DIM_IMAGE).to(device)
-    opt, _ = build_optimizer(cfg, model, state, steps)
+    criterion = Criterion(cfg, DIM_IMAGE).to(device)
+    opt, _ = build_optimizer(cfg, model, criterion, steps)
     x = torch.randn(BATCH * steps, DIM_TEXT)
     y = torch.nn.functional.normalize(torch.randn(BATCH * steps, DIM_IMAGE), dim=1)
     loader = DataLoader(TensorDataset(x, y, torch.arange(len(x))), batch_size=BATCH, shuffle=True)
 
     def step(xb, yb, ib):
-        loss, _ = compute_losses(cfg, model(xb), {"x": xb, "y": yb, "y_n": yb, "img": ib}, state)
+        loss, _ = criterion(model(xb), {"x": xb, "y": yb, "y_n": yb, "img": ib})
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

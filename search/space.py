@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from trainers.config import check_key, coerce, valid_keys
+from trainers.config import check_key, coerce, key_hint, valid_keys
 from trainers.errors import ConfigError, closest
 
 OPS = {"==": operator.eq, "!=": operator.ne, ">": operator.gt, ">=": operator.ge, "<": operator.lt,
@@ -115,7 +115,7 @@ def parse_space(table: dict[str, Any], fixed: set[str], errors: list[str], where
             if cond.key == param.key:
                 errors.append(f"{where}: space.{param.name}: condition on itself")
             elif cond.key not in searched and cond.key not in fixed:
-                hint = "" if cond.key in valid_keys() else closest(cond.key, valid_keys())
+                hint = "" if cond.key in valid_keys() else key_hint(cond.key)
                 errors.append(f"{where}: space.{param.name}: condition on '{cond.key}', which is neither searched "
                               f"nor fixed in [base]{hint}")
     return _order(params, errors, where)

@@ -8,7 +8,7 @@ import tomllib
 import pytest
 
 from trainers.config import (Config, check_key, coerce, dump_toml, flatten, from_dict, load_toml, parse_overrides,
-                             to_dict, valid_keys, with_values)
+                             to_dict, upgrade_tree, valid_keys, with_values)
 from trainers.errors import ConfigError
 
 
@@ -18,9 +18,10 @@ def non_default() -> Config:
         "data.path": 'C:\\data\\"quoted" train.npz', "data.salt": "tab\there\nnewline", "data.task": "multilabel",
         "model.hidden": (1024, 512, 7), "model.residual": True, "model.out_norm": False, "model.dropout": 0.25,
         "geometry.whiten_eps": 1e-7, "slots.k": 3, "loss.triplet.weight": 0.5, "loss.triplet.max_violation": False,
-        "loss.infonce.label_smoothing": 0.1, "temperature.mode": "curriculum", "queue.size": 123,
+        "loss.infonce.label_smoothing": 0.1, "temperature.mode": "curriculum", "loss.queue_infonce.size": 123,
         "optim.lr": 3.3e-4, "schedule.name": "step", "train.epochs": 7, "eval.gallery_size": 50,
-        "loss.triplet.direction": "c2i", "queue.slice_mode": "stepwise", "queue.in_batch": False,
+        "loss.triplet.direction": "c2i", "loss.queue_infonce.slice_mode": "stepwise",
+        "loss.queue_infonce.in_batch": False,
         "train.monitor": "val/loss", "model.bias": False, "loss.multilabel_triplet.positives": "fixed",
     })
 
@@ -143,7 +144,7 @@ def test_choice_error_lists_choices_and_closest():
 
 @pytest.mark.parametrize("key, raw, closest_value", [
     ("train.monitor", "val/los", "val/loss"), ("loss.triplet.direction", "c2I", "c2i"),
-    ("queue.slice_mode", "step", "stepwise"),
+    ("loss.queue_infonce.slice_mode", "step", "stepwise"),
 ])
 def test_recipe_knob_choices_name_the_closest(key, raw, closest_value):
     with pytest.raises(ConfigError, match=f"did you mean '{closest_value}'"):
@@ -152,8 +153,8 @@ def test_recipe_knob_choices_name_the_closest(key, raw, closest_value):
 
 def test_recipe_knob_defaults_keep_the_previous_behaviour():
     cfg = Config()
-    assert (cfg.loss.triplet.direction, cfg.queue.slice_mode, cfg.queue.in_batch, cfg.train.monitor,
-            cfg.model.bias) == ("both", "linear", True, "val/mrr", True)
+    assert (cfg.loss.triplet.direction, cfg.loss.queue_infonce.slice_mode, cfg.loss.queue_infonce.in_batch,
+            cfg.train.monitor, cfg.model.bias) == ("both", "linear", True, "val/mrr", True)
 
 
 def test_choice_accepts_listed_value():
@@ -247,3 +248,25 @@ def test_every_float_default_is_finite_and_in_range():
         assert coerce(key, value) == value, key
         if isinstance(value, float):
             assert math.isfinite(value), key
+
+
+# ---------------------------------------------------------------------------------------------- moved knobs
+
+@pytest.mark.parametrize("use", [
+    lambda: check_key("queue.size"),
+    lambda: with_values(Config(), {"queue.size": 64}),
+    lambda: parse_overrides(["queue.size=64"]),
+    lambda: from_dict({"queue": {"size": 64}}),
+])
+def test_the_queue_section_moved_under_its_loss_and_old_names_say_where(use):
+    with pytest.raises(ConfigError, match=r"moved to 'loss\.queue_infonce(\.size)?'"):
+        use()
+
+
+def test_stored_configs_with_the_old_queue_section_are_upgraded():
+    old = {"loss": {"queue_infonce": {"weight": 1.0}}, "queue": {"size": 64, "in_batch": False},
+           "model": {"hidden": [8, 4]}}
+    cfg = from_dict(upgrade_tree(old))
+    assert (cfg.loss.queue_infonce.weight, cfg.loss.queue_infonce.size, cfg.loss.queue_infonce.in_batch,
+            cfg.model.hidden) == (1.0, 64, False, (8, 4))
+    assert upgrade_tree(to_dict(cfg)) == to_dict(cfg)

@@ -12,8 +12,7 @@ from trainers.config import Config, with_values
 from trainers.data import load_train
 from trainers.errors import ConfigError
 from trainers.loop import EpochReport, TrainingDiverged, seed_everything, train
-from trainers.loss_state import LossState
-from trainers.losses import compute_losses
+from trainers.losses import Criterion
 from trainers.models import build_model
 from trainers.synthetic import write_synthetic
 from trainers.tasks import TASKS, predict
@@ -174,9 +173,9 @@ def test_val_loss_is_the_configured_losses_on_the_val_batches(data):
     seed_everything(cfg.train.seed)
     task = TASKS.get(cfg.data.task)(cfg, data, torch.device("cpu"))
     model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).eval()
-    state = LossState(cfg, task.dim_out)
+    criterion = Criterion(cfg, task.dim_out)
     with torch.no_grad():
-        losses = [float(compute_losses(cfg, model(b["x"]), b, state)[0]) for b in task.val_batches()]
+        losses = [float(criterion(model(b["x"]), b)[0]) for b in task.val_batches()]
     assert sum(len(b["x"]) for b in task.val_batches()) == len(task.val_x)  # every val caption, once
     assert result.history[0]["val/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     assert "val/loss" not in train(small_cfg(**{"train.epochs": 1}), data).history[0]  # only computed if watched
@@ -207,9 +206,9 @@ def test_learnable_tau_is_logged_and_saved(data, tmp_path):
     result = train(cfg, data, out_dir=tmp_path)
     taus = [row["train/tau"] for row in result.history]
     assert len(taus) == 2 and all(t != pytest.approx(0.1, rel=1e-4) for t in taus)  # learned, and logged
-    state = LossState(cfg, 48)
-    assert load_loss_state(tmp_path / "best.pt", state)
-    assert float(state.tau().detach()) == pytest.approx(result.best_metrics["train/tau"], rel=1e-5)
+    criterion = Criterion(cfg, 48)
+    assert load_loss_state(tmp_path / "best.pt", criterion)
+    assert float(criterion.temperature().detach()) == pytest.approx(result.best_metrics["train/tau"], rel=1e-5)
     assert "train/tau" not in train(small_cfg(**{"train.epochs": 1}), data).history[0]  # fixed tau: not logged
 
 

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from trainers.config import Config, with_values
-from trainers.loss_state import LossState
-from trainers.losses import _vse_hinge, compute_losses, same_image, unit
+from trainers.losses import Criterion
+from trainers.losses.base import same_image, unit
+from trainers.losses.core import _vse_hinge
 
 IMG = torch.tensor([0, 0, 1, 2, 2, 3, 4, 5])  # captions of the same image are not negatives of each other
 LOSS_MIX = {"loss.triplet.weight": 1.0, "loss.multipos_infonce.weight": 0.5, "loss.cosine.weight": 0.2,
@@ -44,7 +45,7 @@ def _grads(cfg: Config, pred_dtype=torch.float32):
     y = torch.randn(6, 12)[IMG]
     batch = {"x": raw.detach(), "y": y, "y_n": F.normalize(y, dim=-1), "img": IMG}
     out = {"pred": F.normalize(raw, dim=-1).to(pred_dtype), "raw": raw}
-    loss, terms = compute_losses(cfg, out, batch, LossState(cfg, 12))
+    loss, terms = Criterion(cfg, 12)(out, batch)
     loss.backward()
     return loss.detach(), terms, raw.grad
 
@@ -64,7 +65,7 @@ def test_known_unit_tensors_are_scoped_to_one_call():
     cfg = with_values(Config(), {"loss.triplet.weight": 1.0})
     y = torch.randn(len(IMG), 4) * 3
     batch = {"x": y, "y": y, "y_n": y, "img": IMG}  # a y_n that breaks the contract: normalised only inside
-    compute_losses(cfg, {"pred": F.normalize(y, dim=-1), "raw": y}, batch, LossState(cfg, 4))
+    Criterion(cfg, 4)({"pred": F.normalize(y, dim=-1), "raw": y}, batch)
     torch.testing.assert_close(unit(y).norm(dim=-1), torch.ones(len(IMG)))
 
 

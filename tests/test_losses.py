@@ -1,4 +1,5 @@
-"""Tests for trainers.losses (every registered loss), LossState (temperature, queue) and the multi-label triplet."""
+"""Tests for trainers.losses (every registered loss), the Temperature, the queue loss's buffers, the Criterion and the
+multi-label triplet."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,11 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainers.checkpoint import Translator, atomic_torch_save, checkpoint_payload, load_loss_state, load_model
 from trainers.config import Config, LossCfg, with_values
 from trainers.errors import ConfigError
-from trainers.loss_state import LossState
-from trainers.losses import LOSSES, compute_losses, validate
-from trainers.losses_multilabel import draw_fixed_positives, negative_mask, positive_mask
+from trainers.losses import LOSSES, Criterion, EpochContext, Temperature
+from trainers.losses.multilabel import MultiLabelTriplet, draw_fixed_positives, negative_mask, positive_mask
+from trainers.losses.queue import QueueInfoNCE
+from trainers.models import ModelContext, build_model
+from trainers.validate import validate_losses as validate
 
 DIN, D, K, L = 8, 6, 3, 4
 IMG = torch.tensor([0, 0, 1, 2, 2, 3])  # two images with two captions each
@@ -37,7 +41,8 @@ class Tiny(nn.Module):
 
 
 def make_cfg(values: dict | None = None) -> Config:
-    base = {"slots.k": K, "queue.size": 8, "queue.warmup_epochs": 0, "loss.queue_infonce.weight": 1.0}
+    base = {"slots.k": K, "loss.queue_infonce.size": 8, "loss.queue_infonce.warmup_epochs": 0,
+            "loss.queue_infonce.weight": 1.0}
     return with_values(Config(), {**base, **(values or {})})
 
 
@@ -48,13 +53,24 @@ def make_batch(seed: int = 0) -> dict:
             "labels": LABELS, "neg_x": torch.randn(len(IMG), DIN, generator=g)}
 
 
-def make_state(cfg: Config) -> LossState:
-    state = LossState(cfg, D)
-    state.enqueue(F.normalize(torch.randn(10, D), dim=-1))
-    state.epoch = 3
-    state.bank = torch.randn(12, D)
-    state.bank_labels = torch.rand(12, L) > 0.6
-    return state
+def make_loss(name: str, cfg: Config, dim: int = D):
+    """Loss `name` built from cfg as the criterion builds it, in the state of a run at epoch 3: the queue loss has 10
+    rows queued, the multi-label triplet (global_hard) a bank of 12 items."""
+    loss = LOSSES.get(name)(getattr(cfg.loss, name), dim)
+    queued = F.normalize(torch.randn(10, D), dim=-1)
+    bank, bank_labels = torch.randn(12, D), torch.rand(12, L) > 0.6
+    loss.after_step({}, {"y_n": queued})
+    loss.on_epoch_start(3, EpochContext(embed_train=lambda: bank, train_labels=bank_labels))
+    return loss
+
+
+def call(name: str, out: dict, batch: dict, cfg_term, temperature=None) -> dict:
+    """Loss `name` built from its config section `cfg_term`, run once on (out, batch)."""
+    return LOSSES.get(name)(cfg_term, D)(out, batch, temperature)
+
+
+def queue_loss(cfg: Config, dim: int = 3) -> QueueInfoNCE:
+    return QueueInfoNCE(cfg.loss.queue_infonce, dim)
 
 
 def unit(x):
@@ -72,10 +88,10 @@ def test_loss_terms_finite_and_give_gradients(name):
     torch.manual_seed(0)
     cfg = make_cfg({"loss.triplet.margin": 1.5, "loss.slot_triplet.margin": 1.5, "loss.slot_diversity.delta": -1.0,
                     "loss.multilabel_triplet.margin": 1.5, "temperature.mode": "learnable"})
-    model, batch, state = Tiny(), make_batch(), make_state(cfg)
+    model, batch, loss = Tiny(), make_batch(), make_loss(name, cfg)
     out = model(batch["x"])
     out["neg_pred"] = model(batch["neg_x"])["pred"]
-    terms = LOSSES.get(name)(out, batch, getattr(cfg.loss, name), state)
+    terms = loss(out, batch, Temperature(cfg.temperature))
     assert terms, f"{name} returned no terms"
     for key, value in terms.items():
         assert key.startswith(name) and value.dim() == 0 and torch.isfinite(value), (key, value)
@@ -88,19 +104,19 @@ def test_loss_terms_finite_and_give_gradients(name):
 @pytest.mark.parametrize("negatives", ["batch_hard", "global_hard", "random"])
 def test_multilabel_negative_modes_give_gradients(negatives):
     cfg = make_cfg({"loss.multilabel_triplet.negatives": negatives, "loss.multilabel_triplet.margin": 1.5})
-    model, batch, state = Tiny(), make_batch(), make_state(cfg)
+    model, batch, state = Tiny(), make_batch(), make_loss("multilabel_triplet", cfg)
     out = model(batch["x"])
     out["neg_pred"] = model(batch["neg_x"])["pred"]
-    loss = LOSSES.get("multilabel_triplet")(out, batch, cfg.loss.multilabel_triplet, state)["multilabel_triplet"]
+    loss = state(out, batch)["multilabel_triplet"]
     loss.backward()
     assert float(loss.detach()) > 0 and float(model.trunk.weight.grad.abs().sum()) > 0
 
 
-def test_compute_losses_weights_and_logs_terms():
+def test_criterion_weights_and_logs_terms():
     cfg = make_cfg({"loss.cosine.weight": 2.0, "loss.triplet.weight": 0.5, "loss.queue_infonce.weight": 0.0})
     model, batch = Tiny(), make_batch()
-    out, state = model(batch["x"]), make_state(cfg)
-    total, logged = compute_losses(cfg, out, batch, state)
+    out, criterion = model(batch["x"]), Criterion(cfg, D)
+    total, logged = criterion(out, batch)
     assert set(logged) == {"cosine", "triplet_c2i", "triplet_i2c"}
     expected = 2.0 * logged["cosine"] + 0.5 * (logged["triplet_c2i"] + logged["triplet_i2c"])
     assert torch.allclose(total, expected) and total.requires_grad
@@ -110,10 +126,10 @@ def test_compute_losses_weights_and_logs_terms():
 def test_losses_are_float32_under_autocast():
     cfg = make_cfg()
     model, batch = Tiny(), make_batch()
-    out, state = model(batch["x"]), make_state(cfg)
-    plain = LOSSES.get("infonce")(out, batch, cfg.loss.infonce, state)["infonce"]
+    out, state = model(batch["x"]), Temperature(cfg.temperature)
+    plain = call("infonce", out, batch, cfg.loss.infonce, state)["infonce"]
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
-        cast = LOSSES.get("infonce")(out, batch, cfg.loss.infonce, state)["infonce"]
+        cast = call("infonce", out, batch, cfg.loss.infonce, state)["infonce"]
     assert cast.dtype == torch.float32 and torch.allclose(plain, cast, atol=1e-6)
 
 
@@ -126,15 +142,15 @@ def test_triplet_zero_only_when_positives_beat_negatives_by_margin():
     for hardest in (True, False):
         for margin, positive in ((0.5, False), (1.5, True)):
             cfg = make_cfg({"loss.triplet.margin": margin, "loss.triplet.max_violation": hardest}).loss.triplet
-            terms = LOSSES.get("triplet")(out, batch, cfg, None)
+            terms = call("triplet", out, batch, cfg)
             assert (float(sum(terms.values())) > 0) == positive, (hardest, margin)
 
 
 def test_triplet_masks_same_image_captions():
     y = unit([[1.0, 0.0], [1.0, 0.0]])
     cfg = make_cfg({"loss.triplet.margin": 1.0}).loss.triplet
-    same = LOSSES.get("triplet")({"pred": y}, {"y_n": y, "img": torch.tensor([0, 0])}, cfg, None)
-    distinct = LOSSES.get("triplet")({"pred": y}, {"y_n": y, "img": torch.tensor([0, 1])}, cfg, None)
+    same = call("triplet", {"pred": y}, {"y_n": y, "img": torch.tensor([0, 0])}, cfg)
+    distinct = call("triplet", {"pred": y}, {"y_n": y, "img": torch.tensor([0, 1])}, cfg)
     assert float(sum(same.values())) == 0.0 and float(sum(distinct.values())) > 0
 
 
@@ -142,11 +158,11 @@ def test_triplet_direction_keeps_the_named_hinges():
     torch.manual_seed(0)
     pred, y = unit(torch.randn(5, 4)), unit(torch.randn(5, 4))
     batch, out = {"y_n": y, "img": torch.arange(5)}, {"pred": pred}
-    both = LOSSES.get("triplet")(out, batch, make_cfg({"loss.triplet.margin": 1.0}).loss.triplet, None)
+    both = call("triplet", out, batch, make_cfg({"loss.triplet.margin": 1.0}).loss.triplet)
     assert set(both) == {"triplet_c2i", "triplet_i2c"} and float(both["triplet_c2i"]) != float(both["triplet_i2c"])
     for direction in ("c2i", "i2c"):
         cfg = make_cfg({"loss.triplet.margin": 1.0, "loss.triplet.direction": direction}).loss.triplet
-        terms = LOSSES.get("triplet")(out, batch, cfg, None)
+        terms = call("triplet", out, batch, cfg)
         assert set(terms) == {f"triplet_{direction}"}
         assert torch.equal(terms[f"triplet_{direction}"], both[f"triplet_{direction}"])
     # c2i: caption i's hinge against image j is max(0, m + cos(p_i, y_j) - cos(p_i, y_i)), hardest j, batch mean.
@@ -161,9 +177,9 @@ def test_slot_triplet_uses_best_slot_and_needs_slots():
     slots = torch.stack([junk, y], dim=1)  # slot 0 junk, slot 1 exactly the image
     cfg = make_cfg({"loss.slot_triplet.margin": 0.5}).loss.slot_triplet
     batch = {"y_n": y, "img": torch.arange(3)}
-    terms = LOSSES.get("slot_triplet")({"pred": y, "slots": slots}, batch, cfg, None)
+    terms = call("slot_triplet", {"pred": y, "slots": slots}, batch, cfg)
     assert float(sum(terms.values())) == 0.0
-    assert LOSSES.get("slot_triplet")({"pred": y}, batch, cfg, None) == {}
+    assert call("slot_triplet", {"pred": y}, batch, cfg) == {}
 
 
 def test_condensation_pulls_pred_toward_the_slot_that_best_matches_the_image():
@@ -174,8 +190,7 @@ def test_condensation_pulls_pred_toward_the_slot_that_best_matches_the_image():
     near_image = unit(y + 0.2 * torch.tensor([0.0, 0.0, 1.0]))
     slots = torch.stack([pred.detach(), near_image], dim=1).requires_grad_()  # [2, 2, 3]
     batch = {"y_n": y, "img": torch.arange(2)}
-    cond = LOSSES.get("condensation")({"pred": pred, "slots": slots}, batch, make_cfg().loss.condensation,
-                                      None)["condensation"]
+    cond = call("condensation", {"pred": pred, "slots": slots}, batch, make_cfg().loss.condensation)["condensation"]
     expected = (1.0 - (pred.detach() * near_image).sum(dim=-1)).mean()
     assert math.isclose(float(cond.detach()), float(expected), rel_tol=1e-5)
     cond.backward()
@@ -191,10 +206,10 @@ def test_slot_diversity_definition():
     slots = pred[:, None, :].expand(4, K, D)
     div = make_cfg({"loss.slot_diversity.delta": 0.5}).loss.slot_diversity
     # identical slots: every pair has cos 1 -> relu(1 - 0.5) = 0.5; orthogonal slots: 0.
-    same = LOSSES.get("slot_diversity")({"pred": pred, "slots": slots}, {}, div, None)["slot_diversity"]
+    same = call("slot_diversity", {"pred": pred, "slots": slots}, {}, div)["slot_diversity"]
     assert math.isclose(float(same.detach()), 0.5, rel_tol=1e-5)
     ortho = torch.eye(D)[:K].expand(4, K, D)
-    assert float(LOSSES.get("slot_diversity")({"pred": pred, "slots": ortho}, {}, div, None)["slot_diversity"]) == 0
+    assert float(call("slot_diversity", {"pred": pred, "slots": ortho}, {}, div)["slot_diversity"]) == 0
 
 
 # ---------------------------------------------------------------------------------------------- InfoNCE family
@@ -207,11 +222,11 @@ def _three_captions():
 
 def test_multipos_infonce_counts_same_image_captions_as_positives():
     cfg = make_cfg({"temperature.tau": 0.5})
-    state = LossState(cfg, 3)
+    state = Temperature(cfg.temperature)
     out, batch = _three_captions()
-    loss = LOSSES.get("multipos_infonce")
-    same = loss(out, {**batch, "img": torch.tensor([0, 0, 1])}, cfg.loss.multipos_infonce, state)
-    split = loss(out, {**batch, "img": torch.tensor([0, 1, 2])}, cfg.loss.multipos_infonce, state)
+    loss = LOSSES.get("multipos_infonce")(cfg.loss.multipos_infonce, 3)
+    same = loss(out, {**batch, "img": torch.tensor([0, 0, 1])}, state)
+    split = loss(out, {**batch, "img": torch.tensor([0, 1, 2])}, state)
     assert float(same["multipos_infonce"]) < float(split["multipos_infonce"])
     # Hand computation with logits 1/tau = 2 for matches, 0 otherwise.
     e = math.exp(2.0)
@@ -224,20 +239,20 @@ def test_multipos_infonce_counts_same_image_captions_as_positives():
 
 def test_multipos_equals_symmetric_infonce_when_images_are_distinct():
     cfg = make_cfg()
-    state = LossState(cfg, D)
+    state = Temperature(cfg.temperature)
     batch = {"y_n": unit(torch.randn(5, D)), "img": torch.arange(5)}
     out = {"pred": unit(torch.randn(5, D))}
-    a = LOSSES.get("multipos_infonce")(out, batch, cfg.loss.multipos_infonce, state)["multipos_infonce"]
-    b = LOSSES.get("infonce")(out, batch, cfg.loss.infonce, state)["infonce"]
+    a = call("multipos_infonce", out, batch, cfg.loss.multipos_infonce, state)["multipos_infonce"]
+    b = call("infonce", out, batch, cfg.loss.infonce, state)["infonce"]
     assert torch.allclose(a, b, atol=1e-6)
 
 
 def test_infonce_masks_false_negatives_and_smoothing():
     cfg = make_cfg({"temperature.tau": 0.5})
-    state = LossState(cfg, 3)
+    state = Temperature(cfg.temperature)
     out, batch = _three_captions()
-    masked = LOSSES.get("infonce")(out, {**batch, "img": torch.tensor([0, 0, 1])}, cfg.loss.infonce, state)["infonce"]
-    unmasked = LOSSES.get("infonce")(out, {**batch, "img": torch.tensor([0, 1, 2])}, cfg.loss.infonce, state)["infonce"]
+    masked = call("infonce", out, {**batch, "img": torch.tensor([0, 0, 1])}, cfg.loss.infonce, state)["infonce"]
+    unmasked = call("infonce", out, {**batch, "img": torch.tensor([0, 1, 2])}, cfg.loss.infonce, state)["infonce"]
     e = math.exp(2.0)
     # Rows of captions 0, 1 keep their target (logit 2) and image B (logit 0); caption 2's row keeps both copies of
     # image A (a different image) and its target. By symmetry both directions give the same value.
@@ -245,7 +260,7 @@ def test_infonce_masks_false_negatives_and_smoothing():
     assert math.isclose(float(masked), (2 * a + b) / 3, rel_tol=1e-5)
     assert float(unmasked) > float(masked)
     smooth = make_cfg({"loss.infonce.label_smoothing": 0.2}).loss.infonce
-    smoothed = LOSSES.get("infonce")(out, {**batch, "img": torch.tensor([0, 0, 1])}, smooth, state)["infonce"]
+    smoothed = call("infonce", out, {**batch, "img": torch.tensor([0, 0, 1])}, smooth, state)["infonce"]
     # smoothing mass goes only to the kept columns: 0.8 nll + 0.2 * mean(-logp over kept columns)
     row_a = 0.8 * a + 0.2 * 0.5 * (a - math.log(1 / (e + 1)))
     row_b = 0.8 * b + 0.2 * (b - 2 * math.log(1 / (e + 2))) / 3
@@ -253,52 +268,52 @@ def test_infonce_masks_false_negatives_and_smoothing():
 
 
 def test_queue_infonce_degrades_to_in_batch_during_warmup():
-    cfg = make_cfg({"queue.warmup_epochs": 2, "loss.infonce.symmetric": False})
-    state = make_state(cfg)
+    cfg = make_cfg({"loss.queue_infonce.warmup_epochs": 2, "loss.infonce.symmetric": False})
+    state, tau = make_loss("queue_infonce", cfg), Temperature(cfg.temperature)
     state.epoch = 1
     model, batch = Tiny(), make_batch()
     out = model(batch["x"])
-    q = LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]
-    b = LOSSES.get("infonce")(out, batch, cfg.loss.infonce, state)["infonce"]
+    q = state(out, batch, tau)["queue_infonce"]
+    b = call("infonce", out, batch, cfg.loss.infonce, tau)["infonce"]
     assert torch.allclose(q, b)
     state.epoch = 2
-    later = LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]
+    later = state(out, batch, tau)["queue_infonce"]
     assert not torch.allclose(later, b)
 
 
 def test_queue_infonce_masks_queued_copies_of_the_own_image():
     cfg = make_cfg({"temperature.tau": 1.0})
-    state = LossState(cfg, 3)
+    state, tau = queue_loss(cfg), Temperature(cfg.temperature)
     y = unit([[1.0, 0.0, 0.0]]).expand(2, 3)
     batch, out = {"y_n": y, "img": torch.tensor([4, 4])}, {"pred": y.clone()}
     state.enqueue(y[:1])  # a copy of the batch's own image
-    assert float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]) < 1e-6
+    assert float(state(out, batch, tau)["queue_infonce"]) < 1e-6
     state.enqueue(unit([[0.0, 1.0, 0.0]]))  # a genuine negative
-    assert float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]) > 1e-6
+    assert float(state(out, batch, tau)["queue_infonce"]) > 1e-6
 
 
 def test_queue_only_negatives_drop_the_in_batch_images():
-    cfg = make_cfg({"temperature.tau": 1.0, "queue.in_batch": False})
-    state = LossState(cfg, 3)
+    cfg = make_cfg({"temperature.tau": 1.0, "loss.queue_infonce.in_batch": False})
+    state, tau = queue_loss(cfg), Temperature(cfg.temperature)
     e = torch.eye(3)
     pred, y = e[:2].clone(), e[:2].clone()  # two captions of two distinct images
     batch, out = {"y_n": y, "img": torch.tensor([0, 1])}, {"pred": pred}
     # empty queue: the only column is the own image, log softmax of one logit = 0 (MoCo before anything is queued)
-    assert float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]) == 0.0
+    assert float(state(out, batch, tau)["queue_infonce"]) == 0.0
     state.enqueue(e[2:])  # one queue negative, orthogonal to both predictions
-    loss = float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"])
+    loss = float(state(out, batch, tau)["queue_infonce"])
     assert math.isclose(loss, math.log(1 + math.exp(-1.0)), rel_tol=1e-5)  # [pos 1, queue 0]: no in-batch column
-    with_batch = LossState(make_cfg({"temperature.tau": 1.0}), 3)
+    with_batch = queue_loss(make_cfg({"temperature.tau": 1.0}))
     with_batch.enqueue(e[2:])
-    both = float(LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, with_batch)["queue_infonce"])
+    both = float(with_batch(out, batch, tau)["queue_infonce"])
     assert math.isclose(both, math.log(1 + 2 * math.exp(-1.0)), rel_tol=1e-5)  # the other image is a negative too
 
 
 def test_moment_std_term_is_optional():
     pred, y = unit([[1.0, 0.0], [1.0, 0.0]]), unit([[1.0, 0.0], [0.0, 1.0]])
     batch = {"y_n": y}
-    both = LOSSES.get("moment")({"pred": pred}, batch, make_cfg().loss.moment, None)
-    means = LOSSES.get("moment")({"pred": pred}, batch, make_cfg({"loss.moment.std": False}).loss.moment, None)
+    both = call("moment", {"pred": pred}, batch, make_cfg().loss.moment)
+    means = call("moment", {"pred": pred}, batch, make_cfg({"loss.moment.std": False}).loss.moment)
     # batch means (1, 0) and (0.5, 0.5): 0.25 + 0.25; stds (0, 0) and (0.5, 0.5): 0.25 + 0.25
     assert set(means) == {"moment_mean"} and math.isclose(float(means["moment_mean"]), 0.5, rel_tol=1e-6)
     assert math.isclose(float(both["moment_std"]), 0.5, rel_tol=1e-6)
@@ -310,7 +325,7 @@ def test_agreement_is_the_mean_per_dimension_variance_of_an_images_captions():
     lone = unit([[1.0, 1.0, 1.0]])  # image 2: one caption, no variance to count
     pred = torch.cat([a, b, lone])
     batch = {"img": torch.tensor([0, 0, 1, 1, 1, 2])}
-    value = float(LOSSES.get("agreement")({"pred": pred}, batch, None, None)["agreement"])
+    value = float(call("agreement", {"pred": pred}, batch, None)["agreement"])
     # by hand: image 0 varies in dims 1 and 2 by 0.8 (values 0.8/0 and 0/0.8): unbiased variance 0.32 each, 0 in
     # dim 0 -> mean 0.64/3; image 1: each dim holds (1, 0, 0): variance 1/3 -> mean 1/3. Averaged over the 2 images.
     assert math.isclose(value, (0.64 / 3 + 1 / 3) / 2, rel_tol=1e-5)
@@ -320,22 +335,22 @@ def test_agreement_is_the_mean_per_dimension_variance_of_an_images_captions():
     pairwise = float((1.0 - a[0] @ a[1] + (1.0 - b @ b.T).triu(1).sum() / 3) / 2)
     assert value < pairwise / 2
     single = {"img": torch.arange(6)}
-    assert float(LOSSES.get("agreement")({"pred": pred}, single, None, None)["agreement"]) == 0.0
+    assert float(call("agreement", {"pred": pred}, single, None)["agreement"]) == 0.0
 
 
-# ---------------------------------------------------------------------------------------------- LossState queue
+# ---------------------------------------------------------------------------------------------- queue buffers
 
 def rows(start: int, stop: int) -> torch.Tensor:
     """Rows whose first coordinate is their index, to read the FIFO order back."""
     return torch.arange(start, stop, dtype=torch.float32)[:, None].repeat(1, 3)
 
 
-def queue_ids(state: LossState) -> list[int]:
+def queue_ids(state: QueueInfoNCE) -> list[int]:
     return state.queue_negatives()[:, 0].long().tolist()
 
 
 def test_queue_fifo_wraps_around():
-    state = LossState(make_cfg(), 3)
+    state = queue_loss(make_cfg())
     state.enqueue(rows(0, 5))
     assert queue_ids(state) == list(range(5)) and int(state.queue_count) == 5
     state.enqueue(rows(5, 10))
@@ -344,7 +359,7 @@ def test_queue_fifo_wraps_around():
 
 
 def test_queue_batch_larger_than_queue_keeps_newest():
-    state = LossState(make_cfg(), 3)
+    state = queue_loss(make_cfg())
     state.enqueue(rows(0, 3))
     state.enqueue(rows(3, 14))
     assert queue_ids(state) == list(range(6, 14))
@@ -352,20 +367,23 @@ def test_queue_batch_larger_than_queue_keeps_newest():
     assert queue_ids(state) == list(range(8, 16))
 
 
-def test_queue_survives_state_dict_round_trip():
+def test_queue_is_a_non_persistent_buffer():
+    # The queue is rebuilt in the first epoch; a 65,536 x 1536 queue would add 400 MB to every trial checkpoint.
     cfg = make_cfg()
-    state = LossState(cfg, 3)
+    state = queue_loss(cfg)
     state.enqueue(rows(0, 11))
     state.enqueue(rows(11, 13))
-    restored = LossState(cfg, 3)
+    assert queue_ids(state) == list(range(5, 13)) and dict(state.state_dict()) == {}
+    assert {name for name, _ in state.named_buffers()} == {"queue", "queue_ptr", "queue_count"}
+    restored = queue_loss(cfg)
     restored.load_state_dict(state.state_dict())
-    assert queue_ids(restored) == queue_ids(state) == list(range(5, 13))
+    assert queue_ids(restored) == []
     restored.enqueue(rows(13, 14))
-    assert queue_ids(restored) == list(range(6, 14))
+    assert queue_ids(restored) == [13]
 
 
 def test_queue_warmup_returns_no_negatives():
-    state = LossState(make_cfg({"queue.warmup_epochs": 2}), 3)
+    state = queue_loss(make_cfg({"loss.queue_infonce.warmup_epochs": 2}))
     state.enqueue(rows(0, 4))
     state.epoch = 1
     assert state.queue_negatives().shape == (0, 3)
@@ -374,8 +392,9 @@ def test_queue_warmup_returns_no_negatives():
 
 
 def test_queue_slice_curriculum_grows_from_newest():
-    cfg = make_cfg({"queue.warmup_epochs": 1, "queue.slice_start": 0.25, "queue.slice_epochs": 3})
-    state = LossState(cfg, 3)
+    cfg = make_cfg({"loss.queue_infonce.warmup_epochs": 1, "loss.queue_infonce.slice_start": 0.25,
+                    "loss.queue_infonce.slice_epochs": 3})
+    state = queue_loss(cfg)
     state.enqueue(rows(0, 8))
     sizes = {}
     for epoch in (1, 2, 3, 4, 9):
@@ -384,16 +403,17 @@ def test_queue_slice_curriculum_grows_from_newest():
     assert sizes == {1: 2, 2: 4, 3: 6, 4: 8, 9: 8}
     state.epoch = 1
     assert queue_ids(state) == [6, 7]  # the newest quarter
-    small = LossState(cfg, 3)
+    small = queue_loss(cfg)
     small.enqueue(rows(0, 1))
     small.epoch = 1
     assert queue_ids(small) == [0]  # round(0.25 * 1) = 0 -> at least one
 
 
 def test_queue_stepwise_slices_double_from_the_newest():
-    cfg = make_cfg({"queue.warmup_epochs": 2, "queue.slice_start": 0.25, "queue.slice_epochs": 1,
-                    "queue.slice_mode": "stepwise", "queue.size": 16})
-    state = LossState(cfg, 3)
+    cfg = make_cfg({"loss.queue_infonce.warmup_epochs": 2, "loss.queue_infonce.slice_start": 0.25,
+                    "loss.queue_infonce.slice_epochs": 1, "loss.queue_infonce.slice_mode": "stepwise",
+                    "loss.queue_infonce.size": 16})
+    state = queue_loss(cfg)
     state.enqueue(rows(0, 16))
     sizes = {}
     for epoch in range(7):
@@ -403,55 +423,94 @@ def test_queue_stepwise_slices_double_from_the_newest():
     assert sizes == {0: 0, 1: 0, 2: 4, 3: 8, 4: 16, 5: 16, 6: 16}
     state.epoch = 2
     assert queue_ids(state) == [12, 13, 14, 15]  # the newest quarter
-    slow = LossState(with_values(cfg, {"queue.slice_epochs": 2}), 3)
+    slow = queue_loss(with_values(cfg, {"loss.queue_infonce.slice_epochs": 2}))
     slow.enqueue(rows(0, 16))
     assert [len(queue_ids(slow)) for slow.epoch in range(2, 8)] == [4, 4, 8, 8, 16, 16]
     with pytest.raises(ConfigError, match="slice_start"):
-        validate(with_values(cfg, {"queue.slice_start": 0.0}))
+        validate(with_values(cfg, {"loss.queue_infonce.slice_start": 0.0}))
 
 
-def test_queue_not_allocated_without_queue_loss():
-    state = LossState(make_cfg({"loss.queue_infonce.weight": 0.0}), 3)
-    state.enqueue(rows(0, 4))
-    assert state.queue.shape == (0, 3) and state.queue_negatives().shape == (0, 3)
+@pytest.mark.parametrize("weight", [0.0, 0.5])
+def test_queue_exists_and_enqueues_only_when_its_loss_is_on(weight):
+    cfg = make_cfg({"loss.queue_infonce.weight": weight, "loss.cosine.weight": 1.0})
+    criterion = Criterion(cfg, 3)
+    out, batch = {"pred": unit(rows(0, 4))}, {"y_n": unit(rows(4, 8)), "img": torch.arange(4)}
+    criterion.after_step(out, batch)
+    queues = [b for name, b in criterion.named_buffers() if name.endswith(".queue")]
+    if weight == 0:
+        assert "queue_infonce" not in criterion.losses and queues == []
+    else:
+        queue = criterion.losses["queue_infonce"]
+        assert queues == [queue.queue] and queue.queue.shape == (8, 3) and int(queue.queue_count) == 4
+        assert torch.equal(queue.queue_negatives(), batch["y_n"])
 
 
 # ---------------------------------------------------------------------------------------------- temperature
 
 def test_tau_fixed_and_curriculum_endpoints():
-    assert math.isclose(float(LossState(make_cfg({"temperature.tau": 0.07}), 3).tau()), 0.07, rel_tol=1e-6)
-    state = LossState(make_cfg({"temperature.mode": "curriculum", "temperature.tau_start": 0.2,
-                                "temperature.tau_end": 0.02}), 3)
+    assert math.isclose(float(Temperature(make_cfg({"temperature.tau": 0.07}).temperature)()), 0.07, rel_tol=1e-6)
+    state = Temperature(make_cfg({"temperature.mode": "curriculum", "temperature.tau_start": 0.2,
+                                  "temperature.tau_end": 0.02}).temperature)
     for progress, expected in ((0.0, 0.2), (0.5, 0.11), (1.0, 0.02)):
         state.progress = progress
-        assert math.isclose(float(state.tau().detach()), expected, rel_tol=1e-5)
+        assert math.isclose(float(state().detach()), expected, rel_tol=1e-5)
 
 
 def test_tau_is_logged_when_it_moves_and_checkpointed():
-    assert LossState(make_cfg(), 3).log_values() == {}
-    state = LossState(make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1}), 3)
+    assert Criterion(make_cfg(), 3).log_values() == {}
+    state = Criterion(make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1}), 3)
     assert math.isclose(state.log_values()["train/tau"], 0.1, rel_tol=1e-5)
     with torch.no_grad():
-        state.logit_scale.fill_(math.log(1 / 0.04))
-    restored = LossState(make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1}), 3)
-    restored.load_checkpoint_state(state.checkpoint_state())
+        state.temperature.logit_scale.fill_(math.log(1 / 0.04))
+    restored = Criterion(make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1}), 3)
+    restored.load_state_dict(state.state_dict())
     assert math.isclose(restored.log_values()["train/tau"], 0.04, rel_tol=1e-5)
-    assert set(state.checkpoint_state()) == {"logit_scale"}  # not the queue
+    assert set(state.state_dict()) == {"temperature.logit_scale"}  # not the queue
 
 
 def test_learnable_tau_moves_with_a_gradient_step_and_is_clamped():
     cfg = make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1, "loss.infonce.weight": 1.0})
-    state = LossState(cfg, D)
-    assert math.isclose(float(state.tau().detach()), 0.1, rel_tol=1e-5) and state.logit_scale.requires_grad
+    state = Temperature(cfg.temperature)
+    assert math.isclose(float(state().detach()), 0.1, rel_tol=1e-5) and state.logit_scale.requires_grad
     batch = make_batch()
     out = Tiny()(batch["x"])
-    LOSSES.get("infonce")(out, batch, cfg.loss.infonce, state)["infonce"].backward()
+    call("infonce", out, batch, cfg.loss.infonce, state)["infonce"].backward()
     torch.optim.SGD(state.parameters(), lr=0.5).step()
-    assert not math.isclose(float(state.tau().detach()), 0.1, rel_tol=1e-4)
+    assert not math.isclose(float(state().detach()), 0.1, rel_tol=1e-4)
     with torch.no_grad():
         state.logit_scale.fill_(math.log(1000.0))
-    assert math.isclose(float(state.tau().detach()), 1 / cfg.temperature.max_logit_scale, rel_tol=1e-5)
-    assert not LossState(make_cfg(), D).logit_scale.requires_grad
+    assert math.isclose(float(state().detach()), 1 / cfg.temperature.max_logit_scale, rel_tol=1e-5)
+    assert not Temperature(make_cfg().temperature).logit_scale.requires_grad
+
+
+def _learned_criterion(tau: float) -> Criterion:
+    criterion = Criterion(make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1}), D)
+    with torch.no_grad():
+        criterion.temperature.logit_scale.fill_(math.log(1 / tau))
+    return criterion
+
+
+def test_checkpoint_round_trip_restores_the_learned_logit_scale(tmp_path):
+    cfg = make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1})
+    model = Translator(build_model(cfg, ModelContext(DIN, D)), torch.zeros(DIN))
+    trained = _learned_criterion(0.04)
+    trained.after_step({}, {"y_n": F.normalize(torch.randn(5, D), dim=-1)})  # queue rows: not saved
+    atomic_torch_save(checkpoint_payload(model, cfg, (DIN, D), {}, loss_state=trained.state_dict()),
+                      tmp_path / "best.pt")
+    resumed = Criterion(cfg, D)
+    assert load_loss_state(tmp_path / "best.pt", resumed)
+    assert math.isclose(float(resumed.temperature().detach()), 0.04, rel_tol=1e-5)
+    assert int(resumed.losses["queue_infonce"].queue_count) == 0  # rebuilt in the first epoch
+    # a checkpoint of the earlier format (the scale as {"logit_scale": ...}, the queue knobs in a top-level [queue]
+    # section) still loads: predict and pick read existing checkpoints
+    old = checkpoint_payload(model, cfg, (DIN, D), {}, loss_state={"logit_scale": torch.tensor(math.log(1 / 0.02))})
+    knobs = old["config"]["loss"]["queue_infonce"]
+    old["config"]["loss"]["queue_infonce"] = {key: knobs.pop(key) for key in ("weight", "label_smoothing")}
+    old["config"]["queue"] = knobs
+    atomic_torch_save(old, tmp_path / "old.pt")
+    assert load_loss_state(tmp_path / "old.pt", resumed)
+    assert math.isclose(float(resumed.temperature().detach()), 0.02, rel_tol=1e-5)
+    assert load_model(tmp_path / "old.pt")[1] == cfg
 
 
 # ---------------------------------------------------------------------------------------------- multi-label triplet
@@ -475,7 +534,7 @@ def test_multilabel_batch_hard_value():
     out = {"pred": unit([e0, e0, e0, e1])}
     batch = {"labels": torch.tensor([[1, 0], [1, 0], [0, 1], [0, 1]]).bool()}
     cfg = make_cfg({"loss.multilabel_triplet.margin": 0.2}).loss.multilabel_triplet
-    loss = LOSSES.get("multilabel_triplet")(out, batch, cfg, None)["multilabel_triplet"]
+    loss = call("multilabel_triplet", out, batch, cfg)["multilabel_triplet"]
     # anchors 0, 1: d_ap 0, hardest negative (item 2) d 0 -> 0.2; anchor 2: d_ap 1, d_an 0 -> 1.2; anchor 3: 0.2.
     assert math.isclose(float(loss), 0.45, rel_tol=1e-5)
 
@@ -484,12 +543,12 @@ def test_multilabel_global_hard_uses_bank_negatives_only():
     e0, e1 = [1.0, 0.0], [0.0, 1.0]
     cfg = make_cfg({"loss.multilabel_triplet.negatives": "global_hard"}).loss.multilabel_triplet
     out, batch = {"pred": unit([e0, e0])}, {"labels": torch.tensor([[1, 0], [1, 0]]).bool()}
-    state = LossState(make_cfg(), 2)
+    state = MultiLabelTriplet(cfg, 2)
     state.bank, state.bank_labels = unit([e0, e1]), torch.tensor([[1, 0], [0, 1]]).bool()
     # the bank copy of e0 shares the label: not a negative; e1 is at distance 1 > margin.
-    assert float(LOSSES.get("multilabel_triplet")(out, batch, cfg, state)["multilabel_triplet"]) == 0.0
+    assert float(state(out, batch)["multilabel_triplet"]) == 0.0
     state.bank, state.bank_labels = unit([e0, e1, e0]), torch.tensor([[1, 0], [0, 1], [0, 1]]).bool()
-    assert math.isclose(float(LOSSES.get("multilabel_triplet")(out, batch, cfg, state)["multilabel_triplet"]),
+    assert math.isclose(float(state(out, batch)["multilabel_triplet"]),
                         cfg.margin, rel_tol=1e-5)
 
 
@@ -497,12 +556,12 @@ def test_multilabel_random_uses_neg_pred():
     cfg = make_cfg({"loss.multilabel_triplet.negatives": "random"}).loss.multilabel_triplet
     pred = unit([[1.0, 0.0], [1.0, 0.0]])
     batch = {"labels": torch.tensor([[1, 0], [1, 0]]).bool()}
-    far = LOSSES.get("multilabel_triplet")({"pred": pred, "neg_pred": -pred}, batch, cfg, None)
-    near = LOSSES.get("multilabel_triplet")({"pred": pred, "neg_pred": pred}, batch, cfg, None)
+    far = call("multilabel_triplet", {"pred": pred, "neg_pred": -pred}, batch, cfg)
+    near = call("multilabel_triplet", {"pred": pred, "neg_pred": pred}, batch, cfg)
     assert float(far["multilabel_triplet"]) == 0.0
     assert math.isclose(float(near["multilabel_triplet"]), cfg.margin, rel_tol=1e-5)
     with pytest.raises(ConfigError, match="neg_pred"):
-        LOSSES.get("multilabel_triplet")({"pred": pred}, batch, cfg, None)
+        call("multilabel_triplet", {"pred": pred}, batch, cfg)
 
 
 def test_fixed_positives_are_drawn_once_among_items_sharing_a_label():
@@ -523,15 +582,15 @@ def test_multilabel_fixed_positive_uses_pos_pred():
     pred = unit([e0, e1])
     batch = {"labels": torch.tensor([[1, 0], [0, 1]]).bool(), "has_pos": torch.tensor([True, True])}
     # in-batch the only negative of each item is the other (distance 1); the fixed positive sets d(a, p)
-    near = LOSSES.get("multilabel_triplet")({"pred": pred, "pos_pred": pred}, batch, cfg, None)
-    far = LOSSES.get("multilabel_triplet")({"pred": pred, "pos_pred": -pred}, batch, cfg, None)
+    near = call("multilabel_triplet", {"pred": pred, "pos_pred": pred}, batch, cfg)
+    far = call("multilabel_triplet", {"pred": pred, "pos_pred": -pred}, batch, cfg)
     assert float(near["multilabel_triplet"]) == 0.0
     assert math.isclose(float(far["multilabel_triplet"]), cfg.margin + 1.0, rel_tol=1e-5)
     none = {**batch, "has_pos": torch.tensor([False, False])}
-    assert float(LOSSES.get("multilabel_triplet")({"pred": pred, "pos_pred": -pred}, none, cfg, None)
+    assert float(call("multilabel_triplet", {"pred": pred, "pos_pred": -pred}, none, cfg)
                  ["multilabel_triplet"]) == 0.0
     with pytest.raises(ConfigError, match="pos_pred"):
-        LOSSES.get("multilabel_triplet")({"pred": pred}, batch, cfg, None)
+        call("multilabel_triplet", {"pred": pred}, batch, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- validate
@@ -552,3 +611,23 @@ def test_validate_accepts_consistent_configs():
     validate(with_values(Config(), {"loss.infonce.weight": 1.0}))
     validate(with_values(Config(), {"loss.slot_diversity.weight": 1.0, "slots.k": 2}))
     validate(with_values(Config(), {"loss.multilabel_triplet.weight": 1.0, "data.task": "multilabel"}))
+
+
+@pytest.mark.parametrize("name", [n for n in LOSSES.names() if LOSSES.get(n).min_slots > 0])
+def test_a_loss_declaring_slots_fails_validation_without_the_slot_head(name):
+    # the declaration (min_slots), not a list of names, is what validate reads
+    cfg = with_values(Config(), {f"loss.{name}.weight": 1.0, "slots.k": 0})
+    with pytest.raises(ConfigError, match=rf"^loss\.{name}\.weight > 0 needs the slot head: set slots\.k > 0$"):
+        validate(cfg)
+
+
+def test_multilabel_global_hard_builds_its_bank_at_epoch_start():
+    cfg = make_cfg({"loss.multilabel_triplet.negatives": "global_hard"}).loss.multilabel_triplet
+    loss, calls = MultiLabelTriplet(cfg, 2), []
+    bank, labels = unit([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[1, 0], [0, 1]]).bool()
+    ctx = EpochContext(embed_train=lambda: calls.append(1) or bank, train_labels=labels)
+    loss.on_epoch_start(0, ctx)
+    assert calls == [1] and loss.bank is bank and loss.bank_labels is labels
+    batch_hard = MultiLabelTriplet(make_cfg().loss.multilabel_triplet, 2)
+    batch_hard.on_epoch_start(0, ctx)
+    assert calls == [1] and batch_hard.bank is None  # the other modes never embed the training set

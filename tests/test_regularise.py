@@ -14,8 +14,7 @@ from trainers.config import Config, with_values
 from trainers.data import load_train
 from trainers.errors import ConfigError
 from trainers.loop import train
-from trainers.loss_state import LossState
-from trainers.losses import LOSSES
+from trainers.losses import LOSSES, Temperature
 from trainers.regularise import EMA, SWA, BatchAugment, build_average
 from trainers.synthetic import write_synthetic
 from trainers.tasks import TASKS, predict
@@ -81,12 +80,12 @@ def test_mixup_ids_group_exactly_the_rows_with_equal_mixed_targets():
 @pytest.mark.parametrize("loss", ["infonce", "multipos_infonce", "queue_infonce", "triplet", "cosine", "moment",
                                   "agreement", "mse"])
 def test_every_translation_loss_accepts_a_mixed_batch(loss):
-    cfg = cfg_with(augment__mixup_alpha=0.5, queue__warmup_epochs=0, **{f"loss__{loss}__weight": 1.0})
+    cfg = cfg_with(augment__mixup_alpha=0.5, loss__queue_infonce__warmup_epochs=0, **{f"loss__{loss}__weight": 1.0})
     batch = BatchAugment(cfg, make_batch()["x"])(make_batch())
     raw = torch.randn(B, DI, requires_grad=True)
-    state = LossState(cfg, DI)
-    state.enqueue(make_batch(1)["y_n"])
-    terms = LOSSES.get(loss)({"pred": F.normalize(raw, dim=-1), "raw": raw}, batch, getattr(cfg.loss, loss), state)
+    state = LOSSES.get(loss)(getattr(cfg.loss, loss), DI)
+    state.after_step({}, make_batch(1))  # the queue loss enqueues (real images), the others keep nothing
+    terms = state({"pred": F.normalize(raw, dim=-1), "raw": raw}, batch, Temperature(cfg.temperature))
     total = sum(terms.values())
     total.backward()
     assert math.isfinite(float(total.detach()))
@@ -124,26 +123,29 @@ def test_multipos_label_smoothing_matches_the_smoothed_targets():
     eps, tau = 0.2, 0.05
     cfg = cfg_with(loss__multipos_infonce__weight=1.0, loss__multipos_infonce__label_smoothing=eps,
                    temperature__tau=tau)
-    state = LossState(cfg, DI)
-    got = float(LOSSES.get("multipos_infonce")(out, batch, cfg.loss.multipos_infonce, state)["multipos_infonce"])
+    state = Temperature(cfg.temperature)
+    loss = LOSSES.get("multipos_infonce")
+    got = float(loss(cfg.loss.multipos_infonce, DI)(out, batch, state)["multipos_infonce"])
     logits = out["pred"] @ batch["y_n"][::2].T / tau  # [B, U]: images are rows 0, 2, 4, ...
     onehot = F.one_hot(batch["img"], B // 2).float()
     c2i = -((1 - eps) * onehot + eps / (B // 2)) * logits.log_softmax(-1)
     pos = onehot.T / onehot.T.sum(-1, keepdim=True)  # [U, B]
     i2c = -((1 - eps) * pos + eps / B) * logits.T.log_softmax(-1)
     assert math.isclose(got, 0.5 * float(c2i.sum(-1).mean() + i2c.sum(-1).mean()), rel_tol=1e-5)
-    plain = LOSSES.get("multipos_infonce")(out, batch, Config().loss.multipos_infonce, state)["multipos_infonce"]
+    plain = loss(Config().loss.multipos_infonce, DI)(out, batch, state)["multipos_infonce"]
     assert not math.isclose(got, float(plain), rel_tol=1e-3)
 
 
 def test_queue_label_smoothing_changes_the_loss_and_zero_is_the_default():
     out, batch = _logits_case()
-    cfg = cfg_with(loss__queue_infonce__weight=1.0, queue__warmup_epochs=0)
-    state = LossState(cfg, DI)
-    state.enqueue(make_batch(1)["y_n"])
-    plain = LOSSES.get("queue_infonce")(out, batch, cfg.loss.queue_infonce, state)["queue_infonce"]
+    cfg = cfg_with(loss__queue_infonce__weight=1.0, loss__queue_infonce__warmup_epochs=0)
     smooth_cfg = with_values(cfg, {"loss.queue_infonce.label_smoothing": 0.1})
-    smooth = LOSSES.get("queue_infonce")(out, batch, smooth_cfg.loss.queue_infonce, state)["queue_infonce"]
+    queued, tau = make_batch(1)["y_n"], Temperature(cfg.temperature)
+    state, smoothed = (LOSSES.get("queue_infonce")(c.loss.queue_infonce, DI) for c in (cfg, smooth_cfg))
+    state.enqueue(queued)
+    smoothed.enqueue(queued)
+    plain = state(out, batch, tau)["queue_infonce"]
+    smooth = smoothed(out, batch, tau)["queue_infonce"]
     assert cfg.loss.queue_infonce.label_smoothing == 0.0 and float(smooth) != float(plain)
 
 
@@ -244,7 +246,7 @@ def test_checkpoint_and_validation_use_the_averaged_weights(data, tmp_path):
 @pytest.mark.parametrize("values", [{"augment.mixup_alpha": 0.4}, {"augment.noise_std": 0.2},
                                     {"train.average": "swa", "train.swa_start": 0.3, "train.epochs": 3}])
 def test_each_regulariser_changes_training_and_stays_deterministic(data, values):
-    cfg = with_values(Config(), {**SMALL, "loss.queue_infonce.weight": 0.5, "queue.warmup_epochs": 0})
+    cfg = with_values(Config(), {**SMALL, "loss.queue_infonce.weight": 0.5, "loss.queue_infonce.warmup_epochs": 0})
     plain = train(with_values(cfg, {"train.epochs": values.get("train.epochs", 2)}), data)
     on = train(with_values(cfg, values), data)
     assert on.history != plain.history

@@ -155,11 +155,11 @@ def test_condition_on_a_fixed_knob_is_fine():
 
 def test_cycle_is_reported():
     _, errors = parse({
-        "queue.size": {"type": "int", "low": 8, "high": 64, "when": "train.batch_size > 16"},
-        "train.batch_size": {"type": "int", "low": 8, "high": 64, "when": "queue.size > 16"},
+        "loss.queue_infonce.size": {"type": "int", "low": 8, "high": 64, "when": "train.batch_size > 16"},
+        "train.batch_size": {"type": "int", "low": 8, "high": 64, "when": "loss.queue_infonce.size > 16"},
     })
     assert len(errors) == 1
-    assert "cycle among queue.size, train.batch_size" in errors[0]
+    assert "cycle among loss.queue_infonce.size, train.batch_size" in errors[0]
 
 
 def test_condition_on_itself_is_reported():
@@ -181,8 +181,8 @@ infonce = { weight = 1.0 }
 "loss.triplet.margin" = { type = "float", low = 0.1, high = 0.3, log = true, step = 0.1 }
 "loss.cosine.weight" = { type = "float", low = 0.0, high = 1.0, when = "loss.moment.weight > 0" }
 "loss.mse.weight" = { type = "float", low = 0.0, high = 1.0, when = "weight is big" }
-"queue.size" = { type = "int", low = 8, high = 64, when = "train.batch_size > 16" }
-"train.batch_size" = { type = "int", low = 8, high = 64, when = "queue.size > 16" }
+"loss.queue_infonce.size" = { type = "int", low = 8, high = 64, when = "train.batch_size > 16" }
+"train.batch_size" = { type = "int", low = 8, high = 64, when = "loss.queue_infonce.size > 16" }
 """)
     with pytest.raises(ConfigError) as info:
         load_study_file(path)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainers.config import Config, from_dict, to_dict
+from trainers.config import Config, from_dict, to_dict, upgrade_tree
 from trainers.errors import LatentsweepError
 from trainers.io import atomic_write
 from trainers.models import ModelContext, build_model
@@ -48,15 +48,16 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 
 def checkpoint_payload(model: CenteredModel, cfg: Config, dims: tuple[int, int], meta: dict,
                        loss_state: dict[str, torch.Tensor] | None = None) -> dict:
-    """Plain types and tensors only, so that torch.load(weights_only=True) can read it back. `loss_state` is
-    `LossState.checkpoint_state()` (the learned logit scale), restored by `load_loss_state`."""
+    """Plain types and tensors only, so that torch.load(weights_only=True) can read it back. `loss_state` is the
+    criterion's `state_dict()` (the learned logit scale; the queue is a non-persistent buffer and is not in it),
+    restored by `load_loss_state`."""
     return {
         "format": FORMAT_VERSION,
         "config": to_dict(cfg),
         "dim_in": int(dims[0]),
         "dim_out": int(dims[1]),
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "loss_state": dict(loss_state or {}),
+        "loss_state": {k: v.detach().cpu() for k, v in (loss_state or {}).items()},
         "meta": meta,
     }
 
@@ -73,12 +74,13 @@ def _read(path: Path) -> dict:
     return payload
 
 
-def load_loss_state(path: str | Path, state: nn.Module) -> bool:
-    """Restore the saved loss state (learned logit scale) into `state` (a LossState) to continue training from a
-    checkpoint; False when the checkpoint has none (written before it was saved)."""
+def load_loss_state(path: str | Path, criterion: nn.Module) -> bool:
+    """Restore the saved loss state (learned logit scale) into `criterion` (a trainers.losses.Criterion) to continue
+    training from a checkpoint; False when the checkpoint has none (written before it was saved). Checkpoints of the
+    earlier format ({"logit_scale": ...}) load too: the criterion renames the key."""
     saved = _read(Path(path)).get("loss_state") or {}
     if saved:
-        state.load_checkpoint_state(saved)
+        criterion.load_state_dict(saved)
     return bool(saved)
 
 
@@ -87,7 +89,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[Ce
     path = Path(path)
     payload = _read(path)
     try:
-        cfg = from_dict(payload["config"], where=str(path))
+        cfg = from_dict(upgrade_tree(payload["config"]), where=str(path))
         ctx = ModelContext(int(payload["dim_in"]), int(payload["dim_out"]), fit_x=None, fit_y=None)
         model = CenteredModel(build_model(cfg, ctx), torch.zeros(ctx.dim_in))
         model.load_state_dict(payload["state_dict"])

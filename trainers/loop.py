@@ -17,7 +17,7 @@ from trainers.checkpoint import CenteredModel, atomic_torch_save, checkpoint_pay
 from trainers.config import Config
 from trainers.data import TrainSet
 from trainers.errors import LatentsweepError
-from trainers.losses import LossState, compute_losses
+from trainers.losses import Criterion
 from trainers.models import build_model
 from trainers.optim import MONITOR_MODES, build_optimizer
 from trainers.records import EpochLog
@@ -98,9 +98,9 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     gen = seed_everything(cfg.train.seed)
     task = TASKS.get(cfg.data.task)(cfg, data, device)
     model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
-    state = LossState(cfg, task.dim_out).to(device)
+    criterion = Criterion(cfg, task.dim_out).to(device)
     steps = task.steps_per_epoch()
-    opt, schedule = build_optimizer(cfg, model, state, steps)
+    opt, schedule = build_optimizer(cfg, model, criterion, steps)
     amp = cfg.train.amp and device.type == "cuda"
     scaler = torch.amp.GradScaler(device.type, enabled=amp)
     augment, average = BatchAugment(cfg, task.x), build_average(cfg, model)
@@ -111,15 +111,15 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     epochs = tqdm(range(cfg.train.stop_after or cfg.train.epochs), desc="epochs", disable=not progress, leave=False)
     for epoch in epochs:
         model.on_epoch_start(epoch)
-        state.epoch = epoch
-        task.on_epoch_start(model, state)
-        sums = _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, steps, amp, augment, average)
+        criterion.on_epoch_start(epoch, task.epoch_context(model))
+        sums = _train_epoch(cfg, task, model, criterion, opt, schedule, scaler, gen, epoch, steps, amp, augment,
+                            average)
         average.after_epoch(epoch)
         judged = average.model(model)  # the averaged weights when train.average is on: validated and saved
-        metrics = {**sums, **state.log_values(), **task.evaluate(judged), "lr": opt.param_groups[0]["lr"]}
+        metrics = {**sums, **criterion.log_values(), **task.evaluate(judged), "lr": opt.param_groups[0]["lr"]}
         validated = task.metric_key in metrics  # False with data.split = "all" (nothing held out)
         if cfg.train.monitor == "val/loss" and validated:
-            metrics["val/loss"] = _val_loss(cfg, task, judged, state)
+            metrics["val/loss"] = _val_loss(task, judged, criterion)
         # Without validation every epoch counts as the best (the last one is kept), and the schedule and early
         # stopping watch the training loss instead.
         score = metrics.get(task.metric_key, -metrics["train/loss"])
@@ -131,7 +131,7 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
                 atomic_torch_save(checkpoint_payload(judged, cfg, (task.dim_in, task.dim_out),
                                                      {"epoch": epoch, "metrics": metrics,
                                                       "data_fingerprint": data.fingerprint},
-                                                     loss_state=state.checkpoint_state()),
+                                                     loss_state=criterion.state_dict()),
                                   Path(out_dir) / "best.pt")
         watched = metrics[cfg.train.monitor] if validated else -sign * metrics["train/loss"]
         stale = 0 if sign * watched > best_watched else stale + 1
@@ -149,22 +149,21 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, task.val_ranks(model))
 
 
-def _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, steps, amp, augment,
+def _train_epoch(cfg, task, model, criterion, opt, schedule, scaler, gen, epoch, steps, amp, augment,
                  average) -> dict[str, float]:
     """One pass over the training batches; returns the mean of every loss term as train/<term>."""
     model.train()
     sums: dict[str, torch.Tensor] = {}
     n = 0
-    use_queue = cfg.loss.queue_infonce.weight > 0
     for i, real in enumerate(task.batches(gen)):
-        state.progress = (epoch + i / steps) / cfg.train.epochs
-        batch = augment(real)  # the queue below keeps the real images
+        criterion.set_progress((epoch + i / steps) / cfg.train.epochs)
+        batch = augment(real)  # the losses train on this one; their after_step gets the real one
         with torch.autocast(task_device(batch), enabled=amp):
             out = model(batch["x"])
             for extra in ("neg", "pos"):  # the multilabel task's random negatives and fixed positives
                 if f"{extra}_x" in batch:
                     out[f"{extra}_pred"] = model(batch[f"{extra}_x"])["pred"]
-        loss, terms = compute_losses(cfg, out, batch, state)
+        loss, terms = criterion(out, batch)
         opt.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         if cfg.train.grad_clip > 0:
@@ -174,8 +173,7 @@ def _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, ste
         scaler.update()
         schedule.after_step()
         average.after_step()
-        if use_queue:
-            state.enqueue(real["y_n"])
+        criterion.after_step(out, real)
         # Sum on the device: no host sync per step (the .item() happens once per epoch).
         for k, v in {"loss": loss.detach(), **terms}.items():
             sums[k] = sums.get(k, 0) + v.detach().float()
@@ -187,13 +185,13 @@ def _train_epoch(cfg, task, model, state, opt, schedule, scaler, gen, epoch, ste
 
 
 @torch.no_grad()
-def _val_loss(cfg, task, model, state) -> float:
+def _val_loss(task, model, criterion) -> float:
     """The configured losses on the validation batches, eval mode, no gradient, nothing enqueued: the mean over
     batches. Eval mode drops the slot head's output, so the slot losses are not part of it."""
     model.eval()
     total, n = 0.0, 0
     for batch in task.val_batches():
-        loss, _ = compute_losses(cfg, model(batch["x"]), batch, state)
+        loss, _ = criterion(model(batch["x"]), batch)
         total, n = total + float(loss), n + 1
     model.train()
     return total / max(n, 1)

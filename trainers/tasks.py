@@ -11,7 +11,8 @@ from trainers import metrics
 from trainers.config import Config
 from trainers.data import TrainSet
 from trainers.errors import ConfigError, DataError
-from trainers.losses_multilabel import draw_fixed_positives
+from trainers.losses import EpochContext, batch_keys
+from trainers.losses.multilabel import draw_fixed_positives
 from trainers.models import ModelContext
 from trainers.registry import Registry
 from trainers.splits import captions_of, kfold_by_image, split_by_hash
@@ -75,8 +76,10 @@ class Task:
     def batches(self, generator: torch.Generator) -> Iterator[dict]:
         raise NotImplementedError
 
-    def on_epoch_start(self, model: torch.nn.Module, state) -> None:
-        """Hook for per-epoch work (e.g. the global negative bank); nothing by default."""
+    def epoch_context(self, model: torch.nn.Module) -> EpochContext:
+        """What the losses may use at the start of an epoch: the model's embeddings of every training item, on demand
+        (a loss that mines global negatives calls it; the others cost nothing)."""
+        return EpochContext(embed_train=lambda: predict(model, self.x))
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         raise NotImplementedError
@@ -199,8 +202,10 @@ class MultiLabelTask(Task):
         self.text_mean = torch.zeros(self.dim_in, device=device)
         if len(self.x) < 2 or len(self.val_x) < 2:
             raise DataError(f"{data.path}: split leaves fewer than 2 train or val images")
+        needs = batch_keys(cfg)  # what the active losses read besides x and labels
+        self.random_negs = "neg_x" in needs
         self.fixed_pos = None  # [N] the seed's positive per train item, drawn once (-1: none)
-        if cfg.loss.multilabel_triplet.positives == "fixed":
+        if "pos_x" in needs:
             gen = torch.Generator().manual_seed(cfg.train.seed)
             self.fixed_pos = draw_fixed_positives(self.labels, gen).to(device)
 
@@ -215,11 +220,10 @@ class MultiLabelTask(Task):
     def batches(self, generator: torch.Generator) -> Iterator[dict]:
         perm = torch.randperm(len(self.x), generator=generator).to(self.device)
         b = min(self.cfg.train.batch_size, len(self.x))
-        random_negs = self.cfg.loss.multilabel_triplet.negatives == "random"
         for start in range(0, len(perm) - b + 1, b):
             idx = perm[start : start + b]
             batch = {"x": self.x[idx], "labels": self.labels[idx], "img": idx}
-            if random_negs:
+            if self.random_negs:
                 batch["neg_x"] = self.x[self._random_negatives(idx, generator)]
             if self.fixed_pos is not None:
                 pos = self.fixed_pos[idx]
@@ -233,10 +237,8 @@ class MultiLabelTask(Task):
         first_ok = torch.argmax((~shares).int(), dim=1)  # falls back to candidate 0 when none qualifies
         return cand[torch.arange(len(idx), device=self.device), first_ok]
 
-    def on_epoch_start(self, model: torch.nn.Module, state) -> None:
-        if self.cfg.loss.multilabel_triplet.negatives == "global_hard":
-            state.bank = predict(model, self.x)
-            state.bank_labels = self.labels
+    def epoch_context(self, model: torch.nn.Module) -> EpochContext:
+        return EpochContext(embed_train=lambda: predict(model, self.x), train_labels=self.labels)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         emb = predict(model, self.val_x)

@@ -1,32 +1,32 @@
-"""Whole-config checks that need the registries (names exist, cross-knob constraints), run before any training."""
+"""Whole-config checks that need the registries (names exist, cross-knob constraints), run before any training.
+
+The one home of the config cross-checks; the losses' come from what each registered loss declares (its task, the
+slots it needs), not from lists of loss names.
+"""
 from __future__ import annotations
 
 import re
-from dataclasses import fields
 
 from trainers.config import Config
 from trainers.errors import ConfigError
+from trainers.losses import LOSSES, active_losses
+from trainers.models import check_model
+from trainers.optim import OPTIMIZERS, SCHEDULERS
+from trainers.regularise import WEIGHT_AVERAGES
+from trainers.tasks import TASKS
 
-# Losses that read per-image labels (the multilabel task) rather than paired image embeddings.
-LABEL_LOSSES = {"multilabel_triplet"}
 # What train.device and `pick --device` accept besides auto (torch.device parses far more, e.g. 'meta' or 'xla').
 DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]{1,4})?")
 
 
 def validate(cfg: Config) -> None:
     """Raise ConfigError (one line) for a config that cannot train; the registries name the closest valid choice."""
-    from trainers import losses
-    from trainers.models import check_model
-    from trainers.optim import OPTIMIZERS, SCHEDULERS
-    from trainers.regularise import WEIGHT_AVERAGES
-    from trainers.tasks import TASKS
-
     check_model(cfg)
     OPTIMIZERS.get(cfg.optim.name)
     SCHEDULERS.get(cfg.schedule.name)
     TASKS.get(cfg.data.task)
     WEIGHT_AVERAGES.get(cfg.train.average)
-    losses.validate(cfg)
+    validate_losses(cfg)
     if cfg.train.device != "auto" and not DEVICE_NAME.fullmatch(cfg.train.device):
         raise ConfigError(f"train.device='{cfg.train.device}' is not one of auto, cpu, cuda, cuda:N")
     if cfg.data.split == "kfold" and cfg.data.fold >= cfg.data.n_folds:
@@ -43,11 +43,27 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.monitor = 'val/loss' needs data.task = 'translate' (got '{cfg.data.task}')")
     if cfg.augment.mixup_alpha > 0 and cfg.data.task != "translate":
         raise ConfigError("augment.mixup_alpha > 0 mixes image targets: it needs data.task='translate'")
-    active = {f.name for f in fields(cfg.loss) if getattr(cfg.loss, f.name).weight > 0}
-    if cfg.data.task == "translate" and active & LABEL_LOSSES:
-        raise ConfigError(f"loss.{sorted(active & LABEL_LOSSES)[0]} needs data.task='multilabel'")
-    if cfg.data.task == "multilabel" and active - LABEL_LOSSES:
-        raise ConfigError(
-            f"data.task='multilabel' trains with {', '.join(sorted(LABEL_LOSSES))} only; "
-            f"set loss.{sorted(active - LABEL_LOSSES)[0]}.weight = 0"
-        )
+
+
+def validate_losses(cfg: Config) -> None:
+    """The loss config: at least one loss on; each active loss's declared needs (slots, task) met; queue slices."""
+    active = active_losses(cfg)
+    if not active:
+        raise ConfigError(f"loss: no loss has a positive weight (set one of loss.<name>.weight > 0; "
+                          f"names: {', '.join(LOSSES.names())})")
+    for name in active:
+        if LOSSES.get(name).min_slots and cfg.slots.k == 0:
+            raise ConfigError(f"loss.{name}.weight > 0 needs the slot head: set slots.k > 0")
+    for name in active:
+        need = LOSSES.get(name).min_slots
+        if cfg.slots.k < need:
+            raise ConfigError(f"loss.{name}.weight > 0 needs slots.k >= {need} (got {cfg.slots.k})")
+    q = cfg.loss.queue_infonce
+    if q.slice_mode == "stepwise" and q.slice_start == 0 and q.slice_epochs > 0:
+        raise ConfigError("loss.queue_infonce.slice_mode = 'stepwise' doubles loss.queue_infonce.slice_start, "
+                          "which must then be > 0")
+    for name in active:
+        task = LOSSES.get(name).task
+        if task != cfg.data.task:
+            raise ConfigError(f"loss.{name}.weight > 0 needs data.task = '{task}' (got '{cfg.data.task}'); "
+                              f"set loss.{name}.weight = 0 or data.task = '{task}'")

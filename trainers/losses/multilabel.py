@@ -1,7 +1,7 @@
-"""The multi-label retrieval triplet loss ("multilabel_triplet"), registered into trainers.losses.LOSSES.
+"""The multi-label retrieval triplet loss ("multilabel_triplet") and its global hard-negative bank.
 
 Batch: "labels" [B, L] bool; out["pred"] [B, D] item embeddings; for negatives = "random" also out["neg_pred"] [B, D]
-(the model's output for batch["neg_x"]: one random item per anchor sharing no label with it, drawn by the loop).
+(the model's output for batch["neg_x"]: one random item per anchor sharing no label with it, drawn by the task).
 Label rules (for anchor a and candidate c):
   positive, positives = "all": identical non-empty label sets. If the anchor has no such partner in the batch it falls
       back to the "any" rule for that anchor.
@@ -11,9 +11,9 @@ Label rules (for anchor a and candidate c):
       batch["has_pos"] [B] bool marks anchors that have one.
   negative: no shared label (the anchor itself is never its own positive or negative).
 Distance d = 1 - cos. Per anchor: hinge relu(margin + d(a, hardest positive) - d(a, negative)) where the negative is
-  batch_hard: the closest in-batch negative; global_hard: the closest negative in state.bank [N, D] (labels
-  state.bank_labels [N, L]; detached, refreshed by the loop each epoch; before the first refresh, bank is None and
-  the in-batch hardest negative is used); random: out["neg_pred"] of the same row.
+  batch_hard: the closest in-batch negative; global_hard: the closest negative in the loss's own `bank` [N, D]
+  (labels `bank_labels` [N, L]; every training item embedded by the model, refreshed in `on_epoch_start`; before the
+  first refresh, bank is None and the in-batch hardest negative is used); random: out["neg_pred"] of the same row.
 Anchors without a positive or a negative are skipped; the loss is the mean over the remaining anchors (0 if none).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from trainers.errors import ConfigError
-from trainers.losses import register_loss, unit, zero_like
+from trainers.losses.base import EpochContext, Loss, register_loss, unit, zero_like
 
 
 def label_relations(labels_a: torch.Tensor, labels_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -71,18 +71,18 @@ def negative_mask(labels_a: torch.Tensor, labels_c: torch.Tensor) -> torch.Tenso
     return label_relations(labels_a, labels_c)[2]
 
 
-def _hardest_negative_distance(p, labels, cfg_term, state, out) -> tuple[torch.Tensor, torch.Tensor]:
+def _hardest_negative_distance(p, labels, cfg_term, bank, bank_labels, out) -> tuple[torch.Tensor, torch.Tensor]:
     """(d(a, negative) [B], has_negative [B] bool) for the configured mining mode."""
     b = p.shape[0]
     if cfg_term.negatives == "random":
         if out.get("neg_pred") is None:
             raise ConfigError("loss.multilabel_triplet.negatives = 'random' needs out['neg_pred'] "
-                              "(the loop must supply batch['neg_x'])")
+                              "(the task must supply batch['neg_x'])")
         dist = 1.0 - (p * unit(out["neg_pred"])).sum(dim=-1)
         return dist, torch.ones(b, dtype=torch.bool, device=p.device)
-    if cfg_term.negatives == "global_hard" and state.bank is not None:
-        bank = unit(state.bank.detach().to(p.device))
-        neg = negative_mask(labels, state.bank_labels.to(p.device).bool())
+    if cfg_term.negatives == "global_hard" and bank is not None:
+        neg = negative_mask(labels, bank_labels.to(p.device).bool())
+        bank = unit(bank.detach().to(p.device))
         dist = 1.0 - p @ bank.T  # [B, N]
     else:
         neg = negative_mask(labels, labels) & ~torch.eye(b, dtype=torch.bool, device=p.device)
@@ -96,7 +96,7 @@ def _positive_distance(p, labels, cfg_term, out, batch) -> tuple[torch.Tensor, t
     if cfg_term.positives == "fixed":
         if out.get("pos_pred") is None:
             raise ConfigError("loss.multilabel_triplet.positives = 'fixed' needs out['pos_pred'] "
-                              "(the loop must supply batch['pos_x'])")
+                              "(the task must supply batch['pos_x'])")
         return 1.0 - (p * unit(out["pos_pred"])).sum(dim=-1), batch["has_pos"].to(p.device)
     pos = positive_mask(labels, cfg_term.positives)
     # Cosine distance lies in [0, 2]; -1 marks "not a positive" so max() never picks it.
@@ -104,14 +104,35 @@ def _positive_distance(p, labels, cfg_term, out, batch) -> tuple[torch.Tensor, t
 
 
 @register_loss("multilabel_triplet")
-def multilabel_triplet(out, batch, cfg_term, state):
+class MultiLabelTriplet(Loss):
     """Hinge triplet on cosine distance with label-defined positives and mined negatives (see module docstring)."""
-    p = unit(out["pred"])
-    labels = batch["labels"].to(p.device).bool()
-    d_ap, has_pos = _positive_distance(p, labels, cfg_term, out, batch)
-    d_an, has_neg = _hardest_negative_distance(p, labels, cfg_term, state, out)
-    valid = has_pos & has_neg
-    if not bool(valid.any()):
-        return {"multilabel_triplet": zero_like(p)}
-    hinge = (cfg_term.margin + d_ap[valid] - d_an[valid]).clamp(min=0)
-    return {"multilabel_triplet": hinge.mean()}
+
+    task = "multilabel"
+
+    def __init__(self, cfg, dim_out: int):
+        super().__init__(cfg, dim_out)
+        self.bank: torch.Tensor | None = None
+        self.bank_labels: torch.Tensor | None = None
+
+    @classmethod
+    def batch_keys(cls, cfg) -> frozenset[str]:
+        """neg_x: one random non-sharing item per anchor; pos_x / has_pos: the fixed positive drawn once."""
+        keys = {"neg_x"} if cfg.negatives == "random" else set()
+        return frozenset(keys | ({"pos_x", "has_pos"} if cfg.positives == "fixed" else set()))
+
+    def on_epoch_start(self, epoch: int, ctx: EpochContext | None) -> None:
+        """global_hard: embed every training item with the model as it starts this epoch (the negatives bank)."""
+        super().on_epoch_start(epoch, ctx)
+        if self.cfg.negatives == "global_hard" and ctx is not None:
+            self.bank, self.bank_labels = ctx.embed_train(), ctx.train_labels
+
+    def terms(self, out, batch, temperature):
+        p = unit(out["pred"])
+        labels = batch["labels"].to(p.device).bool()
+        d_ap, has_pos = _positive_distance(p, labels, self.cfg, out, batch)
+        d_an, has_neg = _hardest_negative_distance(p, labels, self.cfg, self.bank, self.bank_labels, out)
+        valid = has_pos & has_neg
+        if not bool(valid.any()):
+            return {"multilabel_triplet": zero_like(p)}
+        hinge = (self.cfg.margin + d_ap[valid] - d_an[valid]).clamp(min=0)
+        return {"multilabel_triplet": hinge.mean()}

@@ -1,0 +1,228 @@
+"""The translation losses (caption embedding -> image embedding): ranking, slot, InfoNCE and alignment terms.
+
+Each is a registered `Loss` module (trainers.losses.base) built from its `cfg.loss.<name>` section; the queue loss
+lives in trainers/losses/queue.py and the multi-label triplet in trainers/losses/multilabel.py.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainers.losses.base import Loss, masked_ce, register_loss, same_image, unit, zero_like
+
+
+def _vse_hinge(sim: torch.Tensor, neg: torch.Tensor, margin: float, hardest: bool) -> tuple[torch.Tensor, ...]:
+    """VSE++ hinge both ways. sim [B, B]: caption i vs the image of caption j, positives on the diagonal;
+    neg [B, B] bool marks true negatives. Returns (caption->image, image->caption) averaged over the batch."""
+    pos = sim.diagonal()
+    if hardest:
+        # The hinge is monotone in sim, so the hardest violation is the hinge of the hardest negative: two [B, B]
+        # reductions instead of hinges over the whole matrix (same value and gradient; no negative -> 0).
+        hard = sim.masked_fill(~neg, -torch.inf)
+        c2i = (margin + hard.max(dim=1).values - pos).clamp(min=0)
+        i2c = (margin + hard.max(dim=0).values - pos).clamp(min=0)
+        return c2i.mean(), i2c.mean()
+    c2i = (margin + sim - pos[:, None]).clamp(min=0) * neg  # row i: caption i against negative images j
+    i2c = (margin + sim - pos[None, :]).clamp(min=0) * neg  # column j: image j against negative captions i
+    return c2i.sum(dim=1).mean(), i2c.sum(dim=0).mean()
+
+
+def _slots(out: dict) -> torch.Tensor | None:
+    slots = out.get("slots")
+    return None if slots is None else unit(slots)
+
+
+# ---------------------------------------------------------------------------------------------- ranking losses
+
+# Which hinge directions the triplet keeps, by cfg.loss.triplet.direction.
+TRIPLET_DIRECTIONS = {"both": ("triplet_c2i", "triplet_i2c"), "c2i": ("triplet_c2i",), "i2c": ("triplet_i2c",)}
+
+
+@register_loss("triplet")
+class Triplet(Loss):
+    """VSE++ (Faghri et al. 2018): hinge on cosine with in-batch negatives, in the directions named by
+    `direction` (the VSE++ + slots seed uses caption->image only); hardest negative if max_violation else the sum
+    over negatives; averaged (not summed) over the batch.
+
+    From a random init the hardest-negative form can collapse every output onto one point (loss stuck at 2 x margin);
+    VSE++ therefore warms up with the sum over negatives: hardest negatives start at epoch `warmup_epochs`."""
+
+    def terms(self, out, batch, temperature):
+        sim = unit(out["pred"]) @ unit(batch["y_n"]).T
+        hardest = self.cfg.max_violation and self.epoch >= self.cfg.warmup_epochs
+        c2i, i2c = _vse_hinge(sim, ~same_image(batch["img"]), self.cfg.margin, hardest)
+        terms = {"triplet_c2i": c2i, "triplet_i2c": i2c}
+        return {name: terms[name] for name in TRIPLET_DIRECTIONS[self.cfg.direction]}
+
+
+@register_loss("slot_triplet")
+class SlotTriplet(Loss):
+    """Max-over-slots triplet: sim(caption i, image j) = max_k cos(slot_ik, y_j); VSE++ hardest-negative hinge."""
+
+    min_slots = 1
+
+    def terms(self, out, batch, temperature):
+        slots = _slots(out)
+        if slots is None:
+            return {}
+        sim = torch.einsum("bkd,nd->bkn", slots, unit(batch["y_n"])).max(dim=1).values  # [B, B]
+        c2i, i2c = _vse_hinge(sim, ~same_image(batch["img"]), self.cfg.margin, hardest=True)
+        return {"slot_triplet_c2i": c2i, "slot_triplet_i2c": i2c}
+
+
+# ---------------------------------------------------------------------------------------------- slot regularisers
+
+@register_loss("slot_infonce")
+class SlotInfoNCE(Loss):
+    """Per-slot InfoNCE (caption->image) at its own temperature `tau`, averaged over slots and captions."""
+
+    min_slots = 1
+
+    def terms(self, out, batch, temperature):
+        slots = _slots(out)
+        if slots is None:
+            return {}
+        b, k, _ = slots.shape
+        logits = torch.einsum("bkd,nd->bkn", slots, unit(batch["y_n"])) / self.cfg.tau  # [B, K, B]
+        keep = ~same_image(batch["img"]) | torch.eye(b, dtype=torch.bool, device=slots.device)
+        target = torch.arange(b, device=slots.device).repeat_interleave(k)
+        loss = masked_ce(logits.reshape(b * k, b), keep.repeat_interleave(k, dim=0), target)
+        return {"slot_infonce": loss}
+
+
+@register_loss("slot_diversity")
+class SlotDiversity(Loss):
+    """Intra-caption slot diversity: mean over slot pairs i < j of relu(cos(slot_i, slot_j) - delta)."""
+
+    min_slots = 2
+
+    def terms(self, out, batch, temperature):
+        slots = _slots(out)
+        if slots is None:
+            return {}
+        k = slots.shape[1]
+        if k < 2:
+            return {"slot_diversity": zero_like(slots)}
+        gram = slots @ slots.transpose(1, 2)  # [B, K, K]
+        upper = torch.triu(torch.ones(k, k, dtype=torch.bool, device=slots.device), diagonal=1)
+        return {"slot_diversity": (gram[:, upper] - self.cfg.delta).clamp(min=0).mean()}
+
+
+@register_loss("condensation")
+class Condensation(Loss):
+    """Condense the best slot into the prediction: mean over captions of 1 - cos(pred, s*), where
+    s* = argmax_k cos(slot_k, y_n) is the caption's slot that best matches its own image (as the VSE++ + slots seed
+    computes it). Nothing is detached, as in the seed: the gradient moves pred (the only vector used at inference)
+    toward s* and s* toward pred; the other slots get none."""
+
+    min_slots = 1
+
+    def terms(self, out, batch, temperature):
+        slots = _slots(out)
+        if slots is None:
+            return {}
+        best = torch.einsum("bkd,bd->bk", slots, unit(batch["y_n"])).argmax(dim=1)  # [B]
+        s_star = slots[torch.arange(slots.shape[0], device=slots.device), best]  # [B, D]
+        return {"condensation": (1.0 - (unit(out["pred"]) * s_star).sum(dim=-1)).mean()}
+
+
+# ---------------------------------------------------------------------------------------------- InfoNCE family
+
+@register_loss("infonce")
+class InfoNCE(Loss):
+    """CLIP InfoNCE on pred @ y_n.T / temperature(): same-image off-diagonal entries are masked out (removed from the
+    softmax, no smoothing mass); symmetric = mean of caption->image and image->caption, else caption->image only."""
+
+    def terms(self, out, batch, temperature):
+        smoothing = self.cfg.label_smoothing
+        logits = unit(out["pred"]) @ unit(batch["y_n"]).T / temperature()
+        b = logits.shape[0]
+        target = torch.arange(b, device=logits.device)
+        keep = ~same_image(batch["img"]) | torch.eye(b, dtype=torch.bool, device=logits.device)
+        loss = masked_ce(logits, keep, target, smoothing)
+        if self.cfg.symmetric:
+            loss = 0.5 * (loss + masked_ce(logits.T, keep.T, target, smoothing))
+        return {"infonce": loss}
+
+
+def _unique_images(img: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first [U]: index of one caption per distinct image, inverse [B]: each caption's position in 0..U-1)."""
+    uniq, inverse = torch.unique(img, return_inverse=True)
+    order = torch.arange(img.shape[0], device=img.device)
+    first = torch.full((uniq.shape[0],), img.shape[0], dtype=torch.long, device=img.device)
+    return first.scatter_reduce(0, inverse, order, reduce="amin"), inverse
+
+
+@register_loss("multipos_infonce")
+class MultiPosInfoNCE(Loss):
+    """Multi-positive InfoNCE, mean of both directions, at temperature().
+
+    caption->image: softmax over the U distinct images of the batch, target = the caption's image.
+    image->caption (SupCon, Khosla et al. 2020): for each distinct image, the mean over ALL its captions of
+    -log softmax over the B captions (positives stay in the denominator).
+    label_smoothing eps (both directions, as torch's): the target puts eps uniformly over all columns (U images,
+    resp. B captions) and 1 - eps on the positive(s); 0 = the unsmoothed loss.
+    """
+
+    def terms(self, out, batch, temperature):
+        first, inverse = _unique_images(batch["img"])
+        p, y_u = unit(out["pred"]), unit(batch["y_n"])[first]  # [B, D], [U, D]
+        logits = p @ y_u.T / temperature()  # [B, U]
+        eps = self.cfg.label_smoothing
+        c2i = F.cross_entropy(logits, inverse, label_smoothing=eps)
+        positives = (inverse[None, :] == torch.arange(first.shape[0], device=p.device)[:, None]).float()  # [U, B]
+        logp = logits.T.log_softmax(dim=-1)
+        i2c = (-(logp * positives).sum(dim=-1) / positives.sum(dim=-1)).mean()
+        i2c = (1.0 - eps) * i2c - eps * logp.mean(dim=-1).mean()  # eps uniform over the B captions
+        return {"multipos_infonce": 0.5 * (c2i + i2c)}
+
+
+# ---------------------------------------------------------------------------------------------- regression / alignment
+
+@register_loss("cosine")
+class Cosine(Loss):
+    """Mean over captions of 1 - cos(pred, y_n) (cosine is scale-free, so pred and raw give the same value)."""
+
+    def terms(self, out, batch, temperature):
+        return {"cosine": (1.0 - (unit(out["pred"]) * unit(batch["y_n"])).sum(dim=-1)).mean()}
+
+
+@register_loss("moment")
+class Moment(Loss):
+    """Moment alignment of normalised pred to y_n over the batch: squared L2 distance between the batch means and,
+    if `std`, between the per-dimension (population) stds. Summed over dimensions (= D x MSE) so the term does not
+    shrink as 1/D with the embedding width; the means alone are BigJump's ||mu_z - mu_y||^2."""
+
+    def terms(self, out, batch, temperature):
+        p, y = unit(out["pred"]), unit(batch["y_n"])
+        terms = {"moment_mean": (p.mean(dim=0) - y.mean(dim=0)).pow(2).sum()}
+        if self.cfg.std:
+            terms["moment_std"] = (p.std(dim=0, correction=0) - y.std(dim=0, correction=0)).pow(2).sum()
+        return terms
+
+
+@register_loss("agreement")
+class Agreement(Loss):
+    """Caption agreement (BigJump): for each image with >= 2 captions in the batch, the per-dimension variance
+    (unbiased, as torch.var) of its captions' normalised predictions, averaged over the D dimensions; then averaged
+    over those images. 0 when no image has two captions in the batch."""
+
+    def terms(self, out, batch, temperature):
+        p = unit(out["pred"])
+        first, inverse = _unique_images(batch["img"])
+        u = first.shape[0]
+        counts = torch.bincount(inverse, minlength=u).float()  # [U]
+        mean = torch.zeros(u, p.shape[1], device=p.device).index_add(0, inverse, p) / counts[:, None]  # [U, D]
+        sq_dev = torch.zeros(u, device=p.device).index_add(0, inverse, (p - mean[inverse]).pow(2).mean(dim=1))  # [U]
+        groups = counts >= 2
+        if not bool(groups.any()):
+            return {"agreement": zero_like(p)}
+        return {"agreement": (sq_dev[groups] / (counts[groups] - 1.0)).mean()}
+
+
+@register_loss("mse")
+class MSE(Loss):
+    """MSE between the raw (unnormalised) output and the raw image embedding: the official baseline's loss."""
+
+    def terms(self, out, batch, temperature):
+        return {"mse": F.mse_loss(out["raw"].float(), batch["y"].float())}

@@ -1,0 +1,102 @@
+"""The queue InfoNCE loss ("queue_infonce") and its FIFO queue of earlier batches' image embeddings (MoCo style).
+
+The loss owns its queue: buffers `queue` [Q, D] float32, `queue_ptr` (long scalar, next write row) and `queue_count`
+(long scalar, valid rows, <= Q), filled by its own `after_step` and moved by `.to(device)` with the criterion. They
+are NON-persistent buffers, so neither `state_dict()` nor a checkpoint holds them: a 65,536 x 1536 queue is 400 MB
+per trial checkpoint, and the queue is rebuilt in the first epoch (the warm-up epochs are enqueue-only anyway).
+The queue only exists while the loss is on (the criterion builds active losses only).
+
+Queue layout invariant: while `queue_count < Q` the valid rows are 0..count-1 (oldest first) and `queue_ptr == count`;
+once full, the oldest row sits at `queue_ptr`. Either way the newest n rows are (ptr - n .. ptr - 1) mod Q.
+"""
+from __future__ import annotations
+
+import torch
+
+from trainers.config import QueueInfoNCECfg
+from trainers.losses.base import Loss, masked_ce, register_loss, same_image, unit
+
+# Queue rows at least this cosine-similar to a caption's own image are treated as that image (a copy enqueued in an
+# earlier step) and masked as false negatives; distinct real images are far below (float32 rounding is ~1e-7).
+_SAME_IMAGE_COS = 1.0 - 1e-5
+
+# Used queue fraction after `after` (>= 0) post-warmup epochs, by loss.queue_infonce.slice_mode.
+SLICE_SHAPES = {
+    # slice_start right after warmup, growing linearly to 1 over slice_epochs epochs
+    "linear": lambda q, after: q.slice_start + (1.0 - q.slice_start) * after / q.slice_epochs,
+    # slice_start, doubled every slice_epochs epochs: BigJump's recent slices 16k -> 32k -> 65k of a 65,536 queue are
+    # slice_start = 0.25 with slice_epochs = 1
+    "stepwise": lambda q, after: q.slice_start * 2.0 ** (after // q.slice_epochs),
+}
+
+
+@register_loss("queue_infonce")
+class QueueInfoNCE(Loss):
+    """caption->image InfoNCE over in-batch images plus the queue negatives (`queue_negatives()`, detached) at
+    temperature(); in-batch same-image columns and queue copies of the caption's own image are masked; with an
+    empty queue (warmup) this is plain in-batch InfoNCE. label_smoothing is spread over the kept columns (masked_ce).
+
+    With in_batch = false (MoCo: logits = [l_pos, l_neg over the queue]) the only in-batch column is the caption's
+    own image; the loss is then 0 while the queue is still empty."""
+
+    cfg: QueueInfoNCECfg
+
+    def __init__(self, cfg: QueueInfoNCECfg, dim_out: int):
+        super().__init__(cfg, dim_out)
+        self.register_buffer("queue", torch.zeros(cfg.size, dim_out, dtype=torch.float32), persistent=False)
+        self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long), persistent=False)
+        self.register_buffer("queue_count", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def terms(self, out, batch, temperature):
+        p, y = unit(out["pred"]), unit(batch["y_n"])
+        queue = self.queue_negatives().to(device=p.device, dtype=torch.float32).detach()
+        b = p.shape[0]
+        keep_batch = ~same_image(batch["img"]) | torch.eye(b, dtype=torch.bool, device=p.device)
+        if not self.cfg.in_batch:
+            keep_batch = torch.eye(b, dtype=torch.bool, device=p.device)
+        keep_queue = (y @ queue.T) < _SAME_IMAGE_COS  # [B, M]
+        logits = p @ torch.cat([y, queue]).T / temperature()  # [B, B + M]
+        keep = torch.cat([keep_batch, keep_queue], dim=1)
+        return {"queue_infonce": masked_ce(logits, keep, torch.arange(b, device=p.device), self.cfg.label_smoothing)}
+
+    def after_step(self, out: dict, batch: dict) -> None:
+        """Enqueue the step's real (un-augmented) images."""
+        self.enqueue(batch["y_n"])
+
+    @torch.no_grad()
+    def enqueue(self, y_n: torch.Tensor) -> None:
+        """Append a batch of normalised image embeddings [B, D] (FIFO, wrap-around; a batch > Q keeps its newest Q)."""
+        size = self.queue.shape[0]
+        if size == 0 or y_n.shape[0] == 0:
+            return
+        y = y_n.detach().to(device=self.queue.device, dtype=self.queue.dtype)
+        if y.shape[0] >= size:
+            # Only the newest Q rows survive; write them oldest-first from row 0 so the layout invariant holds.
+            self.queue.copy_(y[-size:])
+            self.queue_ptr.zero_()
+            self.queue_count.fill_(size)
+            return
+        rows = (self.queue_ptr + torch.arange(y.shape[0], device=self.queue.device)) % size
+        self.queue[rows] = y
+        self.queue_ptr.copy_((self.queue_ptr + y.shape[0]) % size)
+        self.queue_count.copy_(torch.clamp(self.queue_count + y.shape[0], max=size))
+
+    def slice_fraction(self) -> float:
+        """Fraction of the valid queue used now, by slice_mode (SLICE_SHAPES); slice_epochs == 0: the whole queue."""
+        q = self.cfg
+        if q.slice_epochs == 0:
+            return 1.0
+        return min(1.0, SLICE_SHAPES[q.slice_mode](q, max(self.epoch - q.warmup_epochs, 0)))
+
+    def queue_negatives(self) -> torch.Tensor:
+        """[M, D] queue rows to use as extra negatives, oldest first: empty during warmup epochs, else the newest
+        round(fraction * count) valid rows (at least one)."""
+        empty = self.queue.new_zeros((0, self.queue.shape[1]))
+        if self.epoch < self.cfg.warmup_epochs:
+            return empty
+        count = int(self.queue_count)
+        if count == 0:
+            return empty
+        n = min(count, max(1, round(self.slice_fraction() * count)))
+        rows = (self.queue_ptr - n + torch.arange(n, device=self.queue.device)) % self.queue.shape[0]
+        return self.queue[rows]
