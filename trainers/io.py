@@ -21,6 +21,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, parents: bool = Tr
         path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, _mode_for(path))  # mkstemp makes 0600; the result gets what `open` would have given it
         with os.fdopen(fd, mode, **open_kwargs) as fh:
             yield fh
             fh.flush()
@@ -29,3 +30,23 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, parents: bool = Tr
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _mode_for(path: Path) -> int:
+    """An existing file's permission bits, else 0o666 less the process umask (as `open` creates files)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process umask, read without setting it (os.umask can only be read by changing it, which races threads);
+    Linux reports it in /proc/self/status; elsewhere the common default 0o022."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022

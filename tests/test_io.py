@@ -1,0 +1,44 @@
+"""trainers.io.atomic_write: all or nothing, and the permissions a plain `open` would give."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from trainers.io import atomic_write
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "out.csv"
+    target.write_text("old\n")
+    with pytest.raises(RuntimeError):
+        with atomic_write(target) as fh:
+            fh.write("half")
+            raise RuntimeError("disk full")
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
+
+
+def test_new_files_get_the_umask_mode_and_existing_ones_keep_theirs(tmp_path):
+    previous = os.umask(0o027)
+    try:
+        with atomic_write(tmp_path / "new.txt") as fh:
+            fh.write("x")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "new.txt").stat().st_mode) == 0o640  # 0o666 & ~0o027, not mkstemp's 0o600
+    kept = tmp_path / "kept.bin"
+    kept.write_bytes(b"a")
+    kept.chmod(0o604)
+    with atomic_write(kept, "wb") as fh:
+        fh.write(b"b")
+    assert kept.read_bytes() == b"b" and stat.S_IMODE(kept.stat().st_mode) == 0o604
+
+
+def test_missing_directory_is_an_error_unless_parents(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        with atomic_write(tmp_path / "no" / "f.txt", parents=False) as fh:
+            fh.write("x")
+    with atomic_write(tmp_path / "yes" / "f.txt") as fh:
+        fh.write("x")
+    assert (tmp_path / "yes" / "f.txt").read_text() == "x"
