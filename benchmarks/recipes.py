@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from search.studyfile import load_study_file  # noqa: E402
+from search.study.studyfile import load_study_file  # noqa: E402
 from trainers import metrics  # noqa: E402
 from trainers.config import with_values  # noqa: E402
 from trainers.data import load_answers, load_test, load_train  # noqa: E402

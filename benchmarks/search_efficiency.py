@@ -31,12 +31,12 @@ import optuna
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from search.objective import TrialRunner  # noqa: E402
-from search.runner import quiet_optuna  # noqa: E402
-from search.storage import StorageSettings  # noqa: E402
-from search.study import RunSpec, load_or_create, worker_loop  # noqa: E402
-from search.studyfile import load_study_file, resolve_data_path  # noqa: E402
-from search.tracking import InMemoryTracker  # noqa: E402
+from search.study.objective import TrialRunner  # noqa: E402
+from search.study.runner import quiet_optuna  # noqa: E402
+from search.study.storage import StorageSettings  # noqa: E402
+from search.study.worker import RunSpec, load_or_create, worker_loop  # noqa: E402
+from search.study.studyfile import load_study_file, resolve_data_path  # noqa: E402
+from search.tracking.memory import InMemoryTracker  # noqa: E402
 from trainers.config import with_values  # noqa: E402
 from trainers.data import load_train  # noqa: E402
 from trainers.loop import train  # noqa: E402

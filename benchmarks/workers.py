@@ -82,10 +82,10 @@ def run_layout(storage: str, workers: int, threads: int, args, tmp: Path, data: 
     """Create a fresh study, run it with `workers` spawned processes of `threads` threads each, read the timings."""
     import optuna
 
-    from search.runner import quiet_optuna, run_worker
-    from search.storage import StorageSettings
-    from search.study import RunSpec, dispose_study, load_or_create
-    from search.studyfile import load_study_file
+    from search.study.runner import quiet_optuna, run_worker
+    from search.study.storage import StorageSettings
+    from search.study.worker import RunSpec, dispose_study, load_or_create
+    from search.study.studyfile import load_study_file
     from search.tracking import make_tracker
 
     quiet_optuna()

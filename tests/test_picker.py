@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from search import ensemble, picker
-from search.cli import main
+from search.pick import ensemble, picker
+from search.cli.main import main
 from trainers.config import Config, with_values
 from trainers.data import load_test, load_train, write_test_npz
 from trainers.errors import LatentsweepError

@@ -9,16 +9,10 @@ import numpy as np
 import optuna
 import pytest
 
-from search import plots
-from search.tracking import (
-    PARAM_VALUE_MAX,
-    InMemoryTracker,
-    MlflowTracker,
-    make_tracker,
-    redact_url,
-    redact_values,
-    study_summary,
-)
+from search.tracking import make_tracker, plots
+from search.tracking.base import PARAM_VALUE_MAX, redact_url, redact_values, study_summary
+from search.tracking.memory import InMemoryTracker
+from search.tracking.mlflow import MlflowTracker
 from trainers.errors import LatentsweepError
 
 SECRET = "s3cr3t-pw"
@@ -82,7 +76,7 @@ def test_redact_values_masks_urls_and_secret_keys():
 
 def test_make_tracker_memory_and_derived_artifact_root(tmp_path):
     assert isinstance(make_tracker("memory"), InMemoryTracker)
-    from search.tracking import default_artifact_root
+    from search.tracking.base import default_artifact_root
 
     assert default_artifact_root(f"sqlite:///{tmp_path}/m.db") == (tmp_path / "artifacts").as_uri()
     assert default_artifact_root("http://localhost:5000") is None

@@ -1,7 +1,7 @@
 """Study files (`studies/*.toml`): `[study]` settings, `[base]` config, `[space]` and `[[enqueue]]`, all validated at once.
 
 Every problem found is reported together, one line each, before any trial runs, including every invalid config the
-space can propose (each conditional branch is probed and validated, see `search.branches`).
+space can propose (each conditional branch is probed and validated, see `search.study.branches`).
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from search.branches import check_branches
-from search.samplers import check_settings
-from search.state import safe_name
-from search.space import Param, active_values, config_key, parse_space
+from search.study.branches import check_branches
+from search.study.samplers import check_settings
+from search.stores import safe_name
+from search.study.space import Param, active_values, config_key, parse_space
 from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml
 from trainers.errors import ConfigError, LatentsweepError, closest
 

@@ -13,7 +13,7 @@ FIXED = ["number", "state", "value", "duration_s"]
 def load_existing_study(name: str, storage, heartbeat: int | None = None, grace: int | None = None) -> optuna.Study:
     """Load a study by name with a one-line error naming the known studies when it does not exist. `storage` is a
     URL; heartbeat/grace (seconds) set the storage's stale-trial rule for a reaper."""
-    from search.storage import StorageSettings, open_storage, redact_url
+    from search.study.storage import StorageSettings, open_storage, redact_url
 
     settings = StorageSettings(storage)
     if heartbeat is not None and grace is not None:
@@ -72,7 +72,7 @@ def study_header(study: optuna.Study) -> str:
 
 def studies_table(storage: str) -> pd.DataFrame:
     """One row per study in `storage`: name, direction, objective, trials by state, best value and trial."""
-    from search.storage import StorageSettings, dispose, open_storage
+    from search.study.storage import StorageSettings, dispose, open_storage
 
     rdb = open_storage(StorageSettings(storage))
     rows = []

@@ -1,9 +1,9 @@
 """`latentsweep pick`: a study's top trials as candidates, an ensemble chosen on data no member saw, the chosen members
-refit on every labelled image, and the outputs (via search.pick_outputs).
+refit on every labelled image, and the outputs (via search.pick.outputs).
 
-Default (`--selection oof`): every candidate config is retrained on k-1 image folds for each fold (search.refit), so
+Default (`--selection oof`): every candidate config is retrained on k-1 image folds for each fold (search.pick.refit), so
 every labelled caption gets a prediction from a model that never saw its image; greedy selection runs on all of them
-and nested folds give the honest gain with its spread (search.oof). The chosen members are then refit on all images
+and nested folds give the honest gain with its spread (search.pick.oof). The chosen members are then refit on all images
 with several seeds, each for the epochs its trial found best; the submission averages them. `--selection halves`
 keeps the older scheme: weights on one half of the study's val split, figures on the other.
 """
@@ -22,9 +22,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from search import ensemble, refit
-from search import oof as oof_mod
-from search.state import (
+from search.pick import ensemble, refit
+from search.pick import oof as oof_mod
+from search.stores import (
     default_artifact_root, default_tracking_uri, read_only_storage, state_dir, writable_dir,
 )
 from trainers.config import Config, dump_toml, with_values
@@ -195,7 +195,7 @@ def fetch_checkpoint(trial, tracking_uri: str, download_dir: Path, root: Path | 
                      ) -> tuple[Path, str] | None:
     """(path, origin) of the trial's best.pt: the local path in user_attrs (relative to the state directory `root`),
     else downloaded from its MLflow run; None (with a warning naming the trial) if neither."""
-    from search.tracking_paths import resolve_in_state
+    from search.tracking.paths import resolve_in_state
 
     # a pruned trial records no "checkpoint", but its best epoch's best.pt is in its out_dir
     out_dir = trial.user_attrs.get("out_dir")
@@ -267,7 +267,7 @@ def check_agreement(cands: list[Candidate], same_split: bool) -> None:
 def resolve_data(opts: PickOptions, cands: list[Candidate]) -> tuple[Path, Path]:
     """(train npz, test npz): --data, else the path recorded in the trials' config, else the demo; --test, else the
     demo test (demo data) or a test.clean.npz beside the train file."""
-    from search.studyfile import resolve_data_path
+    from search.study.studyfile import resolve_data_path
     from trainers.demo import default_test_path, default_train_path
 
     recorded = next((c.cfg.data.path for c in cands if c.cfg.data.path), "")
@@ -547,9 +547,9 @@ def choose(opts: PickOptions, cands: list[Candidate], data, paths: Paths, device
 
 
 def run_pick(opts: PickOptions):
-    """The whole pick; returns search.pick_outputs.PickResult. Cheap checks come before any training."""
-    from search.pick_outputs import write_outputs
-    from search.report import load_existing_study
+    """The whole pick; returns search.pick.outputs.PickResult. Cheap checks come before any training."""
+    from search.pick.outputs import write_outputs
+    from search.study.report import load_existing_study
     from trainers.data import load_test, load_train
     from trainers.loop import resolve_device
 

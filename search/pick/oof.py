@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from search import ensemble
+from search.pick import ensemble
 from trainers.data import captions_of
 from trainers.metrics import GALLERY_SIZE, evaluate_leaderboard
 

@@ -9,7 +9,7 @@ from trainers.errors import LatentsweepError
 
 
 def add_parser(data_subparsers) -> argparse.ArgumentParser:
-    """Add `build-demo` to the sub-parsers of `latentsweep data` (called by search/cmd_data.py)."""
+    """Add `build-demo` to the sub-parsers of `latentsweep data` (called by search/cli/data.py)."""
     p = data_subparsers.add_parser(
         "build-demo",
         help="rebuild the demo dataset from Debian's Tux Paint stamps (needs apt-get, dpkg-deb and the demo extras)",

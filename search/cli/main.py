@@ -2,20 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
 
+from search.cli import data, pick, study, submission, train, ui
 from trainers.errors import LatentsweepError
 
 # Each module exposes add_parser(subparsers); the handler it sets as `func` returns an exit code.
-COMMAND_MODULES = (
-    "search.cmd_data",
-    "search.cmd_submission",
-    "search.cmd_train",
-    "search.cmd_study",
-    "search.cmd_pick",
-    "search.cmd_ui",
-)
+COMMAND_MODULES = (data, submission, train, study, pick, ui)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -29,9 +24,6 @@ class OneLineParser(argparse.ArgumentParser):
 
 def version() -> str:
     """The installed distribution's version (pyproject.toml), or 'unknown' when run from a bare checkout."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
     try:
         return dist_version("latentsweep")
     except PackageNotFoundError:
@@ -46,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).add_parser(sub)
+    for module in COMMAND_MODULES:
+        module.add_parser(sub)
     return parser
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import os
 
-from search.ensemble import METHODS
-from search.progress import is_terminal
-from search.state import add_state_arg, safe_name
+from search.pick.ensemble import METHODS
+from search.study.progress import is_terminal
+from search.stores import add_state_arg, safe_name
 
 
 def add_parser(sub) -> None:
@@ -47,8 +47,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from search.picker import PickOptions, run_pick
-    from search.runner import quiet_optuna
+    from search.pick.picker import PickOptions, run_pick
+    from search.study.runner import quiet_optuna
 
     safe_name(args.study)  # STATE/picks/<study> is built from it
     quiet_optuna()

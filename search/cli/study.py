@@ -8,12 +8,12 @@ import json
 import math
 import sys
 
-from search.state import (
+from search.stores import (
     add_state_arg, check_artifact_root, default_artifact_root, default_storage, default_tracking_uri,
     read_only_storage, safe_name, state_dir,
 )
-from search.storage import StorageSettings, probe_tracking_store, redact_url
-from search.studyfile import load_study_file, resolve_data_path
+from search.study.storage import StorageSettings, probe_tracking_store, redact_url
+from search.study.studyfile import load_study_file, resolve_data_path
 from trainers.errors import LatentsweepError, closest
 
 # Seconds to wait for an http(s) MLflow tracking server's first answer before calling it unreachable.
@@ -90,8 +90,8 @@ def _check_liveness(args) -> None:
 
 def make_spec(args, sf=None):
     """RunSpec from CLI arguments, the study file and the state-directory defaults."""
-    from search.progress import is_terminal
-    from search.study import RunSpec
+    from search.study.progress import is_terminal
+    from search.study.worker import RunSpec
 
     _check_liveness(args)
     n_trials, timeout = getattr(args, "n_trials", None), getattr(args, "timeout", None)
@@ -119,7 +119,7 @@ def _preflight(spec) -> None:
     """Fail before any trial, with everything that can be known then: the base config validates on this machine,
     the data loads and splits, the objective is a logged metric, both stores answer, and a stored study of that
     name agrees with the file (direction, distributions of its knobs)."""
-    from search.study import check_existing
+    from search.study.worker import check_existing
     from trainers.config import with_values
     from trainers.data import load_train
     from trainers.loop import resolve_device
@@ -144,7 +144,7 @@ def _check_stores(spec) -> None:
     The Optuna storage is opened once; an http(s) MLflow server is probed with one short request, because the
     MLflow client retries an unreachable server for minutes and then ends in a traceback.
     """
-    from search.storage import dispose, open_storage
+    from search.study.storage import dispose, open_storage
 
     if spec.tracking_uri.startswith(("http://", "https://")):
         _probe_tracking_server(spec.tracking_uri)  # first: it writes nothing, while opening SQLite creates the file
@@ -177,7 +177,7 @@ def _probe_tracking_server(uri: str) -> None:
 
 
 def cmd_run(args) -> int:
-    from search.runner import run_study
+    from search.study.runner import run_study
 
     if args.workers < 1:
         raise LatentsweepError(f"--workers must be >= 1, got {args.workers}")
@@ -191,8 +191,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_create(args) -> int:
-    from search.runner import quiet_optuna
-    from search.study import dispose_study, load_or_create, open_tracker
+    from search.study.runner import quiet_optuna
+    from search.study.worker import dispose_study, load_or_create, open_tracker
 
     quiet_optuna()
     sf = load_study_file(args.study)
@@ -205,7 +205,7 @@ def cmd_create(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from search.runner import run_worker
+    from search.study.runner import run_worker
 
     spec = make_spec(args)
     _preflight(spec)
@@ -218,9 +218,9 @@ def cmd_reap(args) -> int:
     """Reap the study `name`: the storage's stale-trial rule is --heartbeat/--grace, its runs are in --tracking-uri."""
     from types import SimpleNamespace
 
-    from search.report import load_existing_study
-    from search.runner import quiet_optuna, reap
-    from search.study import PARENT_ATTR, dispose_study
+    from search.study.report import load_existing_study
+    from search.study.runner import quiet_optuna, reap
+    from search.study.worker import PARENT_ATTR, dispose_study
     from search.tracking import make_tracker
 
     quiet_optuna()
@@ -249,8 +249,8 @@ def cmd_reap(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from search.report import load_existing_study, study_header, study_table
-    from search.study import dispose_study
+    from search.study.report import load_existing_study, study_header, study_table
+    from search.study.worker import dispose_study
 
     storage = args.storage or read_only_storage(state_dir(args.state_dir, create=False))
     study = load_existing_study(args.name, storage)
@@ -269,7 +269,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from search.report import studies_table
+    from search.study.report import studies_table
 
     storage = args.storage or read_only_storage(state_dir(args.state_dir, create=False))
     table = studies_table(storage)

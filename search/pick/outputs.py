@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from search.study import PARENT_ATTR
-from search.tracking import (
+from search.study.worker import PARENT_ATTR
+from search.tracking.base import (
     EXPERIMENT_TAGS, NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, default_artifact_root, redact_url, source_tags,
 )
 from trainers.submission import check_submission, write_submission
@@ -155,7 +155,7 @@ def describe(study_name: str, method: str, sel, models, dims: tuple[int, int]) -
 
 def _figure(opts, sel):
     """Weights and per-member MRR on data the selection never saw (or out-of-fold); None for a single member."""
-    from search.plots import ensemble_figure
+    from search.tracking.plots import ensemble_figure
 
     table = sel.table.set_index("role")
     column = {"oof": "oof_mrr", "halves": "report_mrr"}.get(sel.kind)
@@ -173,8 +173,8 @@ def _figure(opts, sel):
 def _log_run(client, run_id: str, opts, cands, sel, models, data, test, note: str) -> None:
     from mlflow.entities import Metric, Param, RunTag
 
-    from search.tracking import DatasetRecord
-    from search.tracking_mlflow import dataset_input
+    from search.tracking.base import DatasetRecord
+    from search.tracking.mlflow import dataset_input
 
     now = int(time.time() * 1000)
     params = run_params(opts, cands, sel, models, data, test)
@@ -222,7 +222,7 @@ def manifest(opts, paths, study, cands, sel, models, data, test, run: dict[str, 
 
 def write_outputs(opts, paths, study, cands, sel, models, data, test, test_pred: np.ndarray) -> PickResult:
     """Stage submission + report, log the MLflow run and model, write the manifest, then move the files into place."""
-    from search.pyfunc_model import log_ensemble, model_name
+    from search.pick.pyfunc_model import log_ensemble, model_name
 
     created = _make_dirs(paths.out.parent)
     stage = Path(tempfile.mkdtemp(prefix=".pick-", dir=paths.out.parent))

@@ -1,7 +1,7 @@
 """The picked ensemble as a self-contained MLflow pyfunc model: caption embeddings [N, Dt] -> image-space [N, Di].
 
 The members are exported with torch.export (member-NN.pt2, the model in eval mode returning its "pred" output) next
-to ensemble.json (names, weights); the model code is search/pyfunc_standalone.py, saved into the model, which needs
+to ensemble.json (names, weights); the model code is search/pick/pyfunc_standalone.py, saved into the model, which needs
 numpy, torch and mlflow only: the model loads and predicts where latentsweep is not installed. It accepts float32 or
 float64 arrays, DataFrames and lists (no input signature: MLflow's tensor check requires one exact dtype).
 Logging goes through MlflowClient only (no fluent active run): a LoggedModel named after the study is created under
@@ -21,7 +21,7 @@ import mlflow.pyfunc
 import numpy as np
 import torch
 
-# The same names as in search/pyfunc_standalone.py (not imported: running it registers its model with MLflow).
+# The same names as in search/pick/pyfunc_standalone.py (not imported: running it registers its model with MLflow).
 ARTIFACT_KEY = "ensemble"
 SPEC_FILE = "ensemble.json"
 MODEL_CODE = Path(__file__).with_name("pyfunc_standalone.py")

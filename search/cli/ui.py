@@ -9,8 +9,8 @@ import sys
 import threading
 import time
 
-from search import servers
-from search.state import add_state_arg, state_dir
+from search.cli import servers
+from search.stores import add_state_arg, state_dir
 
 MAX_PORT = 65535  # TCP ports are 16-bit
 ML_WORKFLOW = "workflowType=machine_learning"  # MLflow UI URL parameter: its Model training pages, not GenAI

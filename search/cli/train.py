@@ -6,9 +6,9 @@ import shutil
 import time
 from pathlib import Path
 
-from search.progress import is_terminal
-from search.state import add_state_arg, state_dir
-from search.studyfile import load_study_file, resolve_data_path
+from search.study.progress import is_terminal
+from search.stores import add_state_arg, state_dir
+from search.study.studyfile import load_study_file, resolve_data_path
 from trainers.config import dump_toml, parse_overrides, with_values
 from trainers.errors import LatentsweepError
 

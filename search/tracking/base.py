@@ -322,27 +322,3 @@ def _chunks(items: list, size: int):
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def make_tracker(uri: str, artifact_root: str | None = None) -> Tracker:
-    """Tracker for a URI: 'memory' gives an InMemoryTracker, anything else an MlflowTracker."""
-    if uri in ("memory", "memory:", "memory://"):
-        from search.tracking_memory import InMemoryTracker
-
-        return InMemoryTracker()
-    from search.tracking_mlflow import MlflowTracker
-
-    return MlflowTracker(uri, artifact_root)
-
-
-def __getattr__(name: str):
-    """`from search.tracking import MlflowTracker / InMemoryTracker` without importing mlflow eagerly (or circularly)."""
-    if name == "MlflowTracker":
-        from search.tracking_mlflow import MlflowTracker
-
-        return MlflowTracker
-    if name == "InMemoryTracker":
-        from search.tracking_memory import InMemoryTracker
-
-        return InMemoryTracker
-    raise AttributeError(name)

@@ -12,7 +12,7 @@ import math
 import random
 from typing import Any
 
-from search.space import Param, config_key
+from search.study.space import Param, config_key
 from trainers.config import Config, coerce, flatten, with_values
 from trainers.errors import LatentsweepError
 

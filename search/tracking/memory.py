@@ -5,7 +5,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from search.tracking import (
+from search.tracking.base import (
     PARAM_VALUE_MAX,
     TAG_VALUE_MAX,
     ROLE_TAG,

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from search.cmd_demo import add_parser as add_build_demo
+from search.cli.demo import add_parser as add_build_demo
 from trainers.data import describe_npz, load_answers, load_test, load_train
 
 # Rows per step when computing norms, so no full-size temporary is made (einsum needs none, slicing keeps it small).

@@ -20,7 +20,7 @@ from typing import Iterator
 import optuna
 import sqlalchemy as sa
 
-from search.tracking import redact_url  # one redaction rule for logs, params and tags
+from search.tracking.base import redact_url  # one redaction rule for logs, params and tags
 from trainers.errors import LatentsweepError
 
 SQLITE_TIMEOUT_S = 120  # a trial's tell() can wait behind another worker's write burst; 2 min is ample

@@ -7,7 +7,7 @@ A knob whose condition is false is not sampled: it keeps its base value and is a
 
 One knob may have several entries, one per branch, named `KEY#LABEL` (e.g. `"model.hidden#deep"` with
 `when = "model.kind == 'deep_mlp'"`): each is its own Optuna parameter (Optuna refuses a categorical whose choices
-change between trials), and their conditions must never hold together (`search.branches` checks it).
+change between trials), and their conditions must never hold together (`search.study.branches` checks it).
 """
 from __future__ import annotations
 

@@ -241,7 +241,7 @@ def ensure_optuna_schema(storage: str) -> None:
     """
     if "://" not in storage or storage.startswith("redis"):
         return
-    from search.storage import StorageSettings, dispose, open_storage
+    from search.study.storage import StorageSettings, dispose, open_storage
 
     try:
         dispose(open_storage(StorageSettings(storage)))
@@ -319,8 +319,8 @@ def start_ui(state_dir: Path, host: str = DEFAULT_HOST, mlflow_port: int = DEFAU
     An http(s) tracking URI is an MLflow server already running: it is reported, not started.
     On any failure, whatever was started is stopped before the one-line LatentsweepError propagates.
     """
-    from search.state import default_artifact_root, default_storage, default_tracking_uri
-    from search.tracking import default_artifact_root as tracking_artifact_root
+    from search.stores import default_artifact_root, default_storage, default_tracking_uri
+    from search.tracking.base import default_artifact_root as tracking_artifact_root
 
     state_dir = Path(state_dir)
     storage = storage or default_storage(state_dir)

@@ -36,7 +36,7 @@ def state_dir(arg: str | None = None, create: bool = True) -> Path:
         except OSError as exc:
             raise LatentsweepError(f"state directory {path} is not writable: {exc.strerror}") from None
     if path.is_dir():
-        from search.tracking_paths import relocate_mlflow
+        from search.tracking.paths import relocate_mlflow
 
         relocate_mlflow(path)  # a copied or moved directory: its MLflow artifact URIs follow it
     return path

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from search.tracking import (
+from search.tracking.base import (
     PARAM_VALUE_MAX,
     TAG_VALUE_MAX,
     PARAMS_TAGS_PER_BATCH,

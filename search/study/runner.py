@@ -10,14 +10,14 @@ from dataclasses import replace
 import optuna
 from tqdm.auto import tqdm
 
-from search.objective import TrialRunner
-from search.progress import emit, trial_line
-from search.study import (
+from search.study.objective import TrialRunner
+from search.study.progress import emit, trial_line
+from search.study.worker import (
     RunSpec, best_summary, counted, cpu_threads, dispose_study, interrupt_as_keyboard, load_or_create, reap,
     open_tracker, reap_owner, study_dir, worker_id, worker_loop,
 )
-from search.studyfile import load_study_file
-from search.tracking import Tracker
+from search.study.studyfile import load_study_file
+from search.tracking.base import Tracker
 from trainers.errors import LatentsweepError
 
 log = logging.getLogger("latentsweep")
@@ -188,7 +188,7 @@ def _reap_dead_children(study: optuna.Study, tracker: Tracker, procs, reaped: se
 
 def finish(study: optuna.Study, tracker: Tracker) -> dict:
     """Refresh the parent run (summary + Optuna plots) and return the summary."""
-    from search.plots import study_figures
+    from search.tracking.plots import study_figures
 
     summary = best_summary(study)
     try:

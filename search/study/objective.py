@@ -9,11 +9,11 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from search.progress import emit
-from search.space import sample
-from search.storage import redact_url, retry_callback
-from search.studyfile import StudyFile
-from search.tracking import (
+from search.study.progress import emit
+from search.study.space import sample
+from search.study.storage import redact_url, retry_callback
+from search.study.studyfile import StudyFile
+from search.tracking.base import (
     BEST_EPOCH_METRIC, NOTE_TAG, SEARCH_PARAM_PREFIX, SEARCHED_TAG, DatasetRecord, Tracker, best_metric, source_tags,
 )
 from trainers.config import dump_toml, flatten, with_values
@@ -149,7 +149,7 @@ class TrialRunner:
             paths = [p for p in (out / "config.toml", out / "metrics.csv", out / "best.pt") if p.exists()]
             self.tracker.log_artifacts(run_id, paths)
             if ranks is not None:
-                from search.plots import rank_histogram
+                from search.tracking.plots import rank_histogram
 
                 self.tracker.log_figure(run_id, rank_histogram(ranks, f"{self.spec.name} {out.name}"),
                                         "rank_distribution.png")

@@ -14,13 +14,14 @@ from typing import Any, Callable
 import optuna
 from optuna.trial import TrialState
 
-from search.objective import ERROR_ATTR, TrialRunner
-from search.samplers import build_pruner, build_sampler
-from search.storage import (
+from search.study.objective import ERROR_ATTR, TrialRunner
+from search.study.samplers import build_pruner, build_sampler
+from search.study.storage import (
     RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url, schema_lock,
 )
-from search.studyfile import StudyFile
-from search.tracking import REAPED_TAG, Tracker, make_tracker
+from search.study.studyfile import StudyFile
+from search.tracking import make_tracker
+from search.tracking.base import REAPED_TAG, Tracker
 from trainers.errors import LatentsweepError
 
 log = logging.getLogger("latentsweep")
@@ -304,7 +305,7 @@ def best_summary(study: optuna.Study) -> dict[str, Any]:
 
 def study_dir(state_dir: str | Path, name: str) -> Path:
     """STATE/studies/<name>; the name is checked here too, so no caller can write outside the state directory."""
-    from search.state import safe_name
+    from search.stores import safe_name
 
     return Path(state_dir) / "studies" / safe_name(name)
 
