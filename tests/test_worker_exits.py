@@ -95,8 +95,9 @@ def test_interrupt_between_claim_and_run_fails_the_claimed_trial(state, syntheti
 
 
 def test_dead_workers_trials_are_reaped_by_owner_at_once(state, synthetic, tmp_path):
-    from search.cli.study import make_spec
     from search.cli.main import build_parser
+    from search.cli.study import make_spec
+    from search.study.studyfile import load_study_file
     from search.study.worker import claim_trial, dispose_study, load_or_create, reap_owner, worker_id
     from search.tracking import make_tracker
 
@@ -104,7 +105,7 @@ def test_dead_workers_trials_are_reaped_by_owner_at_once(state, synthetic, tmp_p
     args = build_parser().parse_args(["study", "run", str(sf), "--data", str(synthetic), "--state-dir", str(state)])
     spec = make_spec(args)
     tracker = make_tracker(spec.tracking_uri, spec.artifact_root)
-    study = load_or_create(__import__("search.study.studyfile").studyfile.load_study_file(sf), spec, tracker)
+    study = load_or_create(load_study_file(sf), spec, tracker)
     trial = claim_trial(study, spec.n_trials)
     assert trial is not None and study.trials[0].user_attrs["latentsweep.worker"] == worker_id()
     assert reap_owner(study, tracker, "elsewhere:1") == [] and study.trials[0].state.name == "RUNNING"
