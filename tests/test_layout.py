@@ -14,6 +14,8 @@ MAX_LINES = 400
 LAYERS = {"cli": 3, "pick": 2, "study": 1, "tracking": 0, "stores": 0, "process": 0}
 ENTRY = {"search", "search.__main__"}  # the package itself and `python -m search` sit above every layer
 TRAINERS_NEVER = ("search", "optuna", "mlflow")
+# All MLflow access goes through the tracker; the standalone pyfunc module is shipped into the model and loads there.
+MLFLOW_MODULES = {"search.tracking.mlflow", "search.pick.pyfunc_standalone"}
 
 
 def module_name(path: Path) -> str:
@@ -125,6 +127,12 @@ def test_lower_packages_never_import_higher_ones():
 def test_trainers_never_import_search_optuna_or_mlflow(name):
     bad = sorted(n for n in imported_names(name) if n.split(".")[0] in TRAINERS_NEVER)
     assert bad == []
+
+
+def test_only_the_mlflow_tracker_imports_mlflow():
+    users = sorted(name for name in MODULES if name not in MLFLOW_MODULES
+                   and any(n.split(".")[0] == "mlflow" for n in imported_names(name)))
+    assert users == []
 
 
 @pytest.mark.parametrize("name", [n for n in MODULES if n.startswith("search")])

@@ -8,9 +8,7 @@ and the MLflow run is marked FAILED.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -21,10 +19,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from search.pick.pyfunc_model import log_ensemble, model_name
 from search.study.worker import PARENT_ATTR
-from search.tracking.base import (
-    EXPERIMENT_TAGS, NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, default_artifact_root, redact_url, source_tags,
-)
+from search.tracking.base import NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker, redact_url, source_tags
+from search.tracking.plots import ensemble_figure
 from trainers.submission import check_submission, write_submission
 
 PICK_ROLE = "pick"
@@ -58,44 +56,16 @@ def _make_dirs(directory: Path) -> list[Path]:
     return list(reversed(missing))
 
 
-def _client(tracking_uri: str):
-    from mlflow import MlflowClient
-
-    for name in ("mlflow.store.db.utils", "alembic.runtime.migration", "alembic"):  # per-migration INFO lines
-        logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.WARNING)
-    return MlflowClient(tracking_uri)
-
-
-def start_run(client, paths, study, method: str) -> tuple[str, str]:
+def start_run(tracker: Tracker, study, method: str) -> tuple[str, str]:
     """(experiment id, run id) of a new run `pick-<method>` in the study's experiment, nested under its parent run."""
-    from mlflow.exceptions import MlflowException
-
     name = study.study_name
-    exp = client.get_experiment_by_name(name)
-    if exp is None:
-        root = paths.artifact_root or default_artifact_root(paths.tracking_uri)
-        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "study"
-        exp_id = client.create_experiment(name, artifact_location=f"{root.rstrip('/')}/{safe}" if root else None,
-                                          tags=EXPERIMENT_TAGS)
-    else:
-        if exp.lifecycle_stage == "deleted":
-            client.restore_experiment(exp.experiment_id)
-        exp_id = exp.experiment_id
-        for key, value in EXPERIMENT_TAGS.items():
-            if exp.tags.get(key) != value:
-                client.set_experiment_tag(exp_id, key, value)
+    exp_id = tracker.open_experiment(name)
     tags = {ROLE_TAG: PICK_ROLE, STUDY_TAG: name, "latentsweep.method": method,
             **source_tags(f"latentsweep pick {name}")}
     parent = study.user_attrs.get(PARENT_ATTR)
-    if parent:
-        try:
-            if client.get_run(parent).info.experiment_id == exp_id:
-                tags[PARENT_TAG] = parent
-        except MlflowException:
-            pass  # the parent lives in another tracking store: the pick run stands alone
-    return exp_id, client.create_run(exp_id, run_name=f"pick-{method}", tags=tags).info.run_id
+    if parent and tracker.has_run(parent):  # else the parent lives in another tracking store: the run stands alone
+        tags[PARENT_TAG] = parent
+    return exp_id, tracker.start_run(f"pick-{method}", tags)
 
 
 def _seeds(models) -> int:
@@ -103,24 +73,21 @@ def _seeds(models) -> int:
     return len(models) // max(len(members), 1)
 
 
-def _log_refits(client, exp_id: str, run_id: str, models, study_name: str) -> dict[str, str]:
+def _log_refits(tracker: Tracker, run_id: str, models, study_name: str) -> dict[str, str]:
     """One FINISHED MLflow run per refit model, nested under the pick run, with its config and checkpoint;
     returns {model name: run id}."""
-    from mlflow.entities import Param
-
     out = {}
     for m in models:
         if m.job is None:
             continue
         tags = {PARENT_TAG: run_id, ROLE_TAG: "refit", STUDY_TAG: study_name, "latentsweep.member": m.member}
-        child = client.create_run(exp_id, run_name=m.name.replace("/", "-"), tags=tags).info.run_id
-        client.log_batch(child, params=[Param(k, str(v)) for k, v in {
-            "member": m.member, "seed": m.job.cfg.train.seed, "epochs": m.job.cfg.train.stop_after,
-            "schedule_epochs": m.job.cfg.train.epochs, "weight": m.weight}.items()], synchronous=True)
-        for path in (m.job.run_dir / "config.toml", m.job.run_dir / "metrics.csv", m.checkpoint):
-            if path.is_file():
-                client.log_artifact(child, str(path))
-        client.set_terminated(child, status="FINISHED")
+        child = tracker.start_run(m.name.replace("/", "-"), tags)
+        tracker.log_params(child, {"member": m.member, "seed": m.job.cfg.train.seed,
+                                   "epochs": m.job.cfg.train.stop_after, "schedule_epochs": m.job.cfg.train.epochs,
+                                   "weight": m.weight})
+        files = [m.job.run_dir / "config.toml", m.job.run_dir / "metrics.csv", m.checkpoint]
+        tracker.log_artifacts(child, [path for path in files if path.is_file()])
+        tracker.end_run(child)
         out[m.name] = child
     return out
 
@@ -155,8 +122,6 @@ def describe(study_name: str, method: str, sel, models, dims: tuple[int, int]) -
 
 def _figure(opts, sel):
     """Weights and per-member MRR on data the selection never saw (or out-of-fold); None for a single member."""
-    from search.tracking.plots import ensemble_figure
-
     table = sel.table.set_index("role")
     column = {"oof": "oof_mrr", "halves": "report_mrr"}.get(sel.kind)
     if column is None:
@@ -170,25 +135,15 @@ def _figure(opts, sel):
                            f"{opts.study}: {opts.method} ensemble", where)
 
 
-def _log_run(client, run_id: str, opts, cands, sel, models, data, test, note: str) -> None:
-    from mlflow.entities import Metric, Param, RunTag
-
-    from search.tracking.base import DatasetRecord
-    from search.tracking.mlflow import dataset_input
-
-    now = int(time.time() * 1000)
-    params = run_params(opts, cands, sel, models, data, test)
-    metrics = {**sel.metrics, **_gain_metrics(sel)}
-    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()], tags=[RunTag(NOTE_TAG, note)],
-                     synchronous=True)
-    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()], synchronous=True)
+def _log_run(tracker: Tracker, run_id: str, opts, cands, sel, models, data, test, note: str) -> None:
+    tracker.log_params(run_id, run_params(opts, cands, sel, models, data, test))
+    tracker.set_tags(run_id, {NOTE_TAG: note})
+    tracker.log_metrics(run_id, {k: float(v) for k, v in {**sel.metrics, **_gain_metrics(sel)}.items()}, step=0)
     figure = _figure(opts, sel)
     if figure is not None:
-        client.log_figure(run_id, figure, "ensemble_weights.png")
-    client.log_inputs(run_id, [dataset_input(DatasetRecord(Path(data.path).name, data.fingerprint, str(data.path),
-                                                           "train")),
-                               dataset_input(DatasetRecord(Path(test.path).name, test.fingerprint, str(test.path),
-                                                           "test"))])
+        tracker.log_figure(run_id, figure, "ensemble_weights.png")
+    for files, context in ((data, "train"), (test, "test")):
+        tracker.log_dataset(run_id, DatasetRecord(Path(files.path).name, files.fingerprint, str(files.path), context))
 
 
 def manifest(opts, paths, study, cands, sel, models, data, test, run: dict[str, Any]) -> dict[str, Any]:
@@ -220,24 +175,22 @@ def manifest(opts, paths, study, cands, sel, models, data, test, run: dict[str, 
     }
 
 
-def write_outputs(opts, paths, study, cands, sel, models, data, test, test_pred: np.ndarray) -> PickResult:
+def write_outputs(tracker: Tracker, opts, paths, study, cands, sel, models, data, test,
+                  test_pred: np.ndarray) -> PickResult:
     """Stage submission + report, log the MLflow run and model, write the manifest, then move the files into place."""
-    from search.pick.pyfunc_model import log_ensemble, model_name
-
     created = _make_dirs(paths.out.parent)
     stage = Path(tempfile.mkdtemp(prefix=".pick-", dir=paths.out.parent))
-    client, run_id, ok = None, None, False
+    run_id, ok = None, False
     try:
         staged = {p: stage / p.name for p in (paths.out, paths.report, paths.manifest)}
         write_submission(staged[paths.out], test.ids, test_pred)
         check_submission(staged[paths.out], test, dim=test_pred.shape[1])
         sel.table.to_csv(staged[paths.report], index=False)
-        client = _client(paths.tracking_uri)
-        exp_id, run_id = start_run(client, paths, study, opts.method)
+        exp_id, run_id = start_run(tracker, study, opts.method)
         note = describe(study.study_name, opts.method, sel, models, cands[0].dims)
-        _log_run(client, run_id, opts, cands, sel, models, data, test, note)
-        refit_runs = _log_refits(client, exp_id, run_id, models, study.study_name)
-        logged = log_ensemble(client, exp_id, run_id, [(m.name, m.checkpoint) for m in models],
+        _log_run(tracker, run_id, opts, cands, sel, models, data, test, note)
+        refit_runs = _log_refits(tracker, run_id, models, study.study_name)
+        logged = log_ensemble(tracker, run_id, [(m.name, m.checkpoint) for m in models],
                               np.array([m.weight for m in models]), cands[0].dims, register=opts.register,
                               tags={STUDY_TAG: study.study_name, "latentsweep.method": opts.method},
                               name=model_name(study.study_name),
@@ -250,26 +203,25 @@ def write_outputs(opts, paths, study, cands, sel, models, data, test, test_pred:
                "refit_runs": refit_runs}
         doc = manifest(opts, paths, study, cands, sel, models, data, test, run)
         staged[paths.manifest].write_text(json.dumps(doc, indent=2, default=float) + "\n")
-        for path in staged.values():
-            client.log_artifact(run_id, str(path))
-        client.set_terminated(run_id, status="FINISHED")
+        tracker.log_artifacts(run_id, list(staged.values()))
+        tracker.end_run(run_id)
         for final, tmp in staged.items():
             os.replace(tmp, final)
         ok = True
     finally:
         shutil.rmtree(stage, ignore_errors=True)
         if not ok:
-            _undo(client, run_id, created)
+            _undo(tracker, run_id, created)
     return PickResult(paths.out, paths.manifest, paths.report, sel.table, doc["weights"], sel.best_single,
                       float(sel.gain), float(sel.gain_std), sel.kind, run_id, logged.model_uri, paths.tracking_uri,
                       registered)
 
 
-def _undo(client, run_id: str | None, created: list[Path]) -> None:
+def _undo(tracker: Tracker, run_id: str | None, created: list[Path]) -> None:
     """After a failure: mark the MLflow run FAILED and remove directories created for --out (when still empty)."""
-    if client is not None and run_id is not None:
+    if run_id is not None:
         try:
-            client.set_terminated(run_id, status="FAILED")
+            tracker.end_run(run_id, "FAILED")
         except Exception:  # noqa: BLE001 - the original error is the one to report
             pass
     for directory in reversed(created):

@@ -27,6 +27,9 @@ from search.pick import oof as oof_mod
 from search.stores import (
     default_artifact_root, default_tracking_uri, read_only_storage, state_dir, writable_dir,
 )
+from search.tracking import make_tracker
+from search.tracking.base import Tracker
+from search.tracking.paths import resolve_in_state
 from trainers.config import Config, dump_toml, with_values
 from trainers.data import captions_of
 from trainers.errors import DataError, LatentsweepError
@@ -191,12 +194,10 @@ def top_trials(study, k: int) -> list:
     return sorted(done, key=key)[:k]
 
 
-def fetch_checkpoint(trial, tracking_uri: str, download_dir: Path, root: Path | None = None
+def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | None = None
                      ) -> tuple[Path, str] | None:
     """(path, origin) of the trial's best.pt: the local path in user_attrs (relative to the state directory `root`),
-    else downloaded from its MLflow run; None (with a warning naming the trial) if neither."""
-    from search.tracking.paths import resolve_in_state
-
+    else downloaded from its tracked run; None (with a warning naming the trial) if neither."""
     # a pruned trial records no "checkpoint", but its best epoch's best.pt is in its out_dir
     out_dir = trial.user_attrs.get("out_dir")
     local = trial.user_attrs.get("checkpoint") or (f"{out_dir}/best.pt" if out_dir else None)
@@ -205,13 +206,9 @@ def fetch_checkpoint(trial, tracking_uri: str, download_dir: Path, root: Path | 
     run_id = trial.user_attrs.get("mlflow_run_id")
     reason = f"{local or 'no local checkpoint recorded'} is missing"
     if run_id:
-        from mlflow import MlflowClient
-
-        dst = download_dir / f"trial-{trial.number}"
-        dst.mkdir(parents=True, exist_ok=True)
         try:
-            path = MlflowClient(tracking_uri).download_artifacts(run_id, "best.pt", str(dst))
-            return Path(path), f"runs:/{run_id}/best.pt"
+            path = tracker.download_artifact(run_id, "best.pt", download_dir / f"trial-{trial.number}")
+            return path, f"runs:/{run_id}/best.pt"
         except Exception as exc:  # noqa: BLE001 - any failure means: no checkpoint for this trial
             reason += f" and MLflow run {run_id} has no best.pt ({type(exc).__name__})"
     note(f"warning: trial {trial.number} skipped: {reason}")
@@ -229,11 +226,11 @@ def make_candidate(name: str, trial: int, path: Path, origin: str, value: float 
                      best_epoch=int(meta.get("epoch", cfg.train.epochs - 1)))
 
 
-def load_candidates(study, k: int, tracking_uri: str, download_dir: Path, device, root: Path | None = None
+def load_candidates(study, k: int, tracker: Tracker, download_dir: Path, device, root: Path | None = None
                     ) -> list[Candidate]:
     out = []
     for t in top_trials(study, k):
-        found = fetch_checkpoint(t, tracking_uri, download_dir, root)
+        found = fetch_checkpoint(t, tracker, download_dir, root)
         if found is not None:
             value = trial_value(t, study.direction.name == "MAXIMIZE")
             cand = make_candidate(f"trial-{t.number}", t.number, *found, value, device)
@@ -559,7 +556,8 @@ def run_pick(opts: PickOptions):
     study = load_existing_study(opts.study, paths.storage)
     device = resolve_device(opts.device)
     with tempfile.TemporaryDirectory(prefix="latentsweep-pick-") as downloads:
-        cands = load_candidates(study, opts.top, paths.tracking_uri, Path(downloads), device, paths.root)
+        tracker = make_tracker(paths.tracking_uri, paths.artifact_root)
+        cands = load_candidates(study, opts.top, tracker, Path(downloads), device, paths.root)
         data_path, test_path = resolve_data(opts, cands)
         test = load_test(test_path)
         check_test(cands, test)
@@ -576,4 +574,4 @@ def run_pick(opts: PickOptions):
         sel.table = pd.concat([sel.table, made], ignore_index=True)
         test_pred = ensemble.combine(outputs([m.model for m in models], test.embeddings, device),
                                      [m.weight for m in models])
-        return write_outputs(opts, paths, study, cands, sel, models, data, test, test_pred)
+        return write_outputs(tracker, opts, paths, study, cands, sel, models, data, test, test_pred)

@@ -8,10 +8,9 @@ import logging
 import os
 import re
 import subprocess
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from trainers.config import flatten_tree
 
@@ -55,7 +54,7 @@ PLOTS_DIR = "plots"
 # tag optuna.state=PRUNED, so MLflow's red mark is left to failures; INTERRUPTED (Ctrl-C / SIGTERM) is ours: the
 # trial is FAIL in Optuna and retried.
 STATUS_OF_STATE = {"COMPLETE": "FINISHED", "PRUNED": "FINISHED", "INTERRUPTED": "KILLED"}  # anything else -> FAILED
-_DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 @runtime_checkable
@@ -74,6 +73,15 @@ class Tracker(Protocol):
     def end_study(self, summary: dict[str, Any], figures: dict[str, Any]) -> None: ...
     def find_trial_run(self, number: int) -> str | None: ...
     def close_stale_runs(self, alive_numbers: set[int]) -> list[str]: ...
+    # runs outside a study's trials (`latentsweep pick`): in the study's experiment, without its parent run
+    def open_experiment(self, study_name: str) -> str: ...
+    def has_run(self, run_id: str) -> bool: ...
+    def start_run(self, run_name: str, tags: dict[str, Any]) -> str: ...
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None: ...
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None: ...
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None: ...
+    def download_artifact(self, run_id: str, path: str, directory: Path) -> Path: ...
+    def log_model(self, run_id: str, spec: ModelSpec, register: str | None = None) -> LoggedModel: ...
 
 
 # ---------------------------------------------------------------- helpers shared by both trackers
@@ -104,7 +112,7 @@ def redact_values(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _clean_key(key: str) -> str:
+def clean_key(key: str) -> str:
     """A valid, path-unique MLflow key: bad characters -> '_', no empty/'.'/'..' segments, at most KEY_MAX chars."""
     parts = [p for p in _BAD_KEY_CHARS.sub("_", str(key)).split("/") if p not in ("", ".")]
     clean = "/".join("__" if p == ".." else p for p in parts) or "_"
@@ -120,35 +128,35 @@ def _clip(value: str, limit: int) -> str:
     return value[: limit - len(note)] + note
 
 
-def _clean_items(values: dict[str, Any], value_limit: int) -> dict[str, str]:
+def clean_items(values: dict[str, Any], value_limit: int) -> dict[str, str]:
     """Flatten, stringify, redact, and make keys/values fit MLflow; keys that collide after cleaning get a hash."""
     out: dict[str, str] = {}
     for key, value in redact_values({k: str(v) for k, v in flatten_tree(values).items()}).items():
-        clean = _clean_key(key)
+        clean = clean_key(key)
         if clean in out:
-            clean = _clean_key(f"{clean[:KEY_MAX - 9]}~{hashlib.sha1(key.encode()).hexdigest()[:8]}")
+            clean = clean_key(f"{clean[:KEY_MAX - 9]}~{hashlib.sha1(key.encode()).hexdigest()[:8]}")
         out[clean] = _clip(value, value_limit)
     return out
 
 
-def _clean_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    return {_clean_key(k): float(v) for k, v in metrics.items() if v is not None}
+def clean_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    return {clean_key(k): float(v) for k, v in metrics.items() if v is not None}
 
 
-def _status_of(state: Any) -> tuple[str, str]:
+def status_of(state: Any) -> tuple[str, str]:
     """(Optuna state name, MLflow run status) of an Optuna TrialState or its name."""
     name = str(getattr(state, "name", state)).split(".")[-1].upper()
     return name, STATUS_OF_STATE.get(name, "FAILED")
 
 
-def _trial_tags(number: int, study: str, parent: str, tags: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+def trial_tags(number: int, study: str, parent: str, tags: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     """(nesting tags, cleaned user tags); a user tag never overrides a nesting tag."""
     base = {PARENT_TAG: parent, ROLE_TAG: "trial", TRIAL_TAG: str(number), STUDY_TAG: study}
-    user = {k: v for k, v in _clean_items(tags, TAG_VALUE_MAX).items() if k not in base}
+    user = {k: v for k, v in clean_items(tags, TAG_VALUE_MAX).items() if k not in base}
     return base, user
 
 
-def _parent_tags(study: str, settings: dict[str, Any]) -> dict[str, str]:
+def parent_tags(study: str, settings: dict[str, Any]) -> dict[str, str]:
     tags = {ROLE_TAG: "parent", STUDY_TAG: study, **source_tags(f"latentsweep study {study}")}
     if settings.get(DESCRIPTION_SETTING):
         tags[NOTE_TAG] = _clip(str(settings[DESCRIPTION_SETTING]), TAG_VALUE_MAX)
@@ -165,15 +173,15 @@ def _uid(value: Any) -> str:
     return text if re.fullmatch(r"[\w.\-:]{1,64}", text) else hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def _split_settings(existing: dict[str, str], settings: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+def split_settings(existing: dict[str, str], settings: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     """(new params, tags): params are immutable in MLflow, so a setting that changed since creation becomes a tag."""
     params, tags = {}, {}
     settings = {k: v for k, v in settings.items() if k != DESCRIPTION_SETTING}
-    for key, value in _clean_items(settings, PARAM_VALUE_MAX).items():
+    for key, value in clean_items(settings, PARAM_VALUE_MAX).items():
         if key not in existing:
             params[key] = value
         elif existing[key] != value:
-            tags[_clean_key(f"setting.{key}")] = value
+            tags[clean_key(f"setting.{key}")] = value
     return params, tags
 
 
@@ -227,20 +235,46 @@ class DatasetRecord:
     profile: dict[str, Any] | None = None
 
 
-def _summary_entries(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+@dataclass(frozen=True)
+class ModelSpec:
+    """A models-from-code pyfunc model: its code file, a function that writes its artifacts into a directory and
+    returns them as {key: path}, its output width, and what is shown with it."""
+    name: str
+    code: Path
+    stage: Callable[[Path], dict[str, str]]
+    output_dim: int  # the output is float32 [N, output_dim]
+    model_type: str
+    requirements: tuple[str, ...] = ()  # pip requirements besides the tracking library itself
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # linked to the model and its source run
+    description: str | None = None
+    registry_description: str = ""  # of the registered model, when `register` creates it
+
+
+@dataclass(frozen=True)
+class LoggedModel:
+    model_id: str
+    model_uri: str  # models:/<model_id>
+    registered_name: str | None = None
+    registered_version: str | None = None
+
+
+def summary_entries(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
     """Numbers -> metrics; best_params -> tags best.<key>; anything else -> tags summary.<key> (tags can change)."""
     metrics, tags = {}, {}
     for key, value in summary.items():
         if key == "best_params":
-            tags.update(_clean_items({f"best.{k}": v for k, v in (value or {}).items()}, TAG_VALUE_MAX))
+            tags.update(clean_items({f"best.{k}": v for k, v in (value or {}).items()}, TAG_VALUE_MAX))
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            metrics[_clean_key(key)] = float(value)
+            metrics[clean_key(key)] = float(value)
         elif value is not None:
-            tags.update(_clean_items({f"summary.{key}": value}, TAG_VALUE_MAX))
+            tags.update(clean_items({f"summary.{key}": value}, TAG_VALUE_MAX))
     return metrics, tags
 
 
-def _close_figure(figure: Any) -> None:
+def close_figure(figure: Any) -> None:
     """Release a matplotlib figure (pyplot keeps every open figure alive); other figure types need nothing."""
     try:
         from matplotlib.figure import Figure
@@ -279,7 +313,7 @@ def default_artifact_root(tracking_uri: str) -> str | None:
     return None
 
 
-def _artifact_location(root: str, experiment: str) -> str:
+def artifact_location(root: str, experiment: str) -> str:
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "study"
     if "://" in root or root.startswith("file:"):
         return f"{root.rstrip('/')}/{name}"
@@ -294,31 +328,3 @@ def _quiet_mlflow_logs() -> None:
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET:
             logger.setLevel(logging.WARNING)
-
-
-def _transient_errors() -> tuple[type[BaseException], ...]:
-    from mlflow.exceptions import MlflowException
-
-    errors: list[type[BaseException]] = [MlflowException, OSError]
-    try:
-        import requests
-
-        errors.append(requests.exceptions.RequestException)
-    except ImportError:
-        pass
-    try:
-        import sqlalchemy.exc
-
-        errors.append(sqlalchemy.exc.SQLAlchemyError)
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
-def _chunks(items: list, size: int):
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)

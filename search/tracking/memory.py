@@ -1,36 +1,36 @@
 """An in-memory tracker with the same interface as the MLflow one, for unit tests and benchmarks."""
 from __future__ import annotations
 
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
 from search.tracking.base import (
     PARAM_VALUE_MAX,
-    TAG_VALUE_MAX,
-    ROLE_TAG,
-    STUDY_TAG,
-    UID_TAG,
-    REAPED_TAG,
-    TRIAL_TAG,
-    STATE_TAG,
     PARENT_TAG,
     PLOTS_DIR,
-    _clean_items,
-    _clean_metrics,
-    _status_of,
-    _trial_tags,
-    _parent_tags,
-    _split_settings,
-    _summary_entries,
-    _close_figure,
+    REAPED_TAG,
+    ROLE_TAG,
+    STATE_TAG,
+    STUDY_TAG,
+    TAG_VALUE_MAX,
+    TRIAL_TAG,
+    UID_TAG,
     DatasetRecord,
+    LoggedModel,
+    ModelSpec,
+    clean_items,
+    clean_metrics,
+    close_figure,
     experiment_tags,
+    parent_tags,
+    split_settings,
+    status_of,
+    summary_entries,
+    trial_tags,
 )
 from trainers.errors import LatentsweepError
-
-
-# ---------------------------------------------------------------- in memory
 
 
 class InMemoryTracker:
@@ -41,6 +41,8 @@ class InMemoryTracker:
         self.study_name: str | None = None
         self.parent_run_id: str | None = None
         self.experiment_tags: dict[str, str] = {}
+        self.experiment_id: str | None = None
+        self.models: dict[str, dict[str, Any]] = {}  # model id -> name, source run, files, registered name
 
     def _new_run(self, name: str, tags: dict[str, str]) -> str:
         run_id = uuid.uuid4().hex
@@ -54,13 +56,13 @@ class InMemoryTracker:
         return self.parent_run_id
 
     def ensure_study(self, study_name: str, settings: dict[str, Any]) -> str:
-        tags = _parent_tags(study_name, settings)
+        tags = parent_tags(study_name, settings)
         self.experiment_tags.update(experiment_tags(settings))
         parents = [rid for rid, run in self.runs.items() if run["tags"].get(ROLE_TAG) == "parent"
                    and run["tags"].get(STUDY_TAG) == study_name
                    and (UID_TAG not in tags or run["tags"].get(UID_TAG) == tags[UID_TAG])]
         parent = parents[0] if parents else self._new_run(f"study-{study_name}", tags)
-        params, changed = _split_settings(self.runs[parent]["params"], settings)
+        params, changed = split_settings(self.runs[parent]["params"], settings)
         self.runs[parent]["params"].update(params)
         self.runs[parent]["tags"].update(changed)
         self.runs[parent]["status"] = "RUNNING"
@@ -76,20 +78,20 @@ class InMemoryTracker:
         self.study_name, self.parent_run_id = study_name, parent_run_id
 
     def start_trial(self, number: int, params: dict[str, Any], tags: dict[str, Any]) -> str:
-        base, user = _trial_tags(number, self.study_name, self._require_study(), tags)
+        base, user = trial_tags(number, self.study_name, self._require_study(), tags)
         run_id = self._new_run(f"trial-{number}", {**base, **user})
-        self.runs[run_id]["params"].update(_clean_items(params, PARAM_VALUE_MAX))
+        self.runs[run_id]["params"].update(clean_items(params, PARAM_VALUE_MAX))
         return run_id
 
     def log_epoch(self, run_id: str, metrics: dict[str, float], step: int) -> None:
-        for key, value in _clean_metrics(metrics).items():
+        for key, value in clean_metrics(metrics).items():
             self.runs[run_id]["metrics"].setdefault(key, []).append((int(step), value))
 
     def log_dataset(self, run_id: str, dataset: DatasetRecord) -> None:
         self.runs[run_id]["inputs"].append(dataset)
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
-        self.runs[run_id]["tags"].update(_clean_items(tags, TAG_VALUE_MAX))
+        self.runs[run_id]["tags"].update(clean_items(tags, TAG_VALUE_MAX))
 
     def log_artifacts(self, run_id: str, paths: list[Path], artifact_path: str | None = None) -> None:
         prefix = f"{artifact_path}/" if artifact_path else ""
@@ -105,16 +107,16 @@ class InMemoryTracker:
 
     def log_figure(self, run_id: str, figure: Any, name: str) -> None:
         self.runs[run_id]["artifacts"].append(name)
-        _close_figure(figure)
+        close_figure(figure)
 
     def end_trial(self, run_id: str, state: Any) -> None:
-        name, status = _status_of(state)
+        name, status = status_of(state)
         self.runs[run_id]["tags"][STATE_TAG] = name
         self.runs[run_id]["status"] = status
 
     def end_study(self, summary: dict[str, Any], figures: dict[str, Any]) -> None:
         parent = self.runs[self._require_study()]
-        metrics, tags = _summary_entries(summary)
+        metrics, tags = summary_entries(summary)
         step = int(summary.get("trials_total", 0))
         for key, value in metrics.items():
             parent["metrics"].setdefault(key, []).append((step, value))
@@ -144,3 +146,37 @@ class InMemoryTracker:
                 run["tags"][STATE_TAG] = "FAIL"
                 closed.append(rid)
         return closed
+
+    # ----- runs outside the trials (`latentsweep pick`) and models
+
+    def open_experiment(self, study_name: str) -> str:
+        self.study_name, self.experiment_id = study_name, study_name
+        return study_name
+
+    def has_run(self, run_id: str) -> bool:
+        return run_id in self.runs and self.runs[run_id]["tags"].get(STUDY_TAG) == self.study_name
+
+    def start_run(self, run_name: str, tags: dict[str, Any]) -> str:
+        return self._new_run(run_name, clean_items(tags, TAG_VALUE_MAX))
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        self.runs[run_id]["params"].update(clean_items(params, PARAM_VALUE_MAX))
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        self.log_epoch(run_id, metrics, step)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.runs[run_id]["status"] = status
+
+    def download_artifact(self, run_id: str, path: str, directory: Path) -> Path:
+        raise LatentsweepError(f"run {run_id}: the in-memory tracker keeps artifact names, not files ({path})")
+
+    def log_model(self, run_id: str, spec: ModelSpec, register: str | None = None) -> LoggedModel:
+        """Stages the model's artifacts (so their code runs) and records their file names."""
+        model_id = uuid.uuid4().hex
+        with tempfile.TemporaryDirectory(prefix="latentsweep-model-") as tmp:
+            artifacts = spec.stage(Path(tmp))
+            files = sorted(f.relative_to(tmp).as_posix() for f in Path(tmp).rglob("*") if f.is_file())
+        self.models[model_id] = {"name": spec.name, "run_id": run_id, "artifacts": sorted(artifacts), "files": files,
+                                 "registered": register}
+        return LoggedModel(model_id, f"models:/{model_id}", register, "1" if register else None)

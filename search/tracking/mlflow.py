@@ -1,62 +1,83 @@
-"""The MLflow tracker: studies, trial runs, epochs, artifacts and reaping through MlflowClient only."""
+"""The MLflow tracker, the only module of search/ that talks to MLflow: studies, trial runs, epochs, artifacts, reaping,
+and the runs and pyfunc models of `latentsweep pick`, all through MlflowClient (no fluent run state)."""
 from __future__ import annotations
 
+import json
+import tempfile
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+import mlflow
+import mlflow.pyfunc
+import numpy as np
+import requests
+import sqlalchemy.exc
+from mlflow import MlflowClient
+from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelOutput, Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.models import Model, ModelSignature
+from mlflow.types import Schema, TensorSpec
+
 from search.tracking.base import (
-    PARAM_VALUE_MAX,
-    TAG_VALUE_MAX,
-    PARAMS_TAGS_PER_BATCH,
-    METRICS_PER_BATCH,
-    ROLE_TAG,
-    UID_TAG,
-    REAPED_TAG,
-    TRIAL_TAG,
-    STATE_TAG,
-    PLOTS_DIR,
-    _DB_SCHEMES,
-    redact_url,
-    _clean_items,
-    _clean_metrics,
-    _status_of,
-    _trial_tags,
-    _parent_tags,
-    _split_settings,
-    _summary_entries,
-    _close_figure,
-    default_artifact_root,
-    _artifact_location,
-    _quiet_mlflow_logs,
-    _transient_errors,
-    _chunks,
-    _now_ms,
-    DatasetRecord,
+    DB_SCHEMES,
     EXPERIMENT_TAGS,
+    METRICS_PER_BATCH,
+    NOTE_TAG,
+    PARAM_VALUE_MAX,
+    PARAMS_TAGS_PER_BATCH,
+    PLOTS_DIR,
+    REAPED_TAG,
+    ROLE_TAG,
+    STATE_TAG,
+    TAG_VALUE_MAX,
+    TRIAL_TAG,
+    UID_TAG,
+    DatasetRecord,
+    LoggedModel,
+    ModelSpec,
+    _quiet_mlflow_logs,
+    artifact_location,
+    clean_items,
+    clean_metrics,
+    close_figure,
+    default_artifact_root,
     experiment_tags,
     log,
+    parent_tags,
+    redact_url,
+    split_settings,
+    status_of,
+    summary_entries,
+    trial_tags,
 )
 from trainers.errors import ConfigError, LatentsweepError
 
+# What a tracking outage raises: logging an epoch survives these (a trial never dies of its tracking).
+TRANSIENT_ERRORS = (MlflowException, OSError, requests.exceptions.RequestException, sqlalchemy.exc.SQLAlchemyError)
 
-def dataset_input(dataset: DatasetRecord):
+
+def dataset_input(dataset: DatasetRecord) -> DatasetInput:
     """The DatasetInput mlflow.log_input would log for a local file (source type `local`, digest <= 36 chars)."""
-    import json
-
-    from mlflow.entities import Dataset, DatasetInput, InputTag
-
     entity = Dataset(name=dataset.name, digest=dataset.digest[:36], source_type="local",
                      source=json.dumps({"uri": dataset.source}), schema="", profile=json.dumps(dataset.profile or {}))
     return DatasetInput(entity, [InputTag("mlflow.data.context", dataset.context)])
+
+
+def _chunks(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 class MlflowTracker:
     """Tracker on an MLflow tracking URI (sqlite:///…, postgresql://…, http(s)://…) through MlflowClient only."""
 
     def __init__(self, tracking_uri: str, artifact_root: str | None = None):
-        from mlflow import MlflowClient
-        from mlflow.exceptions import MlflowException
-
         _quiet_mlflow_logs()
         self.tracking_uri = tracking_uri
         self.artifact_root = artifact_root if artifact_root is not None else default_artifact_root(tracking_uri)
@@ -76,7 +97,7 @@ class MlflowTracker:
     def ensure_study(self, study_name: str, settings: dict[str, Any]) -> str:
         """Get-or-create the experiment and the parent run `study-<name>`; the oldest parent wins a race."""
         self._bind_experiment(study_name, create=True, tags=experiment_tags(settings))
-        tags = _parent_tags(study_name, settings)
+        tags = parent_tags(study_name, settings)
         parent = self._find_parent(tags.get(UID_TAG))
         if parent is None:
             created = self.client.create_run(self.experiment_id, run_name=f"study-{study_name}", tags=tags).info.run_id
@@ -85,15 +106,13 @@ class MlflowTracker:
                 self.client.delete_run(created)
         self.parent_run_id = parent
         existing = self.client.get_run(parent).data.params
-        params, changed = _split_settings(existing, settings)
+        params, changed = split_settings(existing, settings)
         self._log_batch(parent, params=params, tags=changed)
         self.client.update_run(parent, status="RUNNING")
         return parent
 
     def attach_study(self, study_name: str, parent_run_id: str, reopen: bool = True) -> None:
         """Bind to the study's parent run; `reopen`: mark it RUNNING again (a run resumes; `study reap` does not)."""
-        from mlflow.exceptions import MlflowException
-
         self._bind_experiment(study_name, create=False)
         try:
             info = self.client.get_run(parent_run_id).info
@@ -108,11 +127,9 @@ class MlflowTracker:
 
     def end_study(self, summary: dict[str, Any], figures: dict[str, Any]) -> None:
         """Refresh the parent's summary metrics/tags and plots, then mark it FINISHED."""
-        from mlflow.entities import Metric
-
         parent = self._require_study()
         try:
-            metrics, tags = _summary_entries(summary)
+            metrics, tags = summary_entries(summary)
             step, now = int(summary.get("trials_total", 0)), _now_ms()
             self._log_batch(parent, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], tags=tags)
             stale = [k for k in self.client.get_run(parent).data.tags if k.startswith("best.") and k not in tags]
@@ -122,27 +139,23 @@ class MlflowTracker:
                 self.log_figure(parent, figure, f"{PLOTS_DIR}/{name}")
         finally:
             for figure in figures.values():
-                _close_figure(figure)
+                close_figure(figure)
         self.client.set_terminated(parent, status="FINISHED")
 
     # ----- trials
 
     def start_trial(self, number: int, params: dict[str, Any], tags: dict[str, Any]) -> str:
         parent = self._require_study()
-        base, user = _trial_tags(number, self.study_name, parent, tags)
+        base, user = trial_tags(number, self.study_name, parent, tags)
         run_id = self.client.create_run(self.experiment_id, run_name=f"trial-{number}", tags=base).info.run_id
-        self._log_batch(run_id, params=_clean_items(params, PARAM_VALUE_MAX), tags=user)
+        self._log_batch(run_id, params=clean_items(params, PARAM_VALUE_MAX), tags=user)
         return run_id
 
     def log_epoch(self, run_id: str, metrics: dict[str, float], step: int) -> None:
         """Log one epoch's metrics; a tracking outage is warned about once and never ends the trial."""
-        from mlflow.entities import Metric
-
-        now = _now_ms()
-        batch = [Metric(k, v, now, int(step)) for k, v in _clean_metrics(metrics).items()]
         try:
-            self._log_batch(run_id, metrics=batch)
-        except _transient_errors() as exc:
+            self.log_metrics(run_id, metrics, step)
+        except TRANSIENT_ERRORS as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if not self._warned:
                 self._warned = True
@@ -156,7 +169,7 @@ class MlflowTracker:
         self.client.log_inputs(run_id, [dataset_input(dataset)])
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
-        self._log_batch(run_id, tags=_clean_items(tags, TAG_VALUE_MAX))
+        self._log_batch(run_id, tags=clean_items(tags, TAG_VALUE_MAX))
 
     def log_artifacts(self, run_id: str, paths: list[Path], artifact_path: str | None = None) -> None:
         """Files go under artifact_path; a directory goes under artifact_path/<its name>."""
@@ -173,10 +186,10 @@ class MlflowTracker:
         try:
             self.client.log_figure(run_id, figure, name)
         finally:
-            _close_figure(figure)
+            close_figure(figure)
 
     def end_trial(self, run_id: str, state: Any) -> None:
-        name, status = _status_of(state)
+        name, status = status_of(state)
         self.client.set_tag(run_id, STATE_TAG, name)
         self.client.set_terminated(run_id, status=status)
 
@@ -203,20 +216,104 @@ class MlflowTracker:
             closed.append(run.info.run_id)
         return closed
 
+    # ----- runs outside the trials (`latentsweep pick`) and models
+
+    def open_experiment(self, study_name: str) -> str:
+        """Get-or-create the study's experiment without touching its parent run; returns its id. Without an artifact
+        root the tracking server chooses where a new experiment's artifacts go."""
+        self._bind_experiment(study_name, create=True, location_required=False)
+        return self.experiment_id
+
+    def has_run(self, run_id: str) -> bool:
+        """Whether `run_id` is a run of the bound experiment (a study's parent may live in another tracking store)."""
+        try:
+            return self.client.get_run(run_id).info.experiment_id == self.experiment_id
+        except MlflowException:
+            return False
+
+    def start_run(self, run_name: str, tags: dict[str, Any]) -> str:
+        """A RUNNING run in the bound experiment (nested under another when tags carry mlflow.parentRunId)."""
+        return self.client.create_run(self.experiment_id, run_name=run_name,
+                                      tags=clean_items(tags, TAG_VALUE_MAX)).info.run_id
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        self._log_batch(run_id, params=clean_items(params, PARAM_VALUE_MAX))
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        now = _now_ms()
+        self._log_batch(run_id, metrics=[Metric(k, v, now, int(step)) for k, v in clean_metrics(metrics).items()])
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def download_artifact(self, run_id: str, path: str, directory: Path) -> Path:
+        """Copy the run's artifact `path` into `directory` (created if missing); returns the local file."""
+        directory.mkdir(parents=True, exist_ok=True)
+        return Path(self.client.download_artifacts(run_id, path, str(directory)))
+
+    def log_model(self, run_id: str, spec: ModelSpec, register: str | None = None) -> LoggedModel:
+        """Log `spec` as a pyfunc LoggedModel output of run `run_id`, with its params, metrics (linked to the run)
+        and description; the model directory is saved locally with `mlflow.pyfunc.save_model` and uploaded with
+        `log_model_artifacts`. Registered under `register` if given. A failure marks the model FAILED."""
+        tags = dict(spec.tags)
+        if spec.description:
+            tags[NOTE_TAG] = spec.description
+        model = self.client.create_logged_model(self.experiment_id, name=spec.name, source_run_id=run_id,
+                                                model_type=spec.model_type, tags=tags,
+                                                params={k: str(v) for k, v in spec.params.items()})
+        try:
+            with tempfile.TemporaryDirectory(prefix="latentsweep-pyfunc-") as tmp:
+                artifacts = spec.stage(Path(tmp) / "staged")
+                local = Path(tmp) / "model"
+                meta = Model(artifact_path=model.artifact_location, run_id=run_id, model_uuid=model.model_id,
+                             model_id=model.model_id)
+                signature = ModelSignature(outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, spec.output_dim))]))
+                with warnings.catch_warnings():
+                    # MLflow suggests type hints and an input example; the model's docstrings and metadata say it.
+                    warnings.simplefilter("ignore", UserWarning)
+                    mlflow.pyfunc.save_model(str(local), python_model=str(spec.code), artifacts=artifacts,
+                                             signature=signature, mlflow_model=meta, metadata=spec.metadata,
+                                             pip_requirements=[f"mlflow=={mlflow.__version__}", *spec.requirements])
+                    self.client.log_model_artifacts(model.model_id, str(local))
+        except BaseException:
+            self.client.finalize_logged_model(model.model_id, "FAILED")
+            raise
+        self.client.finalize_logged_model(model.model_id, "READY")
+        for key, value in spec.metrics.items():  # shown on the model's page and in its metrics column
+            self.client.log_metric(run_id, key, float(value), step=0, model_id=model.model_id)
+        self.client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
+        uri = f"models:/{model.model_id}"
+        if register is None:
+            return LoggedModel(model.model_id, uri)
+        version = self._register(register, spec.registry_description, model.model_id, model.artifact_location, run_id)
+        return LoggedModel(model.model_id, uri, register, version)
+
+    def _register(self, name: str, description: str, model_id: str, source: str, run_id: str) -> str:
+        """Create (if needed) the registered model `name` and a new version of the LoggedModel `model_id`.
+
+        source is the LoggedModel's artifact location, not models:/<model_id>: MLflow 3.17's SQL registry store
+        resolves a models:/ source through the process-wide tracking URI (its own TODO), which may not be this client's.
+        """
+        try:
+            self.client.create_registered_model(name, description=description)
+        except MlflowException as exc:
+            if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+                raise
+        return str(self.client.create_model_version(name, source=source, run_id=run_id, model_id=model_id).version)
+
     # ----- internals
 
-    def _bind_experiment(self, name: str, create: bool, tags: dict[str, str] | None = None) -> None:
+    def _bind_experiment(self, name: str, create: bool, tags: dict[str, str] | None = None,
+                         location_required: bool = True) -> None:
         """Find (or create) the study's experiment and make sure it carries `tags` (default: its kind only)."""
-        from mlflow.exceptions import MlflowException
-
         tags = tags or dict(EXPERIMENT_TAGS)
         exp = self.client.get_experiment_by_name(name)
         if exp is None and not create:
             raise LatentsweepError(f"MLflow experiment '{name}' not found in {redact_url(self.tracking_uri)}")
         if exp is None:
             try:
-                self.experiment_id = self.client.create_experiment(name, artifact_location=self._location(name),
-                                                                   tags=tags)
+                location = self._location(name, location_required)
+                self.experiment_id = self.client.create_experiment(name, artifact_location=location, tags=tags)
             except MlflowException as exc:
                 if exc.error_code != "RESOURCE_ALREADY_EXISTS":  # else another worker created it just now
                     raise
@@ -230,10 +327,10 @@ class MlflowTracker:
                     self.client.set_experiment_tag(exp.experiment_id, key, value)
         self.study_name = name
 
-    def _location(self, name: str) -> str | None:
+    def _location(self, name: str, required: bool = True) -> str | None:
         if self.artifact_root is not None:
-            return _artifact_location(self.artifact_root, name)
-        if self.tracking_uri.split(":", 1)[0].split("+")[0] in _DB_SCHEMES:
+            return artifact_location(self.artifact_root, name)
+        if required and self.tracking_uri.split(":", 1)[0].split("+")[0] in DB_SCHEMES:
             # MLflow would default to ./mlruns of whichever process creates the experiment
             raise ConfigError(f"MLflow tracking URI {redact_url(self.tracking_uri)} is a database: "
                               "an artifact root is required")
@@ -263,8 +360,6 @@ class MlflowTracker:
     def _log_batch(self, run_id: str, params: dict[str, str] | None = None, tags: dict[str, str] | None = None,
                    metrics: list | None = None) -> None:
         """log_batch split to MLflow's per-request limits (100 params, 100 tags, 1000 metrics)."""
-        from mlflow.entities import Param, RunTag
-
         for chunk in _chunks([Param(k, v) for k, v in (params or {}).items()], PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(run_id, params=chunk, synchronous=True)
         for chunk in _chunks([RunTag(k, v) for k, v in (tags or {}).items()], PARAMS_TAGS_PER_BATCH):
