@@ -10,7 +10,8 @@ import optuna
 import pytest
 
 from search.tracking import make_tracker, plots
-from search.tracking.base import PARAM_VALUE_MAX, redact_url, redact_values, study_summary
+from search.study.report import study_summary
+from search.tracking.base import PARAM_VALUE_MAX, redact_url, redact_values
 from search.tracking.memory import InMemoryTracker
 from search.tracking.mlflow import MlflowTracker
 from trainers.errors import LatentsweepError
@@ -107,7 +108,7 @@ def test_in_memory_tracker_records_runs(tmp_path):
     assert tr.close_stale_runs(alive_numbers=set()) == [runs[2]]
     assert tr.runs[runs[2]]["tags"]["latentsweep.reaped"] == "true"
     assert tr.find_trial_run(1) == runs[1] and tr.find_trial_run(7) is None
-    tr.end_study({"trials_complete": 1, "trials_total": 3, "best_params": {"optim.lr": 0.1}}, {})
+    tr.end_study({"trials_complete": 1, "trials_finished": 3, "best_params": {"optim.lr": 0.1}}, {})
     assert tr.runs[parent]["status"] == "FINISHED" and tr.runs[parent]["tags"]["best.optim.lr"] == "0.1"
     assert tr.runs[parent]["metrics"]["trials_complete"] == [(3, 1.0)]
 
@@ -260,7 +261,9 @@ def test_end_study_writes_summary_and_plots(tracker):
     assert plt.get_fignums() == []  # logged figures are closed
     run = tracker.client.get_run(parent)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["trials_complete"] == 3 and run.data.metrics["trials_failed"] == 0
+    assert run.data.metrics["trials_complete"] == 3 and run.data.metrics["trials_fail"] == 0
+    # the summary's step is the number of finished trials, so its history shows the study's progress
+    assert [m.step for m in tracker.client.get_metric_history(parent, "trials_complete")] == [3]
     assert run.data.metrics["best_value"] == pytest.approx(study.best_value)
     assert run.data.tags["best.x"] == str(study.best_params["x"])
     listed = {f.path for f in tracker.client.list_artifacts(parent, "plots")}

@@ -2,9 +2,13 @@
 the benchmarks."""
 from __future__ import annotations
 
+from typing import Any
+
 import optuna
 import pandas as pd
+from optuna.trial import TrialState
 
+from search.tracking.base import SUMMARY_STEP_KEY
 from trainers.errors import LatentsweepError
 
 FIXED = ["number", "state", "value", "duration_s"]
@@ -52,6 +56,23 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
 def trials_table(name: str, storage: str, varying_only: bool = True) -> pd.DataFrame:
     """study_table of the study `name` in `storage`."""
     return study_table(load_existing_study(name, storage), varying_only)
+
+
+def study_summary(study: optuna.Study) -> dict[str, Any]:
+    """Trials by state (trials_complete, trials_pruned, trials_fail, trials_running, trials_waiting), how many there
+    are and how many finished (complete, pruned or failed), and the best trial when one completed (single objective;
+    a multi-objective study gives the size of its Pareto front). The CLI prints it; the parent run logs it with the
+    finished count as the step."""
+    trials = study.get_trials(deepcopy=False)
+    summary: dict[str, Any] = {f"trials_{s.name.lower()}": sum(t.state == s for t in trials) for s in TrialState}
+    summary["trials_total"] = len(trials)
+    summary[SUMMARY_STEP_KEY] = sum(t.state.is_finished() for t in trials)
+    if summary["trials_complete"] and len(study.directions) == 1:
+        best = study.best_trial
+        summary.update(best_value=best.value, best_trial=best.number, best_params=dict(best.params))
+    elif summary["trials_complete"]:
+        summary["pareto_front_size"] = len(study.best_trials)
+    return summary
 
 
 def study_header(study: optuna.Study) -> str:

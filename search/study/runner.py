@@ -12,11 +12,12 @@ from tqdm.auto import tqdm
 
 from search.study.objective import TrialRunner
 from search.study.progress import emit, trial_line
+from search.study.report import study_summary
+from search.study.studyfile import load_study_file
 from search.study.worker import (
-    RunSpec, best_summary, counted, cpu_threads, dispose_study, interrupt_as_keyboard, load_or_create, reap,
+    RunSpec, counted, cpu_threads, dispose_study, interrupt_as_keyboard, load_or_create, reap,
     open_tracker, reap_owner, study_dir, worker_id, worker_loop,
 )
-from search.study.studyfile import load_study_file
 from search.tracking.base import Tracker
 from trainers.errors import LatentsweepError
 
@@ -190,7 +191,7 @@ def finish(study: optuna.Study, tracker: Tracker) -> dict:
     """Refresh the parent run (summary + Optuna plots) and return the summary."""
     from search.tracking.plots import study_figures
 
-    summary = best_summary(study)
+    summary = study_summary(study)
     try:
         tracker.end_study(summary, study_figures(study, study.user_attrs.get("objective")))
     except Exception as exc:  # noqa: BLE001 - the study's results are in Optuna either way

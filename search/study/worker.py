@@ -292,17 +292,6 @@ def with_threads(spec: RunSpec, threads: int) -> RunSpec:
     return replace(spec, threads=threads)
 
 
-def best_summary(study: optuna.Study) -> dict[str, Any]:
-    """Trials by state and the best trial (when any completed), for the parent run and the CLI."""
-    trials = study.get_trials(deepcopy=False)
-    summary: dict[str, Any] = {f"trials_{s.name.lower()}": sum(t.state == s for t in trials) for s in TrialState}
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    if complete:
-        best = study.best_trial
-        summary.update(best_value=best.value, best_trial=best.number, best_params=dict(best.params))
-    return summary
-
-
 def study_dir(state_dir: str | Path, name: str) -> Path:
     """STATE/studies/<name>; the name is checked here too, so no caller can write outside the state directory."""
     from search.stores import safe_name

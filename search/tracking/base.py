@@ -45,6 +45,9 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 PRIMARY_METRIC_TAG = "mlflow.experiment.primaryMetric.name"
 PRIMARY_GREATER_TAG = "mlflow.experiment.primaryMetric.greaterIsBetter"
 BEST_EPOCH_METRIC = "best_epoch"
+# The study summary's count of finished trials (complete, pruned, failed): the step of the parent run's summary
+# metrics, so their history shows how the study progressed.
+SUMMARY_STEP_KEY = "trials_finished"
 DESCRIPTION_SETTING = "description"  # a setting shown as the run's and experiment's description, not a param
 # Optional settings key: when given, ensure_study reuses only a parent run carrying the same uid, so a deleted and
 # re-created Optuna study of the same name gets a fresh parent instead of mixing trials of both.
@@ -70,7 +73,7 @@ class Tracker(Protocol):
     def log_artifacts(self, run_id: str, paths: list[Path], artifact_path: str | None = None) -> None: ...
     def log_figure(self, run_id: str, figure: Any, name: str) -> None: ...
     def end_trial(self, run_id: str, state: Any) -> None: ...
-    def end_study(self, summary: dict[str, Any], figures: dict[str, Any]) -> None: ...
+    def end_study(self, summary: dict[str, Any], figures: dict[str, Any]) -> None: ...  # step: SUMMARY_STEP_KEY
     def find_trial_run(self, number: int) -> str | None: ...
     def close_stale_runs(self, alive_numbers: set[int]) -> list[str]: ...
     # runs outside a study's trials (`latentsweep pick`): in the study's experiment, without its parent run
@@ -284,25 +287,6 @@ def close_figure(figure: Any) -> None:
         import matplotlib.pyplot as plt
 
         plt.close(figure)
-
-
-def study_summary(study: Any) -> dict[str, Any]:
-    """Summary of an Optuna study for end_study: trial counts by state, best value/trial/params (single objective)."""
-    from optuna.trial import TrialState
-
-    trials = study.get_trials(deepcopy=False)
-    summary: dict[str, Any] = {
-        f"trials_{name}": sum(t.state == state for t in trials)
-        for name, state in (("complete", TrialState.COMPLETE), ("pruned", TrialState.PRUNED),
-                            ("failed", TrialState.FAIL), ("running", TrialState.RUNNING))
-    }
-    summary["trials_total"] = len(trials)
-    if summary["trials_complete"] and len(study.directions) == 1:
-        best = study.best_trial
-        summary.update(best_value=best.value, best_trial=best.number, best_params=dict(best.params))
-    elif summary["trials_complete"]:
-        summary["pareto_front_size"] = len(study.best_trials)
-    return summary
 
 
 def default_artifact_root(tracking_uri: str) -> str | None:

@@ -13,6 +13,7 @@ from search.tracking.base import (
     REAPED_TAG,
     ROLE_TAG,
     STATE_TAG,
+    SUMMARY_STEP_KEY,
     STUDY_TAG,
     TAG_VALUE_MAX,
     TRIAL_TAG,
@@ -117,7 +118,7 @@ class InMemoryTracker:
     def end_study(self, summary: dict[str, Any], figures: dict[str, Any]) -> None:
         parent = self.runs[self._require_study()]
         metrics, tags = summary_entries(summary)
-        step = int(summary.get("trials_total", 0))
+        step = int(summary.get(SUMMARY_STEP_KEY, 0))
         for key, value in metrics.items():
             parent["metrics"].setdefault(key, []).append((step, value))
         parent["tags"] = {k: v for k, v in parent["tags"].items() if not k.startswith("best.")} | tags

@@ -31,6 +31,7 @@ from search.tracking.base import (
     REAPED_TAG,
     ROLE_TAG,
     STATE_TAG,
+    SUMMARY_STEP_KEY,
     TAG_VALUE_MAX,
     TRIAL_TAG,
     UID_TAG,
@@ -130,7 +131,7 @@ class MlflowTracker:
         parent = self._require_study()
         try:
             metrics, tags = summary_entries(summary)
-            step, now = int(summary.get("trials_total", 0)), _now_ms()
+            step, now = int(summary.get(SUMMARY_STEP_KEY, 0)), _now_ms()
             self._log_batch(parent, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], tags=tags)
             stale = [k for k in self.client.get_run(parent).data.tags if k.startswith("best.") and k not in tags]
             for key in stale:  # best params of an earlier best trial with other (conditional) params
