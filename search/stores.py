@@ -1,11 +1,15 @@
-"""Where generated state lives: one state directory (default mlruns/) holding Optuna and MLflow SQLite files and artifacts."""
+"""Where generated state lives: one state directory (default mlruns/) holding Optuna and MLflow SQLite files and
+artifacts, and the one resolver of the Optuna storage URL, MLflow tracking URI and artifact root from it."""
 from __future__ import annotations
 
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from search.tracking.base import default_artifact_root
+from search.tracking.paths import ARTIFACTS, relocate_mlflow
 from trainers.errors import LatentsweepError
 
 ENV_VAR = "LATENTSWEEP_STATE_DIR"
@@ -36,8 +40,6 @@ def state_dir(arg: str | None = None, create: bool = True) -> Path:
         except OSError as exc:
             raise LatentsweepError(f"state directory {path} is not writable: {exc.strerror}") from None
     if path.is_dir():
-        from search.tracking.paths import relocate_mlflow
-
         relocate_mlflow(path)  # a copied or moved directory: its MLflow artifact URIs follow it
     return path
 
@@ -95,5 +97,28 @@ def default_tracking_uri(root: Path) -> str:
     return f"sqlite:///{root / 'mlflow.db'}"
 
 
-def default_artifact_root(root: Path) -> str:
-    return (root / "artifacts").as_uri()
+@dataclass(frozen=True)
+class Stores:
+    """The stores of a command: what was given explicitly, the state directory's defaults for the rest."""
+    root: Path  # the state directory
+    storage: str  # Optuna storage URL
+    tracking_uri: str  # MLflow tracking URI
+    artifact_root: str | None  # for new experiments; None: the tracker derives it from the tracking URI, or the
+    # tracking server decides
+
+    @property
+    def server_artifact_root(self) -> str:
+        """Where a local MLflow server started on these stores keeps artifacts: the tracker's root, else
+        STATE/artifacts (a database tracking URI has no directory of its own)."""
+        return self.artifact_root or default_artifact_root(self.tracking_uri) or (self.root / ARTIFACTS).as_uri()
+
+
+def resolve_stores(root: Path, storage: str | None = None, tracking_uri: str | None = None,
+                   artifact_root: str | None = None, read_only: bool = False) -> Stores:
+    """Explicit values win; otherwise STATE/optuna.db (a read-only URL with `read_only`, for commands that only
+    read), STATE/mlflow.db and, with the default tracking URI only, STATE/artifacts."""
+    tracking = tracking_uri or default_tracking_uri(root)
+    if artifact_root is None and tracking_uri is None:
+        artifact_root = default_artifact_root(tracking)
+    return Stores(root, storage or (read_only_storage(root) if read_only else default_storage(root)), tracking,
+                  artifact_root)

@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from search.stores import resolve_stores
 from trainers.errors import LatentsweepError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -319,12 +320,9 @@ def start_ui(state_dir: Path, host: str = DEFAULT_HOST, mlflow_port: int = DEFAU
     An http(s) tracking URI is an MLflow server already running: it is reported, not started.
     On any failure, whatever was started is stopped before the one-line LatentsweepError propagates.
     """
-    from search.stores import default_artifact_root, default_storage, default_tracking_uri
-    from search.tracking.base import default_artifact_root as tracking_artifact_root
-
     state_dir = Path(state_dir)
-    storage = storage or default_storage(state_dir)
-    tracking_uri = tracking_uri or default_tracking_uri(state_dir)
+    stores = resolve_stores(state_dir, storage, tracking_uri)
+    storage, tracking_uri = stores.storage, stores.tracking_uri
     remote_mlflow = tracking_uri.startswith(("http://", "https://"))
     if not remote_mlflow and mlflow_port == dashboard_port:
         raise LatentsweepError(f"--mlflow-port and --dashboard-port are both {mlflow_port}: give them different ports")
@@ -338,9 +336,8 @@ def start_ui(state_dir: Path, host: str = DEFAULT_HOST, mlflow_port: int = DEFAU
     atexit.register(handle.stop)  # a crash of the caller must not leave servers behind
     try:
         if not remote_mlflow:
-            root = tracking_artifact_root(tracking_uri) or default_artifact_root(state_dir)
-            argv, env = password_to_env(mlflow_argv(tracking_uri, root, host, mlflow_port, allowed_hosts),
-                                        mlflow_env())
+            argv = mlflow_argv(tracking_uri, stores.server_artifact_root, host, mlflow_port, allowed_hosts)
+            argv, env = password_to_env(argv, mlflow_env())
             handle.servers.append(spawn("the MLflow UI", argv, handle.mlflow_url, MLFLOW_PROBE,
                                         logs / f"mlflow-ui-{mlflow_port}.log", env))
         ensure_optuna_schema(storage)

@@ -8,10 +8,7 @@ import json
 import math
 import sys
 
-from search.stores import (
-    add_state_arg, check_artifact_root, default_artifact_root, default_storage, default_tracking_uri,
-    read_only_storage, safe_name, state_dir,
-)
+from search.stores import add_state_arg, check_artifact_root, resolve_stores, safe_name, state_dir
 from search.study.storage import StorageSettings, probe_tracking_store, redact_url
 from search.study.studyfile import load_study_file, resolve_data_path
 from trainers.errors import LatentsweepError, closest
@@ -101,15 +98,13 @@ def make_spec(args, sf=None):
         raise LatentsweepError(f"--timeout must be a positive number of seconds, got {timeout}")
     name = safe_name(args.name, "--name") if args.name is not None else None
     sf = sf or load_study_file(args.study)
-    root = state_dir(args.state_dir)
-    tracking = args.tracking_uri or default_tracking_uri(root)
-    artifact_root = args.artifact_root or (None if args.tracking_uri else default_artifact_root(root))
+    stores = resolve_stores(state_dir(args.state_dir), args.storage, args.tracking_uri, args.artifact_root)
     data = resolve_data_path(getattr(args, "data", None) or sf.base.data.path)
     return RunSpec(
         study_file=str(sf.path), name=name or sf.name,
-        storage=StorageSettings(args.storage or default_storage(root), args.heartbeat, args.grace),
-        tracking_uri=tracking, artifact_root=artifact_root,
-        state_dir=str(root), data_path=str(data), n_trials=n_trials if n_trials is not None else sf.n_trials,
+        storage=StorageSettings(stores.storage, args.heartbeat, args.grace),
+        tracking_uri=stores.tracking_uri, artifact_root=stores.artifact_root,
+        state_dir=str(stores.root), data_path=str(data), n_trials=n_trials if n_trials is not None else sf.n_trials,
         timeout=timeout if timeout is not None else sf.timeout, progress=not args.quiet and is_terminal(),
         verbose=args.verbose,
     )
@@ -229,17 +224,16 @@ def cmd_reap(args) -> int:
     if name.endswith(".toml"):  # a study file names its study (and is checked like in every other command)
         name = load_study_file(name).name
     name = safe_name(name, "study name")
-    root = state_dir(args.state_dir)
-    storage = StorageSettings(args.storage or default_storage(root), args.heartbeat, args.grace)
-    tracking = args.tracking_uri or default_tracking_uri(root)
-    artifact_root = args.artifact_root or (None if args.tracking_uri else default_artifact_root(root))
-    _check_stores(SimpleNamespace(storage=storage, tracking_uri=tracking, artifact_root=artifact_root))
+    stores = resolve_stores(state_dir(args.state_dir), args.storage, args.tracking_uri, args.artifact_root)
+    storage = StorageSettings(stores.storage, args.heartbeat, args.grace)
+    _check_stores(SimpleNamespace(storage=storage, tracking_uri=stores.tracking_uri,
+                                  artifact_root=stores.artifact_root))
     study = load_existing_study(name, storage.url, args.heartbeat, args.grace)
     try:
         parent = study.user_attrs.get(PARENT_ATTR)
         if not parent:
             raise LatentsweepError(f"study '{name}' has no MLflow parent run recorded")
-        tracker = make_tracker(tracking, artifact_root)
+        tracker = make_tracker(stores.tracking_uri, stores.artifact_root)
         tracker.attach_study(name, parent, reopen=False)  # reaping never reopens a finished run
         closed = reap(study, tracker)
     finally:
@@ -252,7 +246,7 @@ def cmd_status(args) -> int:
     from search.study.report import load_existing_study, study_header, study_table
     from search.study.worker import dispose_study
 
-    storage = args.storage or read_only_storage(state_dir(args.state_dir, create=False))
+    storage = resolve_stores(state_dir(args.state_dir, create=False), args.storage, read_only=True).storage
     study = load_existing_study(args.name, storage)
     try:
         table = study_table(study)
@@ -271,7 +265,7 @@ def cmd_status(args) -> int:
 def cmd_list(args) -> int:
     from search.study.report import studies_table
 
-    storage = args.storage or read_only_storage(state_dir(args.state_dir, create=False))
+    storage = resolve_stores(state_dir(args.state_dir, create=False), args.storage, read_only=True).storage
     table = studies_table(storage)
     if args.csv:
         table.to_csv(sys.stdout, index=False)

@@ -24,9 +24,7 @@ import torch
 
 from search.pick import ensemble, refit
 from search.pick import oof as oof_mod
-from search.stores import (
-    default_artifact_root, default_tracking_uri, read_only_storage, state_dir, writable_dir,
-)
+from search.stores import resolve_stores, state_dir, writable_dir
 from search.tracking import make_tracker
 from search.tracking.base import Tracker
 from search.tracking.paths import resolve_in_state
@@ -114,9 +112,7 @@ def note(message: str) -> None:
 def resolve_paths(opts: PickOptions) -> Paths:
     """Storage/tracking from the state directory unless given; the default out is STATE/picks/<study>/submission.csv."""
     root = state_dir(opts.state_dir, create=False)
-    if opts.storage is None and not (root / "optuna.db").is_file():
-        raise LatentsweepError(f"no Optuna storage in {root} (optuna.db not found): run `latentsweep study run` "
-                               "first, or pass --state-dir / --storage")
+    stores = resolve_stores(root, opts.storage, opts.tracking_uri, read_only=True)  # no optuna.db: one-line error
     if opts.tracking_uri is None and not writable_dir(root):
         raise LatentsweepError(f"state directory {root} is read-only: pick reads the study from it, but its MLflow "
                                "run needs a writable store: pass --tracking-uri (e.g. sqlite:///elsewhere/mlflow.db) "
@@ -127,8 +123,7 @@ def resolve_paths(opts: PickOptions) -> Paths:
     check_writable(out)
     if not writable_dir(root):  # fold jobs and refits are kept beside the submission instead (and reused there)
         picks = out.parent / f".{opts.study}-runs"
-    return Paths(root, opts.storage or read_only_storage(root), opts.tracking_uri or default_tracking_uri(root),
-                 None if opts.tracking_uri else default_artifact_root(root), picks, out,
+    return Paths(root, stores.storage, stores.tracking_uri, stores.artifact_root, picks, out,
                  out.with_name(f"{out.stem}.manifest.json"), out.with_name(f"{out.stem}.report.csv"))
 
 
