@@ -19,6 +19,7 @@ import numpy as np
 
 from trainers.config import Config, dump_toml, with_values
 from trainers.data import TrainSet, captions_of, kfold_by_image
+from trainers.loop import train
 
 DONE_FILE = "done.json"  # written when a job finished; a job with the same config and data reuses its model
 # Order in which `plan` gives work up to fit a budget: each step is (knob, value it drops to). Folds go first
@@ -81,11 +82,11 @@ def replay_config(cfg: Config, best_epoch: int, seed: int | None = None) -> Conf
     return with_values(cfg, values)
 
 
-def _stamp(cfg: Config, fingerprint: str) -> dict[str, str]:
+def done_stamp(cfg: Config, fingerprint: str) -> dict[str, str]:
     return {"config_sha256": hashlib.sha256(dump_toml(cfg).encode()).hexdigest(), "data_fingerprint": fingerprint}
 
 
-def _done(run_dir: Path, stamp: dict) -> bool:
+def is_done(run_dir: Path, stamp: dict) -> bool:
     done = run_dir / DONE_FILE
     return done.is_file() and (run_dir / "best.pt").is_file() and json.loads(done.read_text()) == stamp
 
@@ -94,7 +95,7 @@ def make_job(name: str, member: str, cfg: Config, data: TrainSet, images, run_di
              seconds_per_caption_epoch: float) -> Job:
     fingerprint = subset_fingerprint(data, images)
     n_caps = len(data.cap2img) if images is None else len(captions_of(data.cap2img, images))
-    cost = 0.0 if _done(run_dir, _stamp(cfg, fingerprint)) else (
+    cost = 0.0 if is_done(run_dir, done_stamp(cfg, fingerprint)) else (
         seconds_per_caption_epoch * n_caps * (cfg.train.stop_after or cfg.train.epochs))
     return Job(name, member, cfg, images, run_dir, cost)
 
@@ -102,12 +103,10 @@ def make_job(name: str, member: str, cfg: Config, data: TrainSet, images, run_di
 def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | None]:
     """Train (or reuse) the job: (its checkpoint, seconds spent training; None when reused). The done stamp is
     written only after training finished."""
-    from trainers.loop import train
-
     part = data if job.images is None else subset(data, job.images)
-    stamp = _stamp(job.cfg, part.fingerprint)
+    stamp = done_stamp(job.cfg, part.fingerprint)
     ckpt = job.run_dir / "best.pt"
-    if _done(job.run_dir, stamp):
+    if is_done(job.run_dir, stamp):
         note(f"{job.name}: reused {job.run_dir}")
         return ckpt, None
     job.run_dir.mkdir(parents=True, exist_ok=True)
@@ -154,4 +153,5 @@ def plan(cost_of, top: int, folds: int, seeds: int, budget: float | None) -> Pla
     return Plan(knobs["top"], knobs["folds"], knobs["seeds"], notes)
 
 
-__all__ = ["Job", "Plan", "fold_assignment", "make_job", "plan", "replay_config", "run_job", "subset"]
+__all__ = ["Job", "Plan", "done_stamp", "fold_assignment", "is_done", "make_job", "note", "plan", "replay_config",
+           "run_job", "subset"]

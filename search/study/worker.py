@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import optuna
 from optuna.trial import TrialState
