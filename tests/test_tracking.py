@@ -65,6 +65,7 @@ def test_redact_url_hides_passwords_only():
     assert redact_url("postgresql+psycopg2://user:secret@host/db") == "postgresql+psycopg2://user:***@host/db"
     assert redact_url("mysql://:pw@h:3306/d") == "mysql://:***@h:3306/d"
     assert redact_url("x=http://u:p@ss/word@h:5/db?a=1 y") == "x=http://u:***@h:5/db?a=1 y"
+    assert redact_url("postgresql://u:p@ss@h/db") == "postgresql://u:***@h/db"  # SQLAlchemy would show "ss"
     for plain in ("http://host:8080/path", "sqlite:////tmp/a.db", "http://user@host/", "not a url"):
         assert redact_url(plain) == plain
 

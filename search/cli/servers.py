@@ -9,11 +9,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
+import tomli_w
 
 from search.stores import resolve_stores
 from trainers.errors import LatentsweepError
@@ -158,21 +162,12 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 def group_alive(pgid: int) -> bool:
     """Whether any non-zombie process remains in the group (zombies wait for a reaper and hold no port)."""
-    proc_dir = Path("/proc")
-    if not proc_dir.is_dir():
+    for proc in psutil.process_iter(["status"]):
         try:
-            os.killpg(pgid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
-    for stat in proc_dir.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, PermissionError):  # gone since the listing, or not ours to ask about
             continue
-        # /proc/<pid>/stat after the command name: state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
     return False
 
 
@@ -264,11 +259,9 @@ def dashboard_argv(config: Path, host: str, port: int) -> list[str]:
 def dashboard_config(storage: str) -> Path:
     """A TOML file readable by this user only ([optuna_dashboard] storage = URL), in a private temporary
     directory; the caller removes it once the dashboard has read it."""
-    import tempfile
-
     fd, path = tempfile.mkstemp(prefix="latentsweep-dashboard-", suffix=".toml")  # mode 0600
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(f"[optuna_dashboard]\nstorage = {json.dumps(storage)}\n")  # a JSON string is a TOML basic string
+    with os.fdopen(fd, "wb") as fh:
+        tomli_w.dump({"optuna_dashboard": {"storage": storage}}, fh)
     return Path(path)
 
 

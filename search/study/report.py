@@ -1,5 +1,5 @@
-"""Tables of a study's trials (pandas, from Optuna's trials_dataframe), shared by `study status|list`, the picker and
-the benchmarks."""
+"""Reports of studies: a study's trials table (Optuna's trials_dataframe), header line and summary, and the table of a
+storage's studies; used by `study status|list|run`, the parent run and the picker."""
 from __future__ import annotations
 
 from typing import Any
@@ -51,11 +51,6 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
                          _key=-frame["value"] if maximize else frame["value"])
     order = order.sort_values(["_done", "_key", "number"], na_position="last")
     return frame.loc[order.index].reset_index(drop=True)
-
-
-def trials_table(name: str, storage: str, varying_only: bool = True) -> pd.DataFrame:
-    """study_table of the study `name` in `storage`."""
-    return study_table(load_existing_study(name, storage), varying_only)
 
 
 def study_summary(study: optuna.Study) -> dict[str, Any]:

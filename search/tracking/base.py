@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
 from trainers.config import flatten_tree
 
 log = logging.getLogger(__name__)
@@ -97,9 +100,19 @@ _SECRET_SUFFIXES = tuple(f"_{k}" for k in _SECRET_KEYS - {"token"})  # db_passwo
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")  # MLflow accepts only these in param/metric/tag names
 
 
-def redact_url(url: str) -> str:
-    """Replace every URL password in `url` by *** (postgresql://u:pw@h/db -> postgresql://u:***@h/db)."""
-    return _URL_PASSWORD.sub(lambda m: f"{m['head']}:***@" if m["pw"] else m[0], url)
+def redact_url(text: str) -> str:
+    """`text` with every URL password replaced by *** (postgresql://u:pw@h/db -> postgresql://u:***@h/db).
+
+    A string that is one URL is rendered by SQLAlchemy with its password hidden; text that embeds URLs (an error
+    message, a log line), and a URL whose unencoded '@' SQLAlchemy would split inside the password, go through
+    _URL_PASSWORD."""
+    try:
+        url = make_url(text)
+    except (ArgumentError, ValueError):
+        url = None
+    if url is not None and "@" not in (url.host or ""):
+        return url.render_as_string(hide_password=True) if url.password is not None else text
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}:***@" if m["pw"] else m[0], text)
 
 
 def redact_values(values: dict[str, Any]) -> dict[str, Any]:
