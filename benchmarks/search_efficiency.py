@@ -32,7 +32,7 @@ import optuna
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from search.study.objective import TrialRunner  # noqa: E402
-from search.study.runner import quiet_optuna  # noqa: E402
+from search.process import quiet_optuna  # noqa: E402
 from search.study.storage import StorageSettings  # noqa: E402
 from search.study.worker import RunSpec, load_or_create, worker_loop  # noqa: E402
 from search.study.studyfile import load_study_file, resolve_data_path  # noqa: E402

@@ -82,7 +82,8 @@ def run_layout(storage: str, workers: int, threads: int, args, tmp: Path, data: 
     """Create a fresh study, run it with `workers` spawned processes of `threads` threads each, read the timings."""
     import optuna
 
-    from search.study.runner import quiet_optuna, run_worker
+    from search.process import quiet_optuna
+    from search.study.runner import worker_main
     from search.study.storage import StorageSettings
     from search.study.worker import RunSpec, dispose_study, load_or_create
     from search.study.studyfile import load_study_file
@@ -102,7 +103,7 @@ def run_layout(storage: str, workers: int, threads: int, args, tmp: Path, data: 
     load_before = os.getloadavg()
     start = time.perf_counter()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run_worker, args=(spec,)) for _ in range(workers)]
+    procs = [ctx.Process(target=worker_main, args=(spec,)) for _ in range(workers)]
     for p in procs:
         p.start()
     for p in procs:

@@ -13,7 +13,7 @@ import optuna
 import pytest
 
 from search.cli.main import main
-from search.study.runner import quiet_optuna
+from search.process import quiet_optuna
 from search.study.storage import StorageSettings, dispose, open_storage
 from search.study.worker import reap
 from search.tracking.memory import InMemoryTracker

@@ -7,6 +7,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
 from search.cli import data, pick, study, submission, train, ui
+from search.process import configure_process
 from trainers.errors import LatentsweepError
 
 # Each module exposes add_parser(subparsers); the handler it sets as `func` returns an exit code.
@@ -44,11 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `latentsweep` entry point: the one place (with a spawned worker's entry) that sets process-wide state."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or an argument error (2, already printed): an exit code, as for the rest
         return int(exc.code or 0)
+    configure_process()
     try:
         return int(args.func(args) or 0)
     except LatentsweepError as exc:

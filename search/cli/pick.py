@@ -1,11 +1,11 @@
 """`latentsweep pick STUDY`: ensemble a study's best trials, scored honestly, into a submission and an MLflow model."""
 from __future__ import annotations
 
-import os
 
 from search.pick.ensemble import METHODS
-from search.study.progress import is_terminal
+from search.pick.picker import PickOptions, run_pick
 from search.stores import add_state_arg, safe_name
+from search.study.progress import is_terminal
 
 
 def add_parser(sub) -> None:
@@ -47,12 +47,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from search.pick.picker import PickOptions, run_pick
-    from search.study.runner import quiet_optuna
-
     safe_name(args.study)  # STATE/picks/<study> is built from it
-    quiet_optuna()
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per copied checkpoint is noise
     opts = PickOptions(study=args.study, state_dir=args.state_dir, storage=args.storage,
                        tracking_uri=args.tracking_uri, top=args.top, method=args.method, size=args.size,
                        seeds=args.seeds, selection=args.selection, folds=args.folds, refit=args.refit,

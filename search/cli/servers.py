@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import sqlalchemy as sa
 import tomli_w
 
 from search.stores import resolve_stores
+from search.study.storage import StorageSettings, dispose, open_storage
 from trainers.errors import LatentsweepError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -237,7 +239,6 @@ def ensure_optuna_schema(storage: str) -> None:
     """
     if "://" not in storage or storage.startswith("redis"):
         return
-    from search.study.storage import StorageSettings, dispose, open_storage
 
     try:
         dispose(open_storage(StorageSettings(storage)))
@@ -268,8 +269,6 @@ def dashboard_config(storage: str) -> Path:
 def password_to_env(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """Move a backend URI that carries a password from MLflow's command line to MLFLOW_BACKEND_STORE_URI (the
     option's environment variable), out of sight of `ps`."""
-    import sqlalchemy as sa
-
     at = argv.index("--backend-store-uri")
     try:
         secret = sa.engine.make_url(argv[at + 1]).password is not None

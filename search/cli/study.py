@@ -7,11 +7,25 @@ from __future__ import annotations
 import json
 import math
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from types import SimpleNamespace
 
 from search.stores import add_state_arg, check_artifact_root, resolve_stores, safe_name, state_dir
-from search.study.storage import StorageSettings, probe_tracking_store, redact_url
+from search.study.progress import is_terminal
+from search.study.report import load_existing_study, studies_table, study_header, study_table
+from search.study.runner import reap, run_study, run_worker
+from search.study.storage import StorageSettings, dispose, open_storage, probe_tracking_store, redact_url
 from search.study.studyfile import load_study_file, resolve_data_path
+from search.study.worker import PARENT_ATTR, RunSpec, check_existing, dispose_study, load_or_create, open_tracker
+from search.tracking import make_tracker
+from trainers.config import with_values
+from trainers.data import load_train
 from trainers.errors import LatentsweepError, closest
+from trainers.loop import resolve_device
+from trainers.tasks import TASKS, check_split
+from trainers.validate import validate
 
 # Seconds to wait for an http(s) MLflow tracking server's first answer before calling it unreachable.
 TRACKING_PROBE_TIMEOUT_S = 15
@@ -87,9 +101,6 @@ def _check_liveness(args) -> None:
 
 def make_spec(args, sf=None):
     """RunSpec from CLI arguments, the study file and the state-directory defaults."""
-    from search.study.progress import is_terminal
-    from search.study.worker import RunSpec
-
     _check_liveness(args)
     n_trials, timeout = getattr(args, "n_trials", None), getattr(args, "timeout", None)
     if n_trials is not None and n_trials < 1:  # 0 must not fall back to the file's value
@@ -114,13 +125,6 @@ def _preflight(spec) -> None:
     """Fail before any trial, with everything that can be known then: the base config validates on this machine,
     the data loads and splits, the objective is a logged metric, both stores answer, and a stored study of that
     name agrees with the file (direction, distributions of its knobs)."""
-    from search.study.worker import check_existing
-    from trainers.config import with_values
-    from trainers.data import load_train
-    from trainers.loop import resolve_device
-    from trainers.tasks import TASKS, check_split
-    from trainers.validate import validate
-
     sf = load_study_file(spec.study_file)
     validate(sf.base)
     resolve_device(sf.base.train.device)
@@ -139,8 +143,6 @@ def _check_stores(spec) -> None:
     The Optuna storage is opened once; an http(s) MLflow server is probed with one short request, because the
     MLflow client retries an unreachable server for minutes and then ends in a traceback.
     """
-    from search.study.storage import dispose, open_storage
-
     if spec.tracking_uri.startswith(("http://", "https://")):
         _probe_tracking_server(spec.tracking_uri)  # first: it writes nothing, while opening SQLite creates the file
     else:
@@ -151,10 +153,6 @@ def _check_stores(spec) -> None:
 
 
 def _probe_tracking_server(uri: str) -> None:
-    import urllib.error
-    import urllib.parse
-    import urllib.request
-
     url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
     try:
         with urllib.request.urlopen(url, timeout=TRACKING_PROBE_TIMEOUT_S):
@@ -172,8 +170,6 @@ def _probe_tracking_server(uri: str) -> None:
 
 
 def cmd_run(args) -> int:
-    from search.study.runner import run_study
-
     if args.workers < 1:
         raise LatentsweepError(f"--workers must be >= 1, got {args.workers}")
     spec = make_spec(args)
@@ -186,10 +182,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_create(args) -> int:
-    from search.study.runner import quiet_optuna
-    from search.study.worker import dispose_study, load_or_create, open_tracker
-
-    quiet_optuna()
     sf = load_study_file(args.study)
     spec = make_spec(args, sf)
     _preflight(spec)
@@ -200,8 +192,6 @@ def cmd_create(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from search.study.runner import run_worker
-
     spec = make_spec(args)
     _preflight(spec)
     ran = run_worker(spec, create=False)
@@ -211,14 +201,6 @@ def cmd_worker(args) -> int:
 
 def cmd_reap(args) -> int:
     """Reap the study `name`: the storage's stale-trial rule is --heartbeat/--grace, its runs are in --tracking-uri."""
-    from types import SimpleNamespace
-
-    from search.study.report import load_existing_study
-    from search.study.runner import quiet_optuna, reap
-    from search.study.worker import PARENT_ATTR, dispose_study
-    from search.tracking import make_tracker
-
-    quiet_optuna()
     _check_liveness(args)
     name = args.name
     if name.endswith(".toml"):  # a study file names its study (and is checked like in every other command)
@@ -243,9 +225,6 @@ def cmd_reap(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from search.study.report import load_existing_study, study_header, study_table
-    from search.study.worker import dispose_study
-
     storage = resolve_stores(state_dir(args.state_dir, create=False), args.storage, read_only=True).storage
     study = load_existing_study(args.name, storage)
     try:
@@ -263,8 +242,6 @@ def cmd_status(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from search.study.report import studies_table
-
     storage = resolve_stores(state_dir(args.state_dir, create=False), args.storage, read_only=True).storage
     table = studies_table(storage)
     if args.csv:

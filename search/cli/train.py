@@ -6,11 +6,19 @@ import shutil
 import time
 from pathlib import Path
 
-from search.study.progress import is_terminal
+import torch
+
 from search.stores import add_state_arg, state_dir
+from search.study.progress import is_terminal
 from search.study.studyfile import load_study_file, resolve_data_path
+from trainers.checkpoint import load_model
 from trainers.config import dump_toml, parse_overrides, with_values
-from trainers.errors import LatentsweepError
+from trainers.data import load_test, load_train
+from trainers.errors import DataError, LatentsweepError
+from trainers.loop import resolve_device, train
+from trainers.submission import check_submission, write_submission
+from trainers.tasks import check_split, predict
+from trainers.validate import validate
 
 
 def add_parser(sub) -> None:
@@ -36,11 +44,6 @@ def add_parser(sub) -> None:
 def run_train(args) -> int:
     """Everything is checked (config, device, data, split, output path) before the output directory is made; a
     failed training removes the directory it made, so an error leaves no partial output."""
-    from trainers.data import load_train
-    from trainers.loop import resolve_device, train
-    from trainers.tasks import check_split
-    from trainers.validate import validate
-
     study = load_study_file(args.study)
     values = parse_overrides(args.overrides)
     if args.epochs is not None:
@@ -75,14 +78,6 @@ def run_train(args) -> int:
 
 
 def run_predict(args) -> int:
-    import torch
-
-    from trainers.checkpoint import load_model
-    from trainers.data import load_test
-    from trainers.errors import DataError
-    from trainers.submission import check_submission, write_submission
-    from trainers.tasks import predict
-
     model, cfg, _ = load_model(args.checkpoint)
     test = load_test(args.test)
     dim_in = model.text_mean.shape[0]

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import signal
 import sys
-import threading
 import time
 
 from search.cli import servers
+from search.process import interrupt_on
 from search.stores import add_state_arg, state_dir
 
 MAX_PORT = 65535  # TCP ports are 16-bit
@@ -67,7 +66,9 @@ def run_ui(args) -> int:
               "authentication; anyone who can reach this address can read and change your studies and runs",
               file=sys.stderr)
     print("starting the MLflow UI and optuna-dashboard ...", flush=True)
-    with _signals_as_interrupt():
+    # SIGTERM and SIGHUP stop the servers as Ctrl-C does: they run in their own sessions, so a closed terminal or
+    # `kill` reaches only this process, and its default death would leave them running.
+    with interrupt_on(signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         # Ctrl-C while starting: start_ui stops what it started and cli.main reports the interrupt (exit 130).
         handle = servers.start_ui(root, host=args.host, mlflow_port=args.mlflow_port,
                                   dashboard_port=args.dashboard_port, storage=args.storage,
@@ -107,21 +108,3 @@ def _serve_until_interrupted(handle: servers.UiHandle) -> None:
         time.sleep(1.0)
 
 
-@contextlib.contextmanager
-def _signals_as_interrupt():
-    """SIGTERM and SIGHUP raise KeyboardInterrupt, so the servers are stopped as on Ctrl-C.
-
-    The servers run in their own sessions: a closed terminal or `kill` reaches only this process, and its
-    default death would leave them running.
-    """
-    def interrupt(signum, _frame):
-        raise KeyboardInterrupt
-
-    relayed = [signal.SIGTERM, getattr(signal, "SIGHUP", None)]
-    in_main = threading.current_thread() is threading.main_thread()  # signal handlers can only be set there
-    previous = {sig: signal.signal(sig, interrupt) for sig in relayed if sig is not None and in_main}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

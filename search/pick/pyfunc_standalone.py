@@ -5,11 +5,11 @@ the members are torch.export programs (member-NN.pt2: caption embeddings [N, Dt]
 their weights are in ensemble.json. The combination repeats search.pick.ensemble.combine (tests check they agree).
 """
 import json
-import warnings
 from pathlib import Path
 
 import mlflow.pyfunc
 import numpy as np
+import torch
 from mlflow.models import set_model
 
 ARTIFACT_KEY = "ensemble"
@@ -32,17 +32,10 @@ def as_matrix(model_input):
     return x.reshape(1, -1) if x.ndim == 1 else x
 
 
-# MLflow asks for type hints on predict to validate inputs by them; this model takes arrays of either float dtype,
-# DataFrames and lists on purpose (as_matrix converts), so the advice is silenced for this class only.
-warnings.filterwarnings("ignore", message=r".*Add type hints to the `predict` method", category=UserWarning)
-
-
 class EnsembleModel(mlflow.pyfunc.PythonModel):
     """Weighted mean of the members' L2-normalised outputs, L2-normalised again: float32 [N, Di]."""
 
     def load_context(self, context) -> None:
-        import torch
-
         root = Path(context.artifacts[ARTIFACT_KEY])
         spec = json.loads((root / SPEC_FILE).read_text())
         self.members = [torch.export.load(str(root / m["file"])).module() for m in spec["members"]]
@@ -50,8 +43,6 @@ class EnsembleModel(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input, params=None):
         """model_input: caption embeddings [N, Dt] (float32 or float64 array, DataFrame or lists)."""
-        import torch
-
         x = torch.from_numpy(np.ascontiguousarray(as_matrix(model_input)))
         total = None
         with torch.no_grad():

@@ -15,6 +15,7 @@ from typing import Any
 from search.study.space import Param, config_key
 from trainers.config import Config, coerce, flatten, with_values
 from trainers.errors import LatentsweepError
+from trainers.validate import validate
 
 # Retries of a probe whose forced values stayed inactive (a condition further up the chain drew the other way)
 _RETRIES = 8
@@ -23,8 +24,6 @@ _RETRIES = 8
 def check_branches(space: list[Param], base: Config, enqueued: list[dict[str, Any]], errors: list[str],
                    where: str) -> None:
     """Append one line per distinct problem found in a probed or enqueued config (with the values that cause it)."""
-    from trainers.validate import validate
-
     base_values = flatten(base)
     found: dict[str, str] = {}
     for forced in _targets(space):

@@ -16,6 +16,7 @@ from search.study.studyfile import StudyFile
 from search.tracking.base import (
     BEST_EPOCH_METRIC, NOTE_TAG, SEARCH_PARAM_PREFIX, SEARCHED_TAG, DatasetRecord, Tracker, best_metric, source_tags,
 )
+from search.tracking.plots import rank_histogram
 from trainers.config import dump_toml, flatten, with_values
 from trainers.data import TrainSet
 from trainers.errors import LatentsweepError
@@ -149,8 +150,6 @@ class TrialRunner:
             paths = [p for p in (out / "config.toml", out / "metrics.csv", out / "best.pt") if p.exists()]
             self.tracker.log_artifacts(run_id, paths)
             if ranks is not None:
-                from search.tracking.plots import rank_histogram
-
                 self.tracker.log_figure(run_id, rank_histogram(ranks, f"{self.spec.name} {out.name}"),
                                         "rank_distribution.png")
         except Exception as exc:  # noqa: BLE001 - tracking must not change the trial's outcome

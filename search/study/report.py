@@ -8,6 +8,7 @@ import optuna
 import pandas as pd
 from optuna.trial import TrialState
 
+from search.study.storage import StorageSettings, dispose, open_storage, redact_url
 from search.tracking.base import SUMMARY_STEP_KEY
 from trainers.errors import LatentsweepError
 
@@ -17,8 +18,6 @@ FIXED = ["number", "state", "value", "duration_s"]
 def load_existing_study(name: str, storage, heartbeat: int | None = None, grace: int | None = None) -> optuna.Study:
     """Load a study by name with a one-line error naming the known studies when it does not exist. `storage` is a
     URL; heartbeat/grace (seconds) set the storage's stale-trial rule for a reaper."""
-    from search.study.storage import StorageSettings, open_storage, redact_url
-
     settings = StorageSettings(storage)
     if heartbeat is not None and grace is not None:
         settings = StorageSettings(storage, heartbeat, grace)
@@ -88,8 +87,6 @@ def study_header(study: optuna.Study) -> str:
 
 def studies_table(storage: str) -> pd.DataFrame:
     """One row per study in `storage`: name, direction, objective, trials by state, best value and trial."""
-    from search.study.storage import StorageSettings, dispose, open_storage
-
     rdb = open_storage(StorageSettings(storage))
     rows = []
     try:

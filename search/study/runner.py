@@ -3,34 +3,32 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
+import sys
 import threading
-import warnings
 from dataclasses import replace
 
 import optuna
+import torch
 from tqdm.auto import tqdm
+
+from search.process import configure_process, interrupt_on
 
 from search.study.objective import TrialRunner
 from search.study.progress import emit, trial_line
 from search.study.report import study_summary
 from search.study.studyfile import load_study_file
 from search.study.worker import (
-    RunSpec, counted, cpu_threads, dispose_study, interrupt_as_keyboard, load_or_create, reap,
+    RunSpec, counted, cpu_threads, dispose_study, load_or_create, reap,
     open_tracker, reap_owner, study_dir, worker_id, worker_loop,
 )
 from search.tracking.base import Tracker
+from search.tracking.plots import study_figures
+from trainers.data import load_train
 from trainers.errors import LatentsweepError
 
 log = logging.getLogger("latentsweep")
 POLL_S = 2.0  # how often the main process refreshes the study bar from the storage when workers run elsewhere
-
-
-def quiet_optuna() -> None:
-    """Optuna's INFO lines duplicate our progress bar; heartbeats/stale-trial handling are 'experimental' in Optuna
-    but relied on knowingly here (ask/tell with our own heartbeat thread)."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
 
 def run_worker(spec: RunSpec, create: bool = False, study: optuna.Study | None = None,
@@ -38,15 +36,13 @@ def run_worker(spec: RunSpec, create: bool = False, study: optuna.Study | None =
     """One worker: load the study (created beforehand), reap dead trials, run trials until the budget is spent.
 
     `study`/`tracker` may be passed in by a caller that already opened them (saves MLflow's slow first connection).
+    SIGTERM (docker stop, a scheduler) behaves like Ctrl-C meanwhile: the running trial is closed and retried.
     """
-    import torch
+    with interrupt_on(signal.SIGTERM):
+        return _run_worker(spec, create, study, tracker)
 
-    from trainers.data import load_train
 
-    quiet_optuna()
-    interrupt_as_keyboard()
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker: Tracker | None) -> int:
     sf = load_study_file(spec.study_file)
     data = load_train(spec.data_path)
     owned = study is None
@@ -81,10 +77,12 @@ def _close_parent_if_idle(study: optuna.Study, tracker: Tracker) -> None:
         log.warning("could not close the study's MLflow parent run: %s", exc)
 
 
-def _worker_entry(spec: RunSpec) -> None:
-    """A spawned worker: a user error is one line on stderr and exit code 2, like the CLI (no traceback)."""
-    import sys
-
+def worker_main(spec: RunSpec) -> None:
+    """The entry of a spawned worker process: its process-wide settings, then run_worker; a user error is one line
+    on stderr and exit code 2, like the CLI (no traceback)."""
+    configure_process()
+    if spec.threads:  # the share of this machine's cores of one of several local workers
+        torch.set_num_threads(spec.threads)
     try:
         run_worker(spec)
     except KeyboardInterrupt:
@@ -123,7 +121,6 @@ class _StudyBar:
 
 def run_study(spec: RunSpec, workers: int = 1) -> dict:
     """Create/load the study, run it here with `workers` processes, refresh the parent run; returns the summary."""
-    quiet_optuna()
     sf = load_study_file(spec.study_file)
     tracker = open_tracker(spec)
     study = load_or_create(sf, spec, tracker, create=True)
@@ -146,7 +143,7 @@ def run_study(spec: RunSpec, workers: int = 1) -> dict:
 def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Tracker) -> None:
     ctx = mp.get_context("spawn")  # fork after torch/SQLAlchemy initialisation is unsafe
     child = replace(spec, threads=cpu_threads(workers), progress=False)
-    procs = [ctx.Process(target=_worker_entry, args=(child,), name=f"worker-{i}") for i in range(workers)]
+    procs = [ctx.Process(target=worker_main, args=(child,), name=f"worker-{i}") for i in range(workers)]
     for p in procs:
         p.start()
     bar = _StudyBar(spec, study) if spec.progress else None
@@ -189,8 +186,6 @@ def _reap_dead_children(study: optuna.Study, tracker: Tracker, procs, reaped: se
 
 def finish(study: optuna.Study, tracker: Tracker) -> dict:
     """Refresh the parent run (summary + Optuna plots) and return the summary."""
-    from search.tracking.plots import study_figures
-
     summary = study_summary(study)
     try:
         tracker.end_study(summary, study_figures(study, study.user_attrs.get("objective")))

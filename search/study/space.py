@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import optuna
+
 from trainers.config import check_key, coerce, valid_keys
 from trainers.errors import ConfigError, closest
 
@@ -68,8 +70,6 @@ class Param:
 
     def distribution(self) -> optuna.distributions.BaseDistribution:
         """The Optuna distribution suggest() asks for (to compare with what a stored study recorded)."""
-        import optuna
-
         if self.type == "categorical":
             return optuna.distributions.CategoricalDistribution(list(self.choices))
         if self.type == "int":

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from search.stores import safe_name
 from search.study.branches import check_branches
 from search.study.samplers import check_settings
-from search.stores import safe_name
 from search.study.space import Param, active_values, config_key, parse_space
 from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml
+from trainers.demo import default_train_path
 from trainers.errors import ConfigError, LatentsweepError, closest
 
 STUDY_KEYS = {"name", "objective", "direction", "sampler", "pruner", "n_trials", "timeout", "description"}
@@ -167,6 +168,5 @@ def resolve_data_path(value: str | Path | None) -> Path:
     """The train npz to use: the given path, else the bundled demo data."""
     if value:
         return Path(value).expanduser()
-    from trainers.demo import default_train_path
 
     return default_train_path()

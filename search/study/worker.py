@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +18,7 @@ from search.study.samplers import build_pruner, build_sampler
 from search.study.storage import (
     RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url, schema_lock,
 )
+from search.stores import safe_name
 from search.study.studyfile import StudyFile
 from search.tracking import make_tracker
 from search.tracking.base import REAPED_TAG, Tracker
@@ -275,27 +275,13 @@ def worker_loop(sf: StudyFile, spec: RunSpec, study: optuna.Study, runner: Trial
     return ran
 
 
-def interrupt_as_keyboard() -> None:
-    """SIGTERM (docker stop, a scheduler) behaves like Ctrl-C: the running trial is closed cleanly and retried."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def cpu_threads(workers: int) -> int:
     """Split this machine's cores among local workers (at least one thread each)."""
     return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
-def with_threads(spec: RunSpec, threads: int) -> RunSpec:
-    return replace(spec, threads=threads)
-
-
 def study_dir(state_dir: str | Path, name: str) -> Path:
     """STATE/studies/<name>; the name is checked here too, so no caller can write outside the state directory."""
-    from search.stores import safe_name
-
     return Path(state_dir) / "studies" / safe_name(name)
 
 

@@ -5,9 +5,9 @@ import functools
 import getpass
 import hashlib
 import logging
-import os
 import re
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
@@ -291,15 +291,11 @@ def summary_entries(summary: dict[str, Any]) -> tuple[dict[str, float], dict[str
 
 
 def close_figure(figure: Any) -> None:
-    """Release a matplotlib figure (pyplot keeps every open figure alive); other figure types need nothing."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return
-    if isinstance(figure, Figure):
-        import matplotlib.pyplot as plt
-
-        plt.close(figure)
+    """Release a figure pyplot keeps alive (Optuna's plots); other figures need nothing. Without pyplot imported no
+    figure can be registered with it, so it is not imported here."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None and isinstance(figure, pyplot.Figure):
+        pyplot.close(figure)
 
 
 def default_artifact_root(tracking_uri: str) -> str | None:
@@ -315,13 +311,3 @@ def artifact_location(root: str, experiment: str) -> str:
     if "://" in root or root.startswith("file:"):
         return f"{root.rstrip('/')}/{name}"
     return (Path(root).expanduser().resolve() / name).as_uri()
-
-
-def _quiet_mlflow_logs() -> None:
-    """Hide per-migration INFO lines of MLflow's first SQLite use, unless the user configured these loggers, and the
-    two "View run … at: URL" lines the REST client writes to stdout on every set_terminated (unless set already)."""
-    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    for name in ("mlflow.store.db.utils", "alembic.runtime.migration", "alembic"):
-        logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.WARNING)

@@ -38,7 +38,6 @@ from search.tracking.base import (
     DatasetRecord,
     LoggedModel,
     ModelSpec,
-    _quiet_mlflow_logs,
     artifact_location,
     clean_items,
     clean_metrics,
@@ -79,7 +78,6 @@ class MlflowTracker:
     """Tracker on an MLflow tracking URI (sqlite:///…, postgresql://…, http(s)://…) through MlflowClient only."""
 
     def __init__(self, tracking_uri: str, artifact_root: str | None = None):
-        _quiet_mlflow_logs()
         self.tracking_uri = tracking_uri
         self.artifact_root = artifact_root if artifact_root is not None else default_artifact_root(tracking_uri)
         try:

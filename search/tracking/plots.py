@@ -1,17 +1,15 @@
-"""Figures logged to the tracker: rank histograms of a model and Optuna study plots (matplotlib, Agg backend)."""
+"""Figures logged to the tracker: rank histograms of a model, the pick's ensemble and Optuna study plots (matplotlib;
+entry points choose the Agg backend, see search.process)."""
 from __future__ import annotations
 
 import logging
 import warnings
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # figures are only written to files: never open a display (headless workers, CI)
-
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
-import numpy as np  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import numpy as np
+from matplotlib.figure import Figure
+from optuna.exceptions import ExperimentalWarning
+from optuna.trial import TrialState
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +110,8 @@ def _readable(figure: Any, name: str, n_params: int, note: str | None) -> Any:
 def study_figures(study: Any, objective: str | None = None) -> dict[str, Any]:
     """Optimization history, parallel coordinates of the varying knobs and, from MIN_IMPORTANCE_TRIALS complete
     trials on, param importances; a plot that fails is skipped with a log line (plots must never fail a study)."""
-    from optuna.exceptions import ExperimentalWarning
-    from optuna.trial import TrialState
+    # pyplot and Optuna's matplotlib plots take about a second to import: only the end of a study pays for them
+    import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as ovm
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
