@@ -97,8 +97,7 @@ def run_layout(storage: str, workers: int, threads: int, args, tmp: Path, data: 
     spec = RunSpec(study_file=str(study_file), name=name, storage=StorageSettings(storage), tracking_uri=tracking,
                    artifact_root=None, state_dir=str(tmp / "state"), data_path=str(data), n_trials=args.trials,
                    timeout=None, threads=threads, progress=False)
-    sf = load_study_file(study_file)
-    dispose_study(load_or_create(sf, spec, make_tracker(tracking), create=True))
+    dispose_study(load_or_create(load_study_file(study_file), spec, make_tracker(tracking), create=True))
 
     load_before = os.getloadavg()
     start = time.perf_counter()

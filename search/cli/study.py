@@ -99,7 +99,7 @@ def _check_liveness(args) -> None:
 
 
 
-def make_spec(args, sf=None):
+def make_spec(args, study_file=None):
     """RunSpec from CLI arguments, the study file and the state-directory defaults."""
     _check_liveness(args)
     n_trials, timeout = getattr(args, "n_trials", None), getattr(args, "timeout", None)
@@ -108,15 +108,16 @@ def make_spec(args, sf=None):
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise LatentsweepError(f"--timeout must be a positive number of seconds, got {timeout}")
     name = safe_name(args.name, "--name") if args.name is not None else None
-    sf = sf or load_study_file(args.study)
+    study_file = study_file or load_study_file(args.study)
     stores = resolve_stores(state_dir(args.state_dir), args.storage, args.tracking_uri, args.artifact_root)
-    data = resolve_data_path(getattr(args, "data", None) or sf.base.data.path)
+    data = resolve_data_path(getattr(args, "data", None) or study_file.base.data.path)
     return RunSpec(
-        study_file=str(sf.path), name=name or sf.name,
+        study_file=str(study_file.path), name=name or study_file.name,
         storage=StorageSettings(stores.storage, args.heartbeat, args.grace),
         tracking_uri=stores.tracking_uri, artifact_root=stores.artifact_root,
-        state_dir=str(stores.root), data_path=str(data), n_trials=n_trials if n_trials is not None else sf.n_trials,
-        timeout=timeout if timeout is not None else sf.timeout, progress=not args.quiet and is_terminal(),
+        state_dir=str(stores.root), data_path=str(data),
+        n_trials=n_trials if n_trials is not None else study_file.n_trials,
+        timeout=timeout if timeout is not None else study_file.timeout, progress=not args.quiet and is_terminal(),
         verbose=args.verbose,
     )
 
@@ -125,16 +126,17 @@ def _preflight(spec) -> None:
     """Fail before any trial, with everything that can be known then: the base config validates on this machine,
     the data loads and splits, the objective is a logged metric, both stores answer, and a stored study of that
     name agrees with the file (direction, distributions of its knobs)."""
-    sf = load_study_file(spec.study_file)
-    validate(sf.base)
-    resolve_device(sf.base.train.device)
-    keys = TASKS.get(sf.base.data.task).val_keys(sf.base)
-    if sf.objective not in keys:
-        raise LatentsweepError(f"{sf.path}: study.objective '{sf.objective}' is not a metric task "
-                               f"'{sf.base.data.task}' logs{closest(sf.objective, keys)}; valid: {', '.join(keys)}")
-    check_split(with_values(sf.base, {"data.path": spec.data_path}), load_train(spec.data_path))
+    study_file = load_study_file(spec.study_file)
+    validate(study_file.base)
+    resolve_device(study_file.base.train.device)
+    keys = TASKS.get(study_file.base.data.task).val_keys(study_file.base)
+    if study_file.objective not in keys:
+        raise LatentsweepError(f"{study_file.path}: study.objective '{study_file.objective}' is not a metric task "
+                               f"'{study_file.base.data.task}' logs{closest(study_file.objective, keys)}; "
+                               f"valid: {', '.join(keys)}")
+    check_split(with_values(study_file.base, {"data.path": spec.data_path}), load_train(spec.data_path))
     _check_stores(spec)
-    check_existing(sf, spec)
+    check_existing(study_file, spec)
 
 
 def _check_stores(spec) -> None:
@@ -182,10 +184,10 @@ def cmd_run(args) -> int:
 
 
 def cmd_create(args) -> int:
-    sf = load_study_file(args.study)
-    spec = make_spec(args, sf)
+    study_file = load_study_file(args.study)
+    spec = make_spec(args, study_file)
     _preflight(spec)
-    study = load_or_create(sf, spec, open_tracker(spec), create=True)
+    study = load_or_create(study_file, spec, open_tracker(spec), create=True)
     dispose_study(study)
     print(f"study '{spec.name}' ready in {redact_url(spec.storage.url)}")
     return 0

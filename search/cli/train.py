@@ -15,6 +15,7 @@ from trainers.checkpoint import load_model
 from trainers.config import dump_toml, parse_overrides, with_values
 from trainers.data import load_test, load_train
 from trainers.errors import DataError, LatentsweepError
+from trainers.io import atomic_write
 from trainers.loop import resolve_device, train
 from trainers.submission import check_submission, write_submission
 from trainers.tasks import check_split, predict
@@ -64,11 +65,13 @@ def run_train(args) -> int:
     made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(dump_toml(cfg))
+        with atomic_write(out / "config.toml") as fh:
+            fh.write(dump_toml(cfg))
         result = train(cfg, data, out_dir=out, progress=not args.quiet and is_terminal())
         summary = {"best_epoch": result.best_epoch, **result.best_metrics, "checkpoint": str(result.checkpoint),
                    "out": str(out)}
-        (out / "result.json").write_text(json.dumps(summary, indent=2))
+        with atomic_write(out / "result.json") as fh:
+            fh.write(json.dumps(summary, indent=2))
     except Exception:
         if made:
             shutil.rmtree(out, ignore_errors=True)

@@ -21,6 +21,7 @@ from trainers.checkpoint import load_model
 from trainers.config import Config, dump_toml, with_values
 from trainers.demo import default_test_path, default_train_path
 from trainers.errors import DataError, LatentsweepError
+from trainers.io import atomic_write
 from trainers.loop import train
 from trainers.tasks import predict
 
@@ -185,8 +186,10 @@ def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, devic
             note(f"seed re-run {i}/{len(jobs)}: {name} ({cfg.train.epochs} epochs)")
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / DONE_FILE).unlink(missing_ok=True)
-            (run_dir / "config.toml").write_text(dump_toml(cfg))
+            with atomic_write(run_dir / "config.toml") as fh:
+                fh.write(dump_toml(cfg))
             train(cfg, data, out_dir=run_dir, progress=progress)
-            (run_dir / DONE_FILE).write_text(json.dumps(stamp))
+            with atomic_write(run_dir / DONE_FILE) as fh:
+                fh.write(json.dumps(stamp))
         out.append(make_candidate(name, base.trial, run_dir / "best.pt", "retrained", None, device))
     return out

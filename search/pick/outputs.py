@@ -21,7 +21,9 @@ import pandas as pd
 
 from search.pick.pyfunc_model import log_ensemble, model_name
 from search.study.worker import PARENT_ATTR
-from search.tracking.base import NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker, redact_url, source_tags
+from search.tracking.base import (
+    NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker, redact_url, source_tags,
+)
 from search.tracking.plots import ensemble_figure
 from trainers.submission import check_submission, write_submission
 

@@ -1,11 +1,12 @@
 """`latentsweep pick`: a study's top trials as candidates, an ensemble chosen on data no member saw, the chosen members
 refit on every labelled image, and the outputs (via search.pick.outputs).
 
-Default (`--selection oof`): every candidate config is retrained on k-1 image folds for each fold (search.pick.refit), so
-every labelled caption gets a prediction from a model that never saw its image; greedy selection runs on all of them
-and nested folds give the honest gain with its spread (search.pick.oof). The chosen members are then refit on all images
-with several seeds, each for the epochs its trial found best; the submission averages them. `--selection halves`
-keeps the older scheme: weights on one half of the study's val split, figures on the other.
+Default (`--selection oof`): every candidate config is retrained on k-1 image folds for each fold
+(search.pick.refit), so every labelled caption gets a prediction from a model that never saw its image; greedy
+selection runs on all of them and nested folds give the honest gain with its spread (search.pick.oof). The chosen
+members are then refit on all images with several seeds, each for the epochs its trial found best; the submission
+averages them. `--selection halves` keeps the older scheme: weights on one half of the study's val split, figures
+on the other. Candidates: search.pick.candidates; selection: search.pick.selection; options: search.pick.options.
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from trainers.config import Config, dump_toml, with_values
 from trainers.data import TrainSet, captions_of, kfold_by_image
+from trainers.io import atomic_write
 from trainers.loop import train
 
 DONE_FILE = "done.json"  # written when a job finished; a job with the same config and data reuses its model
@@ -111,10 +112,12 @@ def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | Non
         return ckpt, None
     job.run_dir.mkdir(parents=True, exist_ok=True)
     (job.run_dir / DONE_FILE).unlink(missing_ok=True)
-    (job.run_dir / "config.toml").write_text(dump_toml(job.cfg))
+    with atomic_write(job.run_dir / "config.toml") as fh:
+        fh.write(dump_toml(job.cfg))
     start = time.monotonic()
     train(job.cfg, part, out_dir=job.run_dir, progress=progress)
-    (job.run_dir / DONE_FILE).write_text(json.dumps(stamp))
+    with atomic_write(job.run_dir / DONE_FILE) as fh:
+        fh.write(json.dumps(stamp))
     seconds = time.monotonic() - start
     note(f"{job.name}: trained {job.cfg.train.stop_after} epochs on {len(part.image)} images "
          f"in {seconds:.0f} s (estimated {job.cost:.0f} s)")

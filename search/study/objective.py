@@ -20,6 +20,7 @@ from search.tracking.plots import rank_histogram
 from trainers.config import dump_toml, flatten, with_values
 from trainers.data import TrainSet
 from trainers.errors import LatentsweepError
+from trainers.io import atomic_write
 from trainers.loop import EpochReport, train
 
 log = logging.getLogger("latentsweep")
@@ -37,9 +38,9 @@ def relative_to_state(path: Path, state_dir: str | Path) -> str:
 class TrialRunner:
     """Runs one trial end to end; whatever happens, the MLflow run ends with the state Optuna records."""
 
-    def __init__(self, sf: StudyFile, spec, data: TrainSet, tracker: Tracker, out_root: Path):
-        self.sf, self.spec, self.data, self.tracker, self.out_root = sf, spec, data, tracker, out_root
-        self.base_values = flatten(sf.base)
+    def __init__(self, study_file: StudyFile, spec, data: TrainSet, tracker: Tracker, out_root: Path):
+        self.study_file, self.spec, self.data, self.tracker, self.out_root = study_file, spec, data, tracker, out_root
+        self.base_values = flatten(study_file.base)
         self.open_run: str | None = None  # the MLflow run of the trial in progress, until it is closed
 
     def run(self, trial: optuna.Trial) -> tuple[TrialState, float | None]:
@@ -60,10 +61,10 @@ class TrialRunner:
             log.warning("trial %d failed: %s", trial.number, message.strip().splitlines()[-1])
             self._close(run_id, out, "FAIL", error=message)
             return TrialState.FAIL, None
-        value = float(result.best_metrics[self.sf.objective])
+        value = float(result.best_metrics[self.study_file.objective])
         trial.set_user_attr("best_epoch", result.best_epoch)
         trial.set_user_attr("checkpoint", relative_to_state(result.checkpoint, self.spec.state_dir))
-        self.tracker.set_tags(run_id, {NOTE_TAG: f"Complete: {self.sf.objective} {value:.4f} at epoch "
+        self.tracker.set_tags(run_id, {NOTE_TAG: f"Complete: {self.study_file.objective} {value:.4f} at epoch "
                                                  f"{result.best_epoch} (the best epoch; its checkpoint is best.pt)."})
         self._close(run_id, out, "COMPLETE", ranks=getattr(result, "val_ranks", None))
         return TrialState.COMPLETE, value
@@ -77,14 +78,15 @@ class TrialRunner:
         """
         out = self.out_root / f"trial-{trial.number}"
         try:
-            values = sample(trial, list(self.sf.space), self.base_values)
+            values = sample(trial, list(self.study_file.space), self.base_values)
         except ValueError as exc:
             raise LatentsweepError(f"trial {trial.number}: cannot sample the search space: {exc}") from None
-        cfg = with_values(self.sf.base, {**values, "data.path": self.spec.data_path,
-                                         "train.threads": self.spec.threads})
+        cfg = with_values(self.study_file.base, {**values, "data.path": self.spec.data_path,
+                                                 "train.threads": self.spec.threads})
         try:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.toml").write_text(dump_toml(cfg))
+            with atomic_write(out / "config.toml") as fh:
+                fh.write(dump_toml(cfg))
         except OSError as exc:
             raise LatentsweepError(f"trial {trial.number}: cannot write {exc.filename or out}: "
                                    f"{exc.strerror or exc}") from None
@@ -116,17 +118,18 @@ class TrialRunner:
     def _report(self, trial: optuna.Trial, run_id: str, best: dict, report: EpochReport) -> None:
         """Log the epoch, report it to the pruner. `best` (per trial) holds the best epoch so far: its objective
         is logged each epoch as best/<objective>, so its last value is the trial's value in Optuna."""
-        if self.sf.objective not in report.metrics:
-            raise LatentsweepError(f"objective '{self.sf.objective}' is not a logged metric; "
+        if self.study_file.objective not in report.metrics:
+            raise LatentsweepError(f"objective '{self.study_file.objective}' is not a logged metric; "
                                    f"available: {', '.join(k for k in report.metrics if k.startswith('val/'))}")
         if report.improved or not best:  # the loop keeps the checkpoint of the improved epochs
-            best.update({best_metric(self.sf.objective): report.metrics[self.sf.objective],
+            best.update({best_metric(self.study_file.objective): report.metrics[self.study_file.objective],
                          BEST_EPOCH_METRIC: report.epoch})
         self.tracker.log_epoch(run_id, {**report.metrics, **best}, report.epoch)
-        trial.report(report.metrics[self.sf.objective], report.epoch)
+        trial.report(report.metrics[self.study_file.objective], report.epoch)
         if self.spec.verbose and not self.spec.progress:  # with bars, the epoch bar shows it
-            emit(f"study {self.spec.name} trial {trial.number} epoch {report.epoch} {self.sf.objective} "
-                 f"{report.metrics[self.sf.objective]:.4f}" + (" (best epoch so far)" if report.improved else ""))
+            objective = self.study_file.objective
+            emit(f"study {self.spec.name} trial {trial.number} epoch {report.epoch} {objective} "
+                 f"{report.metrics[objective]:.4f}" + (" (best epoch so far)" if report.improved else ""))
         if trial.should_prune():
             raise optuna.TrialPruned(f"pruned at epoch {report.epoch}")
 
@@ -135,7 +138,7 @@ class TrialRunner:
         retry_of = trial.study._storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
         tags = {"optuna.trial_number": str(trial.number), "optuna.study": self.spec.name,
                 **source_tags(f"latentsweep study {self.spec.name} ({Path(self.spec.study_file).name})"),
-                SEARCHED_TAG: ",".join(p.key for p in self.sf.space),
+                SEARCHED_TAG: ",".join(p.key for p in self.study_file.space),
                 "seed": str(cfg.train.seed), "data_fingerprint": self.data.fingerprint,
                 "data_path": self.spec.data_path, "optuna.state": "RUNNING"}
         if retry_of is not None:

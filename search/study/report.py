@@ -21,11 +21,11 @@ def load_existing_study(name: str, storage, heartbeat: int | None = None, grace:
     settings = StorageSettings(storage)
     if heartbeat is not None and grace is not None:
         settings = StorageSettings(storage, heartbeat, grace)
-    rdb = open_storage(settings)
+    optuna_storage = open_storage(settings)
     try:
-        return optuna.load_study(study_name=name, storage=rdb)
+        return optuna.load_study(study_name=name, storage=optuna_storage)
     except KeyError:
-        known = [s.study_name for s in optuna.get_all_study_summaries(rdb)]
+        known = [s.study_name for s in optuna.get_all_study_summaries(optuna_storage)]
         raise LatentsweepError(
             f"no study named '{name}' in {redact_url(storage)}; known: {', '.join(known) or 'none'}"
         ) from None
@@ -87,11 +87,11 @@ def study_header(study: optuna.Study) -> str:
 
 def studies_table(storage: str) -> pd.DataFrame:
     """One row per study in `storage`: name, direction, objective, trials by state, best value and trial."""
-    rdb = open_storage(StorageSettings(storage))
+    optuna_storage = open_storage(StorageSettings(storage))
     rows = []
     try:
-        for s in optuna.get_all_study_summaries(rdb, include_best_trial=True):
-            study = optuna.load_study(study_name=s.study_name, storage=rdb)
+        for s in optuna.get_all_study_summaries(optuna_storage, include_best_trial=True):
+            study = optuna.load_study(study_name=s.study_name, storage=optuna_storage)
             states = pd.Series([t.state.name.lower() for t in study.get_trials(deepcopy=False)],
                                dtype=object).value_counts()
             best = s.best_trial
@@ -103,6 +103,6 @@ def studies_table(storage: str) -> pd.DataFrame:
                          "best_trial": None if best is None else best.number,
                          "created": s.datetime_start})
     finally:
-        dispose(rdb)
+        dispose(optuna_storage)
     return pd.DataFrame(rows, columns=["study", "direction", "objective", "trials", "complete", "pruned", "fail",
                                        "running", "best_value", "best_trial", "created"])

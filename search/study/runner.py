@@ -43,11 +43,11 @@ def run_worker(spec: RunSpec, create: bool = False, study: optuna.Study | None =
 
 
 def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker: Tracker | None) -> int:
-    sf = load_study_file(spec.study_file)
+    study_file = load_study_file(spec.study_file)
     data = load_train(spec.data_path)
     owned = study is None
     tracker = tracker or open_tracker(spec)
-    study = study or load_or_create(sf, spec, tracker, create=create)
+    study = study or load_or_create(study_file, spec, tracker, create=create)
     bar = _StudyBar(spec, study) if spec.progress else None
 
     def on_trial(frozen) -> None:
@@ -57,8 +57,8 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
 
     try:
         reap(study, tracker)
-        runner = TrialRunner(sf, spec, data, tracker, study_dir(spec.state_dir, spec.name))
-        return worker_loop(sf, spec, study, runner, on_trial=on_trial)
+        runner = TrialRunner(study_file, spec, data, tracker, study_dir(spec.state_dir, spec.name))
+        return worker_loop(study_file, spec, study, runner, on_trial=on_trial)
     finally:
         if bar:
             bar.close()
@@ -121,9 +121,9 @@ class _StudyBar:
 
 def run_study(spec: RunSpec, workers: int = 1) -> dict:
     """Create/load the study, run it here with `workers` processes, refresh the parent run; returns the summary."""
-    sf = load_study_file(spec.study_file)
+    study_file = load_study_file(spec.study_file)
     tracker = open_tracker(spec)
-    study = load_or_create(sf, spec, tracker, create=True)
+    study = load_or_create(study_file, spec, tracker, create=True)
     interrupted = False
     try:
         if workers <= 1:

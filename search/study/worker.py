@@ -54,14 +54,14 @@ class RunSpec:
     verbose: bool = False  # one line per epoch when there are no bars
 
 
-def load_or_create(sf: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True,
+def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True,
                    reopen: bool = True) -> optuna.Study:
     """The study named spec.name (created with the file's sampler/pruner if absent), its parent run and enqueued recipes."""
     storage = open_storage(spec.storage)
-    sampler, pruner = build_sampler(sf.sampler, per_worker=not create), build_pruner(sf.pruner)
+    sampler, pruner = build_sampler(study_file.sampler, per_worker=not create), build_pruner(study_file.pruner)
     if create:
         study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner,
-                                    direction=sf.direction, load_if_exists=True)
+                                    direction=study_file.direction, load_if_exists=True)
     else:
         try:
             study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
@@ -70,7 +70,7 @@ def load_or_create(sf: StudyFile, spec: RunSpec, tracker: Tracker, create: bool 
                                    f"create it with `latentsweep study create`") from None
     existing = len(study.get_trials(deepcopy=False))
     if existing:  # resumed: a sampler seeded as at the start would propose trial 0's values again
-        study.sampler = build_sampler(sf.sampler, per_worker=not create, history=existing)
+        study.sampler = build_sampler(study_file.sampler, per_worker=not create, history=existing)
     attrs = study.user_attrs
     if not reopen:  # read-only use (study reap): bind to the parent run as it is, write nothing to the study
         if PARENT_ATTR in attrs:
@@ -79,17 +79,18 @@ def load_or_create(sf: StudyFile, spec: RunSpec, tracker: Tracker, create: bool 
     if PARENT_ATTR in attrs:
         tracker.attach_study(spec.name, attrs[PARENT_ATTR])
     else:
-        settings = {"study_file": str(sf.path), "objective": sf.objective, "direction": sf.direction,
-                    "sampler": sf.sampler.get("name", "tpe"), "pruner": sf.pruner.get("name", "median"),
-                    "n_trials": str(spec.n_trials), "data": spec.data_path, "description": sf.description}
+        settings = {"study_file": str(study_file.path), "objective": study_file.objective,
+                    "direction": study_file.direction, "sampler": study_file.sampler.get("name", "tpe"),
+                    "pruner": study_file.pruner.get("name", "median"),
+                    "n_trials": str(spec.n_trials), "data": spec.data_path, "description": study_file.description}
         study.set_user_attr(PARENT_ATTR, tracker.ensure_study(spec.name, settings))
     if not attrs.get(ENQUEUED_ATTR):
-        for values in sf.enqueue:
+        for values in study_file.enqueue:
             study.enqueue_trial(values, user_attrs={"latentsweep.enqueued": True}, skip_if_exists=True)
         study.set_user_attr(ENQUEUED_ATTR, True)
-    study.set_user_attr("objective", sf.objective)
-    if study.metric_names != [sf.objective]:
-        study.set_metric_names([sf.objective])  # optuna-dashboard labels the value with it, not "Objective 0"
+    study.set_user_attr("objective", study_file.objective)
+    if study.metric_names != [study_file.objective]:
+        study.set_metric_names([study_file.objective])  # optuna-dashboard labels the value with it, not "Objective 0"
     return study
 
 
@@ -100,7 +101,7 @@ def open_tracker(spec: RunSpec) -> Tracker:
         return make_tracker(spec.tracking_uri, spec.artifact_root)
 
 
-def check_existing(sf: StudyFile, spec: RunSpec) -> None:
+def check_existing(study_file: StudyFile, spec: RunSpec) -> None:
     """A stored study of this name must agree with the file before anything runs: the same direction, and every
     searched knob with a distribution of the kind its trials stored (Optuna refuses the first suggest otherwise,
     which would fail each trial in turn). Reads only; a study not stored yet passes."""
@@ -111,10 +112,10 @@ def check_existing(sf: StudyFile, spec: RunSpec) -> None:
         except KeyError:
             return
         stored = storage.get_study_directions(study_id)[0].name.lower()
-        if stored != sf.direction:
-            raise LatentsweepError(f"study '{spec.name}' is stored with direction {stored} but {sf.path} says "
-                                   f"{sf.direction}: fix the file or use another --name")
-        wanted = {p.key: p.distribution() for p in sf.space}
+        if stored != study_file.direction:
+            raise LatentsweepError(f"study '{spec.name}' is stored with direction {stored} but {study_file.path} says "
+                                   f"{study_file.direction}: fix the file or use another --name")
+        wanted = {p.key: p.distribution() for p in study_file.space}
         seen: set[str] = set()
         for trial in reversed(storage.get_all_trials(study_id, deepcopy=False)):
             for key, dist in trial.distributions.items():
@@ -124,7 +125,7 @@ def check_existing(sf: StudyFile, spec: RunSpec) -> None:
                         optuna.distributions.check_distribution_compatibility(dist, wanted[key])
                     except ValueError as exc:
                         raise LatentsweepError(
-                            f"study '{spec.name}' stores {key} as {dist} but {sf.path} searches {wanted[key]} "
+                            f"study '{spec.name}' stores {key} as {dist} but {study_file.path} searches {wanted[key]} "
                             f"({str(exc).rstrip('.')}): use another --name") from None
     finally:
         dispose(storage)
@@ -142,7 +143,7 @@ def claim_trial(study: optuna.Study, n_trials: int) -> optuna.Trial | None:
     The new trial's first heartbeat is recorded before the lock is released: Optuna never counts a RUNNING trial
     without any heartbeat as stale, so a worker killed before its heartbeat thread started would block the budget.
     """
-    storage = rdb(study)
+    storage = storage_of(study)
     with budget_lock(storage, study.study_name):
         optuna.storages.fail_stale_trials(study)
         if counted(study, (TrialState.RUNNING,)) >= n_trials:
@@ -164,7 +165,7 @@ def worker_id(pid: int | None = None) -> str:
 
 def reap_owner(study: optuna.Study, tracker: Tracker, owner: str) -> list[str]:
     """Fail (and queue the retry of) the RUNNING trials of a worker known to be dead, then close their runs."""
-    storage = rdb(study)
+    storage = storage_of(study)
     callback = storage.get_heartbeat_stale_trial_callback()
     with budget_lock(storage, study.study_name):
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -174,7 +175,7 @@ def reap_owner(study: optuna.Study, tracker: Tracker, owner: str) -> list[str]:
     return close_dead_runs(study, tracker)
 
 
-class _Alive(frozenset):
+class LiveTrialNumbers(frozenset):
     """Trial numbers whose MLflow run may be RUNNING: running or waiting at the snapshot, or created after it (the
     MLflow search comes after the snapshot, so it can see the fresh run of a trial another worker just claimed)."""
 
@@ -191,7 +192,7 @@ class _Alive(frozenset):
 def close_dead_runs(study: optuna.Study, tracker: Tracker) -> list[str]:
     """Close as FAILED the runs of the trials this process just found dead (see RetryAndRecord), then every other
     run still RUNNING whose trial is finished or failed (e.g. failed by a process that died before closing it)."""
-    callback = rdb(study).get_heartbeat_stale_trial_callback()
+    callback = storage_of(study).get_heartbeat_stale_trial_callback()
     closed = []
     for trial in callback.drain() if isinstance(callback, RetryAndRecord) else []:
         run_id = trial.user_attrs.get("mlflow_run_id")  # absent when the worker died before opening the run
@@ -199,7 +200,7 @@ def close_dead_runs(study: optuna.Study, tracker: Tracker) -> list[str]:
             tracker.set_tags(run_id, {REAPED_TAG: "true"})
             tracker.end_trial(run_id, TrialState.FAIL)
             closed.append(run_id)
-    return closed + tracker.close_stale_runs(_Alive(study.get_trials(deepcopy=False)))
+    return closed + tracker.close_stale_runs(LiveTrialNumbers(study.get_trials(deepcopy=False)))
 
 
 def reap(study: optuna.Study, tracker: Tracker) -> list[str]:
@@ -207,7 +208,7 @@ def reap(study: optuna.Study, tracker: Tracker) -> list[str]:
 
     Failing happens under the budget lock, like in claim_trial, so concurrent reapers queue exactly one retry.
     """
-    with budget_lock(rdb(study), study.study_name):
+    with budget_lock(storage_of(study), study.study_name):
         optuna.storages.fail_stale_trials(study)
     return close_dead_runs(study, tracker)
 
@@ -243,7 +244,7 @@ class Heartbeat:
         self.thread.join()
 
 
-def worker_loop(sf: StudyFile, spec: RunSpec, study: optuna.Study, runner: TrialRunner,
+def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runner: TrialRunner,
                 on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None) -> int:
     """Claim and run trials until the budget or the timeout is reached; returns how many this worker ran.
 
@@ -251,13 +252,13 @@ def worker_loop(sf: StudyFile, spec: RunSpec, study: optuna.Study, runner: Trial
     whose worker died goes stale after the grace period and its retry still has to run.
     """
     start, ran = time.monotonic(), 0
-    poll = min(WAIT_POLL_S, rdb(study).get_heartbeat_interval() or WAIT_POLL_S)
+    poll = min(WAIT_POLL_S, storage_of(study).get_heartbeat_interval() or WAIT_POLL_S)
     while spec.timeout is None or time.monotonic() - start < spec.timeout:
         trial = claim_trial(study, spec.n_trials)
         try:
             close_dead_runs(study, runner.tracker)  # the claim may have failed dead workers' trials
             if trial is not None:
-                with Heartbeat(rdb(study), trial._trial_id):
+                with Heartbeat(storage_of(study), trial._trial_id):
                     state, value = runner.run(trial)
         except BaseException:  # Ctrl-C, SIGTERM, or an error outside the config's fault: retried, not counted
             if trial is not None:
@@ -285,10 +286,10 @@ def study_dir(state_dir: str | Path, name: str) -> Path:
     return Path(state_dir) / "studies" / safe_name(name)
 
 
-def rdb(study: optuna.Study) -> optuna.storages.RDBStorage:
+def storage_of(study: optuna.Study) -> optuna.storages.RDBStorage:
     """The RDBStorage behind a study (Optuna wraps it in a private caching layer)."""
     return getattr(study._storage, "_backend", study._storage)
 
 
 def dispose_study(study: optuna.Study) -> None:
-    dispose(rdb(study))
+    dispose(storage_of(study))

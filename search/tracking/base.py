@@ -65,7 +65,7 @@ DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 @runtime_checkable
 class Tracker(Protocol):
-    """What the study layer needs from a tracking backend (see CONTRACTS.md, Tracking)."""
+    """What studies and picks need from a tracking backend (README, "Tracking", says what is logged where)."""
 
     def ensure_study(self, study_name: str, settings: dict[str, Any]) -> str: ...
     def attach_study(self, study_name: str, parent_run_id: str, reopen: bool = True) -> None: ...
