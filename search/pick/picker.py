@@ -26,7 +26,7 @@ from search.pick.candidates import (
 from search.pick.options import Paths, PickOptions, check_options, resolve_paths
 from search.pick.outputs import PickResult, write_outputs
 from search.pick.refit import note
-from search.pick.selection import Selection, outputs, refit_jobs, select, select_oof, fold_jobs
+from search.pick.selection import Selection, fold_jobs, outputs, refit_jobs, select, select_oof
 from search.study.report import load_existing_study
 from search.tracking import make_tracker
 from trainers.checkpoint import load_model
