@@ -29,7 +29,7 @@ from optuna.trial import TrialState
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from search import ensemble  # noqa: E402
+from search.pick import ensemble  # noqa: E402
 from trainers.checkpoint import load_model  # noqa: E402
 from trainers.data import load_test  # noqa: E402
 from trainers.demo import default_answers_path, default_test_path, default_train_path  # noqa: E402

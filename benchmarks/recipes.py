@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from search.studyfile import load_study_file  # noqa: E402
+from search.study.studyfile import load_study_file  # noqa: E402
 from trainers import metrics  # noqa: E402
 from trainers.config import with_values  # noqa: E402
 from trainers.data import load_answers, load_test, load_train  # noqa: E402
@@ -67,8 +67,8 @@ class _Linear(torch.nn.Module):
 
 
 def run_recipe(name: str, data, epochs: int | None, test_path: Path, answers_path: Path) -> dict:
-    sf = load_study_file(ROOT / "studies" / f"{name}.toml")
-    cfg = sf.base if epochs is None else with_values(sf.base, {"train.epochs": epochs})
+    study_file = load_study_file(ROOT / "studies" / f"{name}.toml")
+    cfg = study_file.base if epochs is None else with_values(study_file.base, {"train.epochs": epochs})
     start = time.perf_counter()
     result = train(cfg, data)
     row = {"recipe": name, "task": cfg.data.task, "epochs": cfg.train.epochs, "best_epoch": result.best_epoch,

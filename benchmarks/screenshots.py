@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from search.servers import free_port  # noqa: E402
+from search.cli.servers import free_port  # noqa: E402
 
 WINDOW = "1920,1080"
 # MLflow 3 keeps a GenAI/"Model training" switch per browser (localStorage, GenAI by default); this URL parameter
@@ -54,7 +54,7 @@ def targets(state: Path, study: str) -> tuple[str, str, int]:
     import optuna
     from mlflow import MlflowClient
 
-    from search.tracking_paths import relocate_mlflow
+    from search.tracking.paths import relocate_mlflow
 
     relocate_mlflow(state)
     loaded = optuna.load_study(study_name=study, storage=f"sqlite:///{state / 'optuna.db'}")

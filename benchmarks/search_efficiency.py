@@ -31,12 +31,12 @@ import optuna
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from search.objective import TrialRunner  # noqa: E402
-from search.runner import quiet_optuna  # noqa: E402
-from search.storage import StorageSettings  # noqa: E402
-from search.study import RunSpec, load_or_create, worker_loop  # noqa: E402
-from search.studyfile import load_study_file, resolve_data_path  # noqa: E402
-from search.tracking import InMemoryTracker  # noqa: E402
+from search.study.objective import TrialRunner  # noqa: E402
+from search.process import quiet_optuna  # noqa: E402
+from search.study.storage import StorageSettings  # noqa: E402
+from search.study.worker import RunSpec, load_or_create, worker_loop  # noqa: E402
+from search.study.studyfile import load_study_file, resolve_data_path  # noqa: E402
+from search.tracking.memory import InMemoryTracker  # noqa: E402
 from trainers.config import with_values  # noqa: E402
 from trainers.data import load_train  # noqa: E402
 from trainers.loop import train  # noqa: E402
@@ -48,15 +48,17 @@ ARMS = {
 }
 
 
-def run_arm(sf, name: str, sampler: dict, pruner: dict, data, data_path: str, budget: float, root: Path) -> list:
+def run_arm(study_file, name: str, sampler: dict, pruner: dict, data, data_path: str, budget: float,
+            root: Path) -> list:
     """Run a search for `budget` seconds; returns [(seconds since start, running best)] at each finished trial."""
-    arm_sf = dataclasses.replace(sf, name=name, sampler=sampler, pruner=pruner, enqueue=())
-    spec = RunSpec(study_file=str(sf.path), name=name, storage=StorageSettings(f"sqlite:///{root / 'optuna.db'}"),
+    arm_study_file = dataclasses.replace(study_file, name=name, sampler=sampler, pruner=pruner, enqueue=())
+    spec = RunSpec(study_file=str(study_file.path), name=name,
+                   storage=StorageSettings(f"sqlite:///{root / 'optuna.db'}"),
                    tracking_uri="memory", artifact_root=None, state_dir=str(root), data_path=data_path,
                    n_trials=10_000, timeout=budget, threads=0, progress=False)
     tracker = InMemoryTracker()
-    study = load_or_create(arm_sf, spec, tracker)
-    runner = TrialRunner(arm_sf, spec, data, tracker, root / name)
+    study = load_or_create(arm_study_file, spec, tracker)
+    runner = TrialRunner(arm_study_file, spec, data, tracker, root / name)
     start, curve, best = time.monotonic(), [], -1.0
 
     def on_trial(frozen: optuna.trial.FrozenTrial) -> None:
@@ -65,7 +67,7 @@ def run_arm(sf, name: str, sampler: dict, pruner: dict, data, data_path: str, bu
             best = max(best, frozen.value)
         curve.append((time.monotonic() - start, best, frozen.state.name))
 
-    worker_loop(arm_sf, spec, study, runner, on_trial=on_trial)
+    worker_loop(arm_study_file, spec, study, runner, on_trial=on_trial)
     return curve
 
 
@@ -111,20 +113,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         return summarize(args.summary, args.name, args.budget)
     quiet_optuna()
-    sf = load_study_file(args.study)
+    study_file = load_study_file(args.study)
     if args.epochs:
-        sf = dataclasses.replace(sf, base=with_values(sf.base, {"train.epochs": args.epochs}))
-    data_path = str(resolve_data_path(args.data or sf.base.data.path))
+        study_file = dataclasses.replace(study_file, base=with_values(study_file.base, {"train.epochs": args.epochs}))
+    data_path = str(resolve_data_path(args.data or study_file.base.data.path))
     data = load_train(data_path)
     start = time.monotonic()
-    recipe = train(sf.base, data).best_metrics["val/mrr"]
+    recipe = train(study_file.base, data).best_metrics["val/mrr"]
     recipe_s = time.monotonic() - start
-    print(f"recipe alone ({sf.path.name} [base]): val/mrr {recipe:.4f} in {recipe_s:.0f} s", flush=True)
+    print(f"recipe alone ({study_file.path.name} [base]): val/mrr {recipe:.4f} in {recipe_s:.0f} s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        curves = {name: run_arm(sf, name.replace(" ", "").replace(",", "-").replace("+", "-"), s, p, data,
+        curves = {name: run_arm(study_file, name.replace(" ", "").replace(",", "-").replace("+", "-"), s, p, data,
                                 data_path, args.budget, Path(tmp))
                   for name, (s, p) in ARMS.items()}
-    print(f"\nbudget {args.budget:.0f} s per arm, space of {sf.path.name} ({len(sf.space)} knobs)")
+    print(f"\nbudget {args.budget:.0f} s per arm, space of {study_file.path.name} ({len(study_file.space)} knobs)")
     print("| arm | trials (complete/pruned) | best val/mrr | time to reach the recipe's value |")
     print("|---|---|---|---|")
     print(f"| recipe alone | 1 | {recipe:.4f} | {recipe_s:.0f} s |")

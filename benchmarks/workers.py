@@ -82,10 +82,11 @@ def run_layout(storage: str, workers: int, threads: int, args, tmp: Path, data: 
     """Create a fresh study, run it with `workers` spawned processes of `threads` threads each, read the timings."""
     import optuna
 
-    from search.runner import quiet_optuna, run_worker
-    from search.storage import StorageSettings
-    from search.study import RunSpec, dispose_study, load_or_create
-    from search.studyfile import load_study_file
+    from search.process import quiet_optuna
+    from search.study.runner import worker_main
+    from search.study.storage import StorageSettings
+    from search.study.worker import RunSpec, dispose_study, load_or_create
+    from search.study.studyfile import load_study_file
     from search.tracking import make_tracker
 
     quiet_optuna()
@@ -96,13 +97,12 @@ def run_layout(storage: str, workers: int, threads: int, args, tmp: Path, data: 
     spec = RunSpec(study_file=str(study_file), name=name, storage=StorageSettings(storage), tracking_uri=tracking,
                    artifact_root=None, state_dir=str(tmp / "state"), data_path=str(data), n_trials=args.trials,
                    timeout=None, threads=threads, progress=False)
-    sf = load_study_file(study_file)
-    dispose_study(load_or_create(sf, spec, make_tracker(tracking), create=True))
+    dispose_study(load_or_create(load_study_file(study_file), spec, make_tracker(tracking), create=True))
 
     load_before = os.getloadavg()
     start = time.perf_counter()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=run_worker, args=(spec,)) for _ in range(workers)]
+    procs = [ctx.Process(target=worker_main, args=(spec,)) for _ in range(workers)]
     for p in procs:
         p.start()
     for p in procs:

@@ -15,7 +15,7 @@ from collections import Counter
 import optuna
 from mlflow import MlflowClient
 
-# Terminal MLflow statuses per Optuna state (search.tracking.STATUS_OF_STATE; a reaped trial's run ends FAILED).
+# Terminal MLflow statuses per Optuna state (search.tracking.base.STATUS_OF_STATE; a reaped trial's run ends FAILED).
 RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
 
 

@@ -1,6 +1,6 @@
 """`python -m search` runs the CLI."""
 import sys
 
-from search.cli import main
+from search.cli.main import main
 
 sys.exit(main())

@@ -10,7 +10,7 @@ import numpy as np
 import optuna
 import pytest
 
-from search.cli import main
+from search.cli.main import main
 from trainers.synthetic import write_synthetic
 
 CORPUS = Path(__file__).parent / "corpus"

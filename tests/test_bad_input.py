@@ -12,7 +12,7 @@ import pytest
 from bad_input_kit import (
     CORPUS, NAME, NPZ_CASES, UNREACHABLE_STORAGE, UNREACHABLE_TRACKING, one_line_error, problem_lines, snapshot, study_cmd,
 )
-from search.cli import main
+from search.cli.main import main
 from trainers.submission import write_submission
 
 # ---- bad data files --------------------------------------------------------------------------------------------------

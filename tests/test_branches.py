@@ -7,10 +7,10 @@ import optuna
 import pytest
 
 from conftest import tiny_study_file
-from search.branches import probe_values
-from search.cli import main
-from search.space import parse_space, sample
-from search.studyfile import load_study_file
+from search.study.branches import probe_values
+from search.cli.main import main
+from search.study.space import parse_space, sample
+from search.study.studyfile import load_study_file
 from trainers.config import Config, flatten
 from trainers.errors import ConfigError
 from trainers.synthetic import write_synthetic

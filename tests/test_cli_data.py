@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from search.cli import main
+from search.cli.main import main
 from trainers.data_writer import write_train_npz
 from trainers.synthetic import make_synthetic, write_synthetic
 

@@ -1,4 +1,4 @@
-"""Tests of `latentsweep train` and `latentsweep predict` through search.cli.main, on tiny synthetic data."""
+"""Tests of `latentsweep train` and `latentsweep predict` through search.cli.main.main, on tiny synthetic data."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from search.cli import main
+from search.cli.main import main
 from trainers.checkpoint import load_model
 from trainers.config import from_dict
 from trainers.data import load_test

@@ -144,7 +144,7 @@ def test_choose_test_is_deterministic_and_whole_galleries():
 
 
 def test_build_demo_names_missing_tool(monkeypatch, tmp_path):
-    from search import cmd_demo
+    from search.cli import demo as cmd_demo
 
     parser = argparse.ArgumentParser()
     cmd_demo.add_parser(parser.add_subparsers())

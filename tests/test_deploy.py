@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from search.cli import build_parser
-from search.studyfile import load_study_file
+from search.cli.main import build_parser
+from search.study.studyfile import load_study_file
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -12,11 +12,11 @@ from pathlib import Path
 import optuna
 import pytest
 
-from search.cli import main
-from search.runner import quiet_optuna
-from search.storage import StorageSettings, dispose, open_storage
-from search.study import reap
-from search.tracking import InMemoryTracker
+from search.cli.main import main
+from search.process import quiet_optuna
+from search.study.storage import StorageSettings, dispose, open_storage
+from search.study.worker import reap
+from search.tracking.memory import InMemoryTracker
 from test_postgres import (  # noqa: F401 - fixtures are used by name
     assert_clean, cli_args, parent_run, pg_db, pg_url, spawn_worker, study_file, synthetic, trial_runs, tracking,
 )

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from search import ensemble, picker
-from search.cli import main
+from search.pick import candidates, ensemble, selection
+from search.cli.main import main
 from trainers.config import Config, with_values
 from trainers.data import load_test, load_train
 from trainers.data_writer import write_test_npz
@@ -119,22 +119,22 @@ def test_mean_and_weighted_weights():
 
 def test_missing_checkpoint_is_skipped_with_a_warning_naming_the_trial(tmp_path, capsys):
     trial = types.SimpleNamespace(number=7, user_attrs={"checkpoint": str(tmp_path / "gone" / "best.pt")})
-    assert picker.fetch_checkpoint(trial, "sqlite:///unused.db", tmp_path) is None
+    assert candidates.fetch_checkpoint(trial, "sqlite:///unused.db", tmp_path) is None
     assert "trial 7" in capsys.readouterr().err
 
 
 def test_candidates_must_share_the_val_split():
     def cand(name, **values):
         cfg = with_values(Config(), values)
-        return picker.Candidate(name, 0, Path("x"), cfg, (4, 6), 0.5, None, "local", None)
+        return candidates.Candidate(name, 0, Path("x"), cfg, (4, 6), 0.5, None, "local", None)
 
-    picker.check_agreement([cand("a"), cand("b")], same_split=True)
+    candidates.check_agreement([cand("a"), cand("b")], same_split=True)
     with pytest.raises(LatentsweepError, match=r"data.val_ratio"):
-        picker.check_agreement([cand("a"), cand("b", **{"data.val_ratio": 0.3})], same_split=True)
+        candidates.check_agreement([cand("a"), cand("b", **{"data.val_ratio": 0.3})], same_split=True)
     with pytest.raises(LatentsweepError, match=r"data.salt"):
-        picker.check_agreement([cand("a"), cand("b", **{"data.salt": "x"})], same_split=True)
+        candidates.check_agreement([cand("a"), cand("b", **{"data.salt": "x"})], same_split=True)
     # out-of-fold selection retrains every candidate on the same folds: the study's splits may differ
-    picker.check_agreement([cand("a"), cand("b", **{"data.val_ratio": 0.3})], same_split=False)
+    candidates.check_agreement([cand("a"), cand("b", **{"data.val_ratio": 0.3})], same_split=False)
 
 
 # ---------------------------------------------------------------------------------------------- a real tiny study
@@ -310,7 +310,7 @@ def test_default_pick_refits_chosen_members_on_every_image_with_seeds(world, oof
     assert len(set(seeds)) == 2  # two seeds per member
     # the submission is the weighted mean of the refit models' normalised outputs
     test = load_test(world.test)
-    preds = [picker.outputs([load_model(m["checkpoint"])[0]], test.embeddings, "cpu")[0] for m in made]
+    preds = [selection.outputs([load_model(m["checkpoint"])[0]], test.embeddings, "cpu")[0] for m in made]
     expected = ensemble.combine(preds, [m["weight"] for m in made])
     assert np.allclose(read_submission(out)[1], expected, atol=1e-5)
 
@@ -355,6 +355,6 @@ def test_top_trials_rank_pruned_trials_by_their_best_reported_value():
         for step, v in enumerate(values):
             trial.report(v, step)
         study.tell(trial, values[-1] if state == TrialState.COMPLETE else None, state=state)
-    ranked = picker.top_trials(study, 5)
+    ranked = candidates.top_trials(study, 5)
     assert [t.number for t in ranked] == [1, 0, 2]  # 0.5 (pruned), 0.4 (complete), 0.3; no value: left out
-    assert picker.trial_value(ranked[0], maximize=True) == 0.5
+    assert candidates.trial_value(ranked[0], maximize=True) == 0.5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from search import ensemble, oof, refit
+from search.pick import ensemble, oof, refit
 from trainers.config import Config, with_values
 from trainers.data import load_train
 from trainers.errors import ConfigError

@@ -4,8 +4,8 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from search.space import Param, active_values, flatten_space, parse_space, sample
-from search.studyfile import load_study_file
+from search.study.space import Param, active_values, flatten_space, parse_space, sample
+from search.study.studyfile import load_study_file
 from trainers.config import Config, flatten
 from trainers.errors import ConfigError
 

@@ -11,9 +11,9 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file as study_file
-from search import servers
-from search.cli import main
-from search.storage import StorageSettings, dispose, open_storage
+from search.cli import servers
+from search.cli.main import main
+from search.study.storage import StorageSettings, dispose, open_storage
 from trainers.synthetic import write_synthetic
 
 PASSWORD = "pa55-w0rd"
@@ -43,7 +43,7 @@ def test_first_time_schema_creation_survives_a_race(tmp_path):
 
 
 def test_read_only_url_creates_nothing(tmp_path):
-    from search.state import read_only_storage
+    from search.stores import read_only_storage
 
     with pytest.raises(Exception, match="no Optuna storage"):
         read_only_storage(tmp_path / "missing")

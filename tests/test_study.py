@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 
 from conftest import default_sigint
 from conftest import tiny_study_file as study_file
-from search.cli import main
+from search.cli.main import main
 from trainers.synthetic import write_synthetic
 
 

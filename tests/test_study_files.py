@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from search.cli import main
-from search.studyfile import load_study_file
+from search.cli.main import main
+from search.study.studyfile import load_study_file
 from trainers.synthetic import write_synthetic
 
 STUDIES = sorted((Path(__file__).resolve().parents[1] / "studies").glob("*.toml"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from search.studyfile import load_study_file
+from search.study.studyfile import load_study_file
 from trainers.config import flatten, with_values
 from trainers.errors import ConfigError
 from trainers.validate import validate

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from search.cli import main
+from search.cli.main import main
 from trainers.data import load_test
 from trainers.errors import DataError
 from trainers.metrics import leaderboard_from_ordered

@@ -9,16 +9,11 @@ import numpy as np
 import optuna
 import pytest
 
-from search import plots
-from search.tracking import (
-    PARAM_VALUE_MAX,
-    InMemoryTracker,
-    MlflowTracker,
-    make_tracker,
-    redact_url,
-    redact_values,
-    study_summary,
-)
+from search.tracking import make_tracker, plots
+from search.study.report import study_summary
+from search.tracking.base import PARAM_VALUE_MAX, redact_url, redact_values
+from search.tracking.memory import InMemoryTracker
+from search.tracking.mlflow import MlflowTracker
 from trainers.errors import LatentsweepError
 
 SECRET = "s3cr3t-pw"
@@ -70,6 +65,7 @@ def test_redact_url_hides_passwords_only():
     assert redact_url("postgresql+psycopg2://user:secret@host/db") == "postgresql+psycopg2://user:***@host/db"
     assert redact_url("mysql://:pw@h:3306/d") == "mysql://:***@h:3306/d"
     assert redact_url("x=http://u:p@ss/word@h:5/db?a=1 y") == "x=http://u:***@h:5/db?a=1 y"
+    assert redact_url("postgresql://u:p@ss@h/db") == "postgresql://u:***@h/db"  # SQLAlchemy would show "ss"
     for plain in ("http://host:8080/path", "sqlite:////tmp/a.db", "http://user@host/", "not a url"):
         assert redact_url(plain) == plain
 
@@ -82,7 +78,7 @@ def test_redact_values_masks_urls_and_secret_keys():
 
 def test_make_tracker_memory_and_derived_artifact_root(tmp_path):
     assert isinstance(make_tracker("memory"), InMemoryTracker)
-    from search.tracking import default_artifact_root
+    from search.tracking.base import default_artifact_root
 
     assert default_artifact_root(f"sqlite:///{tmp_path}/m.db") == (tmp_path / "artifacts").as_uri()
     assert default_artifact_root("http://localhost:5000") is None
@@ -113,7 +109,7 @@ def test_in_memory_tracker_records_runs(tmp_path):
     assert tr.close_stale_runs(alive_numbers=set()) == [runs[2]]
     assert tr.runs[runs[2]]["tags"]["latentsweep.reaped"] == "true"
     assert tr.find_trial_run(1) == runs[1] and tr.find_trial_run(7) is None
-    tr.end_study({"trials_complete": 1, "trials_total": 3, "best_params": {"optim.lr": 0.1}}, {})
+    tr.end_study({"trials_complete": 1, "trials_finished": 3, "best_params": {"optim.lr": 0.1}}, {})
     assert tr.runs[parent]["status"] == "FINISHED" and tr.runs[parent]["tags"]["best.optim.lr"] == "0.1"
     assert tr.runs[parent]["metrics"]["trials_complete"] == [(3, 1.0)]
 
@@ -266,7 +262,9 @@ def test_end_study_writes_summary_and_plots(tracker):
     assert plt.get_fignums() == []  # logged figures are closed
     run = tracker.client.get_run(parent)
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["trials_complete"] == 3 and run.data.metrics["trials_failed"] == 0
+    assert run.data.metrics["trials_complete"] == 3 and run.data.metrics["trials_fail"] == 0
+    # the summary's step is the number of finished trials, so its history shows the study's progress
+    assert [m.step for m in tracker.client.get_metric_history(parent, "trials_complete")] == [3]
     assert run.data.metrics["best_value"] == pytest.approx(study.best_value)
     assert run.data.tags["best.x"] == str(study.best_params["x"])
     listed = {f.path for f in tracker.client.list_artifacts(parent, "plots")}

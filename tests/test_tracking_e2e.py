@@ -17,7 +17,7 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file
-from search.cli import main
+from search.cli.main import main
 from trainers.submission import read_submission
 from trainers.synthetic import write_synthetic
 
@@ -154,7 +154,7 @@ def test_model_loads_and_predicts_without_latentsweep(world, tmp_path):
 
 
 def test_copied_then_moved_state_dir_keeps_commands_and_ui_working(world, tmp_path):
-    from search import servers
+    from search.cli import servers
 
     copy = tmp_path / "copy"
     shutil.copytree(world.state, copy)

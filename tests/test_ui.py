@@ -1,4 +1,4 @@
-"""Tests of search.servers and `latentsweep ui`: real MLflow and optuna-dashboard servers on free ports, shutdown."""
+"""Tests of search.cli.servers and `latentsweep ui`: real MLflow and optuna-dashboard servers on free ports, shutdown."""
 import os
 import signal
 import socket
@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import default_sigint
-from search import cmd_ui, servers
-from search.cli import main
+from search.cli import servers
+from search.cli import ui as cmd_ui
+from search.cli.main import main
 from trainers.errors import LatentsweepError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file as study_file
-from search.cli import main
+from search.cli.main import main
 from trainers.synthetic import write_synthetic
 
 
@@ -45,12 +45,12 @@ def assert_nothing_running(state: Path, name: str) -> None:
 
 
 def test_full_disk_before_training_fails_and_retries_the_trial(state, synthetic, tmp_path, monkeypatch, capsys):
-    import search.objective
+    import search.study.objective
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device", "config.toml")
 
-    monkeypatch.setattr(search.objective, "dump_toml", full)
+    monkeypatch.setattr(search.study.objective, "dump_toml", full)
     sf = study_file(tmp_path, "fulldisk", n_trials=2)
     assert run(sf, state, synthetic) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -61,12 +61,12 @@ def test_full_disk_before_training_fails_and_retries_the_trial(state, synthetic,
 
 
 def test_error_after_the_run_started_closes_the_run(state, synthetic, tmp_path, monkeypatch, capsys):
-    import search.objective
+    import search.study.objective
 
     def dies(*args, **kwargs):
         raise SystemExit(3)  # not an Exception: passes the trial's own `except Exception`
 
-    monkeypatch.setattr(search.objective, "train", dies)
+    monkeypatch.setattr(search.study.objective, "train", dies)
     sf = study_file(tmp_path, "sysexit", n_trials=2)
     with pytest.raises(SystemExit):
         run(sf, state, synthetic)
@@ -76,10 +76,10 @@ def test_error_after_the_run_started_closes_the_run(state, synthetic, tmp_path, 
 
 
 def test_interrupt_between_claim_and_run_fails_the_claimed_trial(state, synthetic, tmp_path, monkeypatch, capsys):
-    import search.study
+    import search.study.worker
 
     calls = []
-    real = search.study.close_dead_runs
+    real = search.study.worker.close_dead_runs
 
     def interrupted(*args, **kwargs):  # the first call is the start-up reap, the second follows the first claim
         calls.append(1)
@@ -87,7 +87,7 @@ def test_interrupt_between_claim_and_run_fails_the_claimed_trial(state, syntheti
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(search.study, "close_dead_runs", interrupted)
+    monkeypatch.setattr(search.study.worker, "close_dead_runs", interrupted)
     sf = study_file(tmp_path, "claimint", n_trials=2)
     assert run(sf, state, synthetic) == 130
     assert [t.state.name for t in trials(state, "claimint")] == ["FAIL", "WAITING"]
@@ -95,16 +95,17 @@ def test_interrupt_between_claim_and_run_fails_the_claimed_trial(state, syntheti
 
 
 def test_dead_workers_trials_are_reaped_by_owner_at_once(state, synthetic, tmp_path):
-    from search.cmd_study import make_spec
-    from search.cli import build_parser
-    from search.study import claim_trial, dispose_study, load_or_create, reap_owner, worker_id
+    from search.cli.main import build_parser
+    from search.cli.study import make_spec
+    from search.study.studyfile import load_study_file
+    from search.study.worker import claim_trial, dispose_study, load_or_create, reap_owner, worker_id
     from search.tracking import make_tracker
 
     sf = study_file(tmp_path, "owner", n_trials=2)
     args = build_parser().parse_args(["study", "run", str(sf), "--data", str(synthetic), "--state-dir", str(state)])
     spec = make_spec(args)
     tracker = make_tracker(spec.tracking_uri, spec.artifact_root)
-    study = load_or_create(__import__("search.studyfile").studyfile.load_study_file(sf), spec, tracker)
+    study = load_or_create(load_study_file(sf), spec, tracker)
     trial = claim_trial(study, spec.n_trials)
     assert trial is not None and study.trials[0].user_attrs["latentsweep.worker"] == worker_id()
     assert reap_owner(study, tracker, "elsewhere:1") == [] and study.trials[0].state.name == "RUNNING"

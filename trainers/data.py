@@ -13,8 +13,6 @@ import numpy as np
 from numpy.lib import format as npformat
 
 from trainers.errors import DataError, closest
-# Re-exported: search/ imports these two from here (their home is trainers.splits).
-from trainers.splits import captions_of, kfold_by_image  # noqa: F401
 
 # Dense-label bytes decoded (or encoded) per step: the real label is 125000 x 25000 bools = 3.1 GB, so it is streamed.
 LABEL_CHUNK_BYTES = 32 << 20

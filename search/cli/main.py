@@ -1,0 +1,70 @@
+"""The `latentsweep` command line: one sub-command module per area, user errors as one line and exit 2."""
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+
+from search.cli import data, pick, study, submission, train, ui
+from search.process import configure_process
+from trainers.errors import LatentsweepError
+
+# Each module exposes add_parser(subparsers); the handler it sets as `func` returns an exit code.
+COMMAND_MODULES = (data, submission, train, study, pick, ui)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Argument errors as one line like every other user error (argparse prints the usage first): exit 2.
+    Sub-command parsers inherit the class (add_subparsers uses the parent's class)."""
+
+    def error(self, message: str):
+        where = self.prog.removeprefix("latentsweep").strip()
+        self.exit(2, f"latentsweep: error: {where + ': ' if where else ''}{message} (see --help)\n")
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml), or 'unknown' when run from a bare checkout."""
+    try:
+        return dist_version("latentsweep")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="latentsweep",
+        description="Hyperparameter search and experiment tracking for latent-space translation.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in COMMAND_MODULES:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `latentsweep` entry point: the one place (with a spawned worker's entry) that sets process-wide state."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or an argument error (2, already printed): an exit code, as for the rest
+        return int(exc.code or 0)
+    configure_process()
+    try:
+        return int(args.func(args) or 0)
+    except LatentsweepError as exc:
+        print(f"latentsweep: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full disk, a read-only or missing output directory: the user's to fix, no traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"latentsweep: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("latentsweep: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The candidates of `latentsweep pick`: a study's best trials with their checkpoints (local, or downloaded from their
+tracked runs), the checks that they and the data agree, and seed re-runs of the best configs."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+from optuna.study import StudyDirection
+from optuna.trial import TrialState
+
+from search.pick.options import PickOptions
+from search.pick.refit import DONE_FILE, done_stamp, is_done, note
+from search.study.studyfile import resolve_data_path
+from search.tracking.base import Tracker
+from search.tracking.paths import resolve_in_state
+from trainers.checkpoint import load_model
+from trainers.config import Config, dump_toml, with_values
+from trainers.data import check_text_dim
+from trainers.demo import default_test_path, default_train_path
+from trainers.errors import DataError, LatentsweepError
+from trainers.io import atomic_write
+from trainers.loop import train
+from trainers.tasks import predict
+
+SPLIT_KEYS = ("split", "val_ratio", "salt", "n_folds", "fold")
+# Only the best few configs get seed re-runs: each re-run is a full training, and past the top 3 the members are
+# weaker than the extra seeds of the strongest ones.
+SEED_CONFIGS = 3
+
+
+@dataclass
+class Candidate:
+    name: str  # "trial-3" or "trial-3/seed-2"
+    trial: int
+    checkpoint: Path
+    cfg: Config
+    dims: tuple[int, int]  # (Dt, Di)
+    value: float | None  # the study's objective value (None for seed re-runs)
+    data_fingerprint: str | None
+    origin: str  # where the checkpoint came from: "local", "runs:/<id>/best.pt" or "retrained"
+    model: torch.nn.Module = field(repr=False)
+    best_epoch: int = 0  # 0-based epoch of the checkpoint (the trial's best)
+    seconds: float | None = None  # the trial's wall time, for the budget plan (None: unknown)
+    epochs_run: int = 1  # epochs the trial trained (pruned or early-stopped trials stop before train.epochs)
+
+    @property
+    def config_sha256(self) -> str:
+        return hashlib.sha256(dump_toml(self.cfg).encode()).hexdigest()
+
+
+def trial_value(trial, maximize: bool) -> float | None:
+    """A complete trial's value; a pruned trial's best reported value (its checkpoint is that epoch's)."""
+    if trial.value is not None:
+        return float(trial.value)
+    reported = list(trial.intermediate_values.values())
+    return (max(reported) if maximize else min(reported)) if reported else None
+
+
+def top_trials(study, k: int) -> list:
+    """The k best trials by value in the study's direction, COMPLETE and PRUNED alike: a trial pruned at a low
+    fidelity can still be a strong member, and out-of-fold selection re-measures every candidate anyway."""
+    maximize = study.direction == StudyDirection.MAXIMIZE
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+            if trial_value(t, maximize) is not None]
+    if not done:
+        states = pd.Series([t.state.name for t in study.get_trials(deepcopy=False)]).value_counts().to_dict()
+        raise LatentsweepError(f"study '{study.study_name}' has no complete trials "
+                               f"({', '.join(f'{n} {s}' for s, n in states.items()) or 'no trials at all'})")
+    key = lambda t: (-trial_value(t, maximize) if maximize else trial_value(t, maximize), t.number)  # noqa: E731
+    return sorted(done, key=key)[:k]
+
+
+def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | None = None
+                     ) -> tuple[Path, str] | None:
+    """(path, origin) of the trial's best.pt: the local path in user_attrs (relative to the state directory `root`),
+    else downloaded from its tracked run; None (with a warning naming the trial) if neither."""
+    # a pruned trial records no "checkpoint", but its best epoch's best.pt is in its out_dir
+    out_dir = trial.user_attrs.get("out_dir")
+    local = trial.user_attrs.get("checkpoint") or (f"{out_dir}/best.pt" if out_dir else None)
+    if local and resolve_in_state(local, root or Path.cwd()).is_file():
+        return resolve_in_state(local, root or Path.cwd()), "local"
+    run_id = trial.user_attrs.get("mlflow_run_id")
+    reason = f"{local or 'no local checkpoint recorded'} is missing"
+    if run_id:
+        try:
+            path = tracker.download_artifact(run_id, "best.pt", download_dir / f"trial-{trial.number}")
+            return path, f"runs:/{run_id}/best.pt"
+        except Exception as exc:  # noqa: BLE001 - any failure means: no checkpoint for this trial
+            reason += f" and MLflow run {run_id} has no best.pt ({type(exc).__name__})"
+    note(f"warning: trial {trial.number} skipped: {reason}")
+    return None
+
+
+def make_candidate(name: str, trial: int, path: Path, origin: str, value: float | None, device) -> Candidate:
+    model, cfg, meta = load_model(path, device)
+    dim_in = int(model.text_mean.numel())
+    dim_out = int(predict(model, torch.zeros(1, dim_in, device=device)).shape[1])
+    return Candidate(name, trial, path, cfg, (dim_in, dim_out), value, meta.get("data_fingerprint"), origin, model,
+                     best_epoch=int(meta.get("epoch", cfg.train.epochs - 1)))
+
+
+def load_candidates(study, k: int, tracker: Tracker, download_dir: Path, device, root: Path | None = None
+                    ) -> list[Candidate]:
+    out = []
+    for t in top_trials(study, k):
+        found = fetch_checkpoint(t, tracker, download_dir, root)
+        if found is not None:
+            value = trial_value(t, study.direction.name == "MAXIMIZE")
+            cand = make_candidate(f"trial-{t.number}", t.number, *found, value, device)
+            if t.datetime_start and t.datetime_complete:
+                cand.seconds = (t.datetime_complete - t.datetime_start).total_seconds()
+            cand.epochs_run = max(len(t.intermediate_values), cand.best_epoch + 1)
+            out.append(cand)
+    if not out:
+        raise LatentsweepError(f"study '{study.study_name}': none of the top {k} complete trials has a checkpoint")
+    return out
+
+
+def check_agreement(cands: list[Candidate], same_split: bool) -> None:
+    """Every candidate must be a translate model with the same dims; with `same_split` (selection on halves of the
+    val split) they must also share the val split (data.split, val_ratio, salt, n_folds, fold). Out-of-fold
+    selection retrains every candidate on the same folds, so there the study's splits may differ."""
+    ref = cands[0]
+    for c in cands:
+        if c.cfg.data.task != "translate":
+            raise LatentsweepError(f"{c.name} has data.task='{c.cfg.data.task}': pick ensembles translate models only")
+    for c in cands[1:]:
+        for key in SPLIT_KEYS if same_split else ():
+            mine, theirs = getattr(c.cfg.data, key), getattr(ref.cfg.data, key)
+            if mine != theirs:
+                raise LatentsweepError(f"{c.name} has data.{key}={mine!r} but {ref.name} has {theirs!r}: "
+                                       "candidates must share one val split (or use --selection oof)")
+        if c.dims != ref.dims:
+            raise LatentsweepError(f"{c.name} maps dims {c.dims} but {ref.name} maps {ref.dims}")
+
+
+def resolve_data(opts: PickOptions, cands: list[Candidate]) -> tuple[Path, Path]:
+    """(train npz, test npz): --data, else the path recorded in the trials' config, else the demo; --test, else the
+    demo test (demo data) or a test.clean.npz beside the train file."""
+    recorded = next((c.cfg.data.path for c in cands if c.cfg.data.path), "")
+    data = resolve_data_path(opts.data or recorded)
+    if opts.test:
+        return data, Path(opts.test).expanduser()
+    if data.resolve() == default_train_path().resolve():
+        return data, default_test_path()
+    beside = data.parent / "test.clean.npz"
+    if beside.is_file():
+        return data, beside
+    raise LatentsweepError(f"--test is required: {data} is not the demo data and has no test.clean.npz beside it")
+
+
+def check_test(cands: list[Candidate], test) -> None:
+    """The test file must have the models' text dimension."""
+    check_text_dim(test, cands[0].dims[0], "the models expect")
+
+
+def check_data(cands: list[Candidate], data) -> None:
+    """The data must be what the trials trained on (same dims, same fingerprint)."""
+    if (data.text.shape[1], data.image.shape[1]) != cands[0].dims:
+        raise DataError(f"{data.path}: dims ({data.text.shape[1]}, {data.image.shape[1]}) differ from the models' "
+                        f"{cands[0].dims}")
+    for c in cands:
+        if c.data_fingerprint and c.data_fingerprint != data.fingerprint:
+            raise DataError(f"{data.path}: fingerprint {data.fingerprint} differs from the data {c.name} was trained "
+                            f"on ({c.data_fingerprint}); pass --data with the study's training file")
+
+
+def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, device, progress: bool) -> list[Candidate]:
+    """Retrain the best min(K, 3) configs with train.seed = original + 1..seeds (reusing finished identical runs)."""
+    jobs = [(c, c.cfg.train.seed + s) for c in cands[:SEED_CONFIGS] for s in range(1, seeds + 1)]
+    out = []
+    for i, (base, seed) in enumerate(jobs, start=1):
+        cfg = with_values(base.cfg, {"train.seed": seed})
+        name = f"trial-{base.trial}/seed-{seed}"
+        run_dir = picks / "seeds" / f"trial-{base.trial}-seed-{seed}"
+        stamp = done_stamp(cfg, data.fingerprint)
+        if is_done(run_dir, stamp):
+            note(f"seed re-run {i}/{len(jobs)}: {name} (reused {run_dir})")
+        else:
+            note(f"seed re-run {i}/{len(jobs)}: {name} ({cfg.train.epochs} epochs)")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / DONE_FILE).unlink(missing_ok=True)
+            with atomic_write(run_dir / "config.toml") as fh:
+                fh.write(dump_toml(cfg))
+            train(cfg, data, out_dir=run_dir, progress=progress)
+            with atomic_write(run_dir / DONE_FILE) as fh:
+                fh.write(json.dumps(stamp))
+        out.append(make_candidate(name, base.trial, run_dir / "best.pt", "retrained", None, device))
+    return out

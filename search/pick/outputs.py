@@ -1,0 +1,233 @@
+"""What `latentsweep pick` writes: the submission CSV, its manifest JSON and report table (all or none), the MLflow
+run `pick-<method>` holding them with the report metrics, and the ensemble as a pyfunc model (optionally registered).
+
+Files are staged in a hidden directory beside --out and moved into place only after everything (MLflow included)
+succeeded; on any failure the staging directory, any directory created for --out, and nothing else is left behind,
+and the MLflow run is marked FAILED.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from search.pick.pyfunc_model import log_ensemble, model_name
+from search.study.worker import PARENT_ATTR
+from search.tracking.base import (
+    NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker, redact_url, source_tags,
+)
+from search.tracking.plots import ensemble_figure
+from trainers.submission import check_submission, write_submission
+
+PICK_ROLE = "pick"
+
+
+@dataclass
+class PickResult:
+    submission: Path
+    manifest: Path
+    report: Path
+    table: pd.DataFrame
+    weights: dict[str, float]  # members with weight > 0
+    best_single: str
+    gain: float  # ensemble - best single on images the selection never saw (nested folds, or the report half)
+    gain_std: float  # spread of the gain over the nested folds (nan for halves)
+    selection: str  # "oof", "halves" or "single"
+    run_id: str
+    model_uri: str
+    tracking_uri: str
+    registered: dict[str, str] | None
+
+
+def _make_dirs(directory: Path) -> list[Path]:
+    """mkdir -p, returning the directories it created (outermost first) so that a failure can remove them."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for d in reversed(missing):
+        d.mkdir()
+    return list(reversed(missing))
+
+
+def start_run(tracker: Tracker, study, method: str) -> tuple[str, str]:
+    """(experiment id, run id) of a new run `pick-<method>` in the study's experiment, nested under its parent run."""
+    name = study.study_name
+    exp_id = tracker.open_experiment(name)
+    tags = {ROLE_TAG: PICK_ROLE, STUDY_TAG: name, "latentsweep.method": method,
+            **source_tags(f"latentsweep pick {name}")}
+    parent = study.user_attrs.get(PARENT_ATTR)
+    if parent and tracker.has_run(parent):  # else the parent lives in another tracking store: the run stands alone
+        tags[PARENT_TAG] = parent
+    return exp_id, tracker.start_run(f"pick-{method}", tags)
+
+
+def _seeds(models) -> int:
+    members = {m.member for m in models}
+    return len(models) // max(len(members), 1)
+
+
+def _log_refits(tracker: Tracker, run_id: str, models, study_name: str) -> dict[str, str]:
+    """One FINISHED MLflow run per refit model, nested under the pick run, with its config and checkpoint;
+    returns {model name: run id}."""
+    out = {}
+    for m in models:
+        if m.job is None:
+            continue
+        tags = {PARENT_TAG: run_id, ROLE_TAG: "refit", STUDY_TAG: study_name, "latentsweep.member": m.member}
+        child = tracker.start_run(m.name.replace("/", "-"), tags)
+        tracker.log_params(child, {"member": m.member, "seed": m.job.cfg.train.seed,
+                                   "epochs": m.job.cfg.train.stop_after, "schedule_epochs": m.job.cfg.train.epochs,
+                                   "weight": m.weight})
+        files = [m.job.run_dir / "config.toml", m.job.run_dir / "metrics.csv", m.checkpoint]
+        tracker.log_artifacts(child, [path for path in files if path.is_file()])
+        tracker.end_run(child)
+        out[m.name] = child
+    return out
+
+
+def run_params(opts, cands, sel, models, data, test) -> dict[str, Any]:
+    return {"method": opts.method, "selection": sel.kind, "top": opts.top, "size": opts.size,
+            "folds": sel.details.get("folds", ""), "refit": opts.refit, "seeds_per_member": _seeds(models),
+            "budget_s": opts.budget, "seed": opts.seed, "n_candidates": len(cands),
+            "n_members": int((sel.weights > 0).sum()), "n_models": len(models), "best_single": sel.best_single,
+            "data_fingerprint": data.fingerprint, "test_path": test.path}
+
+
+def _gain_metrics(sel) -> dict[str, float]:
+    out = {"gain_mrr": float(sel.gain)}
+    if sel.gain_std == sel.gain_std:
+        out["gain_mrr_std"] = float(sel.gain_std)
+    return out
+
+
+def describe(study_name: str, method: str, sel, models, dims: tuple[int, int]) -> str:
+    """The pick run's and the model's description: members, weights, the honest gain and what made the submission."""
+    members = ", ".join(f"{name} {w:.2f}" for name, w in zip(sel.table["name"], sel.weights) if w > 0)
+    where = {"oof": "nested folds", "halves": "report half"}.get(sel.kind)
+    gain = (f" Gain over the best single member ({sel.best_single}) on data the selection never saw ({where}): "
+            f"{sel.gain:+.4f}" + (f" +/- {sel.gain_std:.4f} (std over folds)." if sel.gain_std == sel.gain_std
+                                  else ".")) if where else ""
+    origins = sorted({m.origin for m in models})
+    return (f"Ensemble ({method}, {sel.kind} selection) of study {study_name}: {members}.{gain} Made of "
+            f"{len(models)} model(s) ({', '.join(origins)}). Input: caption embeddings [N, {dims[0]}] (float32 or "
+            f"float64); output: image-space embeddings [N, {dims[1]}].")
+
+
+def _figure(opts, sel):
+    """Weights and per-member MRR on data the selection never saw (or out-of-fold); None for a single member."""
+    table = sel.table.set_index("role")
+    column = {"oof": "oof_mrr", "halves": "report_mrr"}.get(sel.kind)
+    if column is None:
+        return None
+    members = sel.table[sel.table["role"] == "member"]
+    ens_col = "nested_mrr" if sel.kind == "oof" else "report_mrr"
+    where = ("members: out-of-fold MRR; lines: nested folds (selection made on the other folds)" if sel.kind == "oof"
+             else "MRR on the report half (never seen by selection)")
+    return ensemble_figure(list(members["name"]), sel.weights, list(members[column]),
+                           float(table.loc["ensemble", ens_col]), float(table.loc["best_single", ens_col]),
+                           f"{opts.study}: {opts.method} ensemble", where)
+
+
+def _log_run(tracker: Tracker, run_id: str, opts, cands, sel, models, data, test, note: str) -> None:
+    tracker.log_params(run_id, run_params(opts, cands, sel, models, data, test))
+    tracker.set_tags(run_id, {NOTE_TAG: note})
+    tracker.log_metrics(run_id, {k: float(v) for k, v in {**sel.metrics, **_gain_metrics(sel)}.items()}, step=0)
+    figure = _figure(opts, sel)
+    if figure is not None:
+        tracker.log_figure(run_id, figure, "ensemble_weights.png")
+    for files, context in ((data, "train"), (test, "test")):
+        tracker.log_dataset(run_id, DatasetRecord(Path(files.path).name, files.fingerprint, str(files.path), context))
+
+
+def manifest(opts, paths, study, cands, sel, models, data, test, run: dict[str, Any]) -> dict[str, Any]:
+    """Everything needed to audit or rebuild the pick (JSON-ready)."""
+    rows = sel.table[sel.table["role"] == "member"].drop(columns=["role", "name", "weight", "study_value"])
+    members = [{"name": c.name, "trial": c.trial, "train_seed": c.cfg.train.seed, "best_epoch": c.best_epoch,
+                "checkpoint": str(c.checkpoint), "origin": c.origin, "config_sha256": c.config_sha256,
+                "study_value": c.value, "weight": float(w), **row.dropna().to_dict()}
+               for c, w, (_, row) in zip(cands, sel.weights, rows.iterrows())]
+    refit_runs = run.get("refit_runs", {})
+    made_by = [{"name": m.name, "member": m.member, "weight": m.weight, "origin": m.origin,
+                "checkpoint": str(m.checkpoint), "mlflow_run_id": refit_runs.get(m.name)} for m in models]
+    return {
+        "study": study.study_name, "direction": study.direction.name.lower(), "method": opts.method,
+        "selection": sel.kind,
+        "options": {"top": opts.top, "size": opts.size, "seeds": opts.seeds, "seed": opts.seed, "folds": opts.folds,
+                    "refit": opts.refit, "budget": opts.budget},
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "members": members,
+        "weights": {c.name: float(w) for c, w in zip(cands, sel.weights) if w > 0},
+        "best_single": sel.best_single,
+        "gain_mrr": sel.gain, "gain_mrr_std": None if sel.gain_std != sel.gain_std else sel.gain_std,
+        **sel.details,
+        "submission_models": made_by,
+        "data": {"path": str(data.path), "fingerprint": data.fingerprint},
+        "test": {"path": str(test.path), "fingerprint": test.fingerprint, "rows": int(len(test.ids))},
+        "submission": str(paths.out), "report_table": str(paths.report),
+        "mlflow": run,
+    }
+
+
+def write_outputs(tracker: Tracker, opts, paths, study, cands, sel, models, data, test,
+                  test_pred: np.ndarray) -> PickResult:
+    """Stage submission + report, log the MLflow run and model, write the manifest, then move the files into place."""
+    created = _make_dirs(paths.out.parent)
+    stage = Path(tempfile.mkdtemp(prefix=".pick-", dir=paths.out.parent))
+    run_id, ok = None, False
+    try:
+        staged = {p: stage / p.name for p in (paths.out, paths.report, paths.manifest)}
+        write_submission(staged[paths.out], test.ids, test_pred)
+        check_submission(staged[paths.out], test, dim=test_pred.shape[1])
+        sel.table.to_csv(staged[paths.report], index=False)
+        exp_id, run_id = start_run(tracker, study, opts.method)
+        note = describe(study.study_name, opts.method, sel, models, cands[0].dims)
+        _log_run(tracker, run_id, opts, cands, sel, models, data, test, note)
+        refit_runs = _log_refits(tracker, run_id, models, study.study_name)
+        logged = log_ensemble(tracker, run_id, [(m.name, m.checkpoint) for m in models],
+                              np.array([m.weight for m in models]), cands[0].dims, register=opts.register,
+                              tags={STUDY_TAG: study.study_name, "latentsweep.method": opts.method},
+                              name=model_name(study.study_name),
+                              params=run_params(opts, cands, sel, models, data, test),
+                              metrics=_gain_metrics(sel), description=note)
+        registered = ({"name": logged.registered_name, "version": logged.registered_version}
+                      if logged.registered_name else None)
+        run = {"tracking_uri": redact_url(paths.tracking_uri), "experiment_id": exp_id, "run_id": run_id,
+               "model_id": logged.model_id, "model_uri": logged.model_uri, "registered": registered,
+               "refit_runs": refit_runs}
+        doc = manifest(opts, paths, study, cands, sel, models, data, test, run)
+        staged[paths.manifest].write_text(json.dumps(doc, indent=2, default=float) + "\n")
+        tracker.log_artifacts(run_id, list(staged.values()))
+        tracker.end_run(run_id)
+        for final, tmp in staged.items():
+            os.replace(tmp, final)
+        ok = True
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        if not ok:
+            _undo(tracker, run_id, created)
+    return PickResult(paths.out, paths.manifest, paths.report, sel.table, doc["weights"], sel.best_single,
+                      float(sel.gain), float(sel.gain_std), sel.kind, run_id, logged.model_uri, paths.tracking_uri,
+                      registered)
+
+
+def _undo(tracker: Tracker, run_id: str | None, created: list[Path]) -> None:
+    """After a failure: mark the MLflow run FAILED and remove directories created for --out (when still empty)."""
+    if run_id is not None:
+        try:
+            tracker.end_run(run_id, "FAILED")
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            pass
+    for directory in reversed(created):
+        try:
+            directory.rmdir()
+        except OSError:
+            pass

@@ -1,0 +1,94 @@
+"""The picked ensemble as a self-contained MLflow pyfunc model: caption embeddings [N, Dt] -> image-space [N, Di].
+
+The members are exported with torch.export (member-NN.pt2, the model in eval mode returning its "pred" output) next
+to ensemble.json (names, weights); the model code is search/pick/pyfunc_standalone.py, saved into the model, which
+needs numpy, torch and mlflow only: the model loads and predicts where latentsweep is not installed. It accepts float32
+or float64 arrays, DataFrames and lists (no input signature: MLflow's tensor check requires one exact dtype).
+Logging goes through the tracker (Tracker.log_model): a LoggedModel named after the study under the pick run, with its
+params, metrics and description; registration creates a version of it.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from search.tracking.base import LoggedModel, ModelSpec, Tracker
+from trainers.checkpoint import load_model
+
+# The same names as in search/pick/pyfunc_standalone.py (not imported: running it registers its model with MLflow).
+ARTIFACT_KEY = "ensemble"
+SPEC_FILE = "ensemble.json"
+MODEL_CODE = Path(__file__).with_name("pyfunc_standalone.py")
+MODEL_TYPE = "latentsweep-ensemble"
+EXPORT_ROWS = 2  # example batch for torch.export; the batch dimension is exported as dynamic
+REGISTRY_DESCRIPTION = "latentsweep pick ensembles"
+
+
+def model_name(study: str) -> str:
+    """`<study>-ensemble` with the characters MLflow forbids in logged-model names (/ : . % " ') replaced."""
+    return re.sub(r"[/:.%\"'\s]+", "_", f"{study}-ensemble")
+
+
+class _Pred(torch.nn.Module):
+    """A trained Translator as a plain tensor function: eval-mode "pred" output as float32 (trainers.tasks.predict)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)["pred"].float()
+
+
+def export_member(checkpoint: Path, path: Path) -> None:
+    """Save the checkpoint's model as a torch.export program taking float32 [N, Dt] for any N."""
+    model = load_model(checkpoint, "cpu")[0].eval()
+    example = torch.zeros(EXPORT_ROWS, int(model.text_mean.numel()))
+    program = torch.export.export(_Pred(model), (example,), dynamic_shapes={"x": {0: torch.export.Dim.DYNAMIC}})
+    torch.export.save(program, str(path))
+
+
+def stage_members(directory: Path, members: list[tuple[str, Path]], weights) -> Path:
+    """Export the members with weight > 0 into directory/ with ensemble.json; returns directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for index, ((name, checkpoint), weight) in enumerate(zip(members, weights)):
+        if weight <= 0:
+            continue
+        file = f"member-{index:02d}.pt2"
+        export_member(checkpoint, directory / file)
+        entries.append({"name": name, "file": file, "weight": float(weight)})
+    (directory / SPEC_FILE).write_text(json.dumps({"members": entries}, indent=2))
+    return directory
+
+
+def requirements() -> tuple[str, ...]:
+    """Pinned explicitly (inferring them would load the model in a subprocess): what the model code imports besides
+    mlflow, which the tracker pins."""
+    return f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}"
+
+
+def log_ensemble(tracker: Tracker, run_id: str, members: list[tuple[str, Path]], weights, dims: tuple[int, int],
+                 register: str | None = None, tags: dict[str, str] | None = None, name: str = "ensemble",
+                 params: dict[str, str] | None = None, metrics: dict[str, float] | None = None,
+                 description: str | None = None) -> LoggedModel:
+    """Log the ensemble as a pyfunc model output of run `run_id` (see Tracker.log_model); register it under
+    `register` if given."""
+    def stage(directory: Path) -> dict[str, str]:
+        return {ARTIFACT_KEY: str(stage_members(directory / "members", members, weights))}
+
+    spec = ModelSpec(name=name, code=MODEL_CODE, stage=stage, output_dim=dims[1], model_type=MODEL_TYPE,
+                     requirements=requirements(),
+                     metadata={"input": f"caption embeddings [N, {dims[0]}], float32 or float64 "
+                                        "(array, DataFrame or lists)",
+                               "output": f"L2-normalised image-space embeddings float32 [N, {dims[1]}]"},
+                     tags=dict(tags or {}), params=dict(params or {}), metrics=dict(metrics or {}),
+                     description=description, registry_description=REGISTRY_DESCRIPTION)
+    return tracker.log_model(run_id, spec, register)
+
+
+__all__ = ["model_name", "stage_members", "log_ensemble"]

@@ -1,0 +1,149 @@
+"""Choosing the ensemble of `latentsweep pick`: out-of-fold selection on every labelled image (fold jobs, nested gain),
+or the older halves of the study's val split; the fold and refit jobs of the candidates."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from search.pick import ensemble, refit
+from search.pick import oof as oof_mod
+from search.pick.candidates import Candidate
+from search.pick.options import PickOptions
+from trainers.checkpoint import load_model
+from trainers.splits import captions_of
+from trainers.tasks import predict, split_images
+
+
+def outputs(models: list[torch.nn.Module], x: np.ndarray, device) -> list[np.ndarray]:
+    """Each model's predictions [N, Di] (numpy float32) for caption embeddings x [N, Dt]."""
+    xt = torch.as_tensor(np.ascontiguousarray(x, np.float32), device=device)
+    return [predict(m, xt).cpu().numpy() for m in models]
+
+
+@dataclass
+class Selection:
+    weights: np.ndarray  # [M] sum 1
+    table: pd.DataFrame  # one row per member, then best_single, mean, ensemble
+    best_single: str
+    gain: float  # ensemble - best single on images the selection never saw
+    gain_std: float  # spread of that gain (std over folds; nan where not measured)
+    kind: str  # "oof" or "halves"
+    metrics: dict[str, float]  # for the MLflow pick run
+    details: dict[str, Any]  # for the manifest
+
+
+def select(cands: list[Candidate], data, method: str, size: int, seed: int, device) -> Selection:
+    """Halves: fit the weights on the select half; measure members, best single, mean and ensemble on both."""
+    _, val_img = split_images(cands[0].cfg, data)
+    halves = ensemble.split_halves(val_img, data.image_names, data.cap2img)
+    scores, outs = {}, {}
+    for half in halves:
+        fn = ensemble.scorer(half, data.image, seed)
+        outs[half.name] = out = outputs([c.model for c in cands], data.text[half.captions], device)
+        scores[half.name] = (fn, [fn(o) for o in out])
+    sel_fn, sel_members = scores["select"]
+    weights = ensemble.method_weights(method, outs["select"], lambda p: sel_fn(p)["mrr"], size)
+    best = int(np.argmax([m["mrr"] for m in sel_members]))
+    uniform = np.full(len(cands), 1.0 / len(cands))
+    summary: dict[str, Any] = {}
+    for name, (fn, members) in scores.items():
+        summary[name] = {"best_single": members[best], "mean": fn(ensemble.combine(outs[name], uniform)),
+                         "ensemble": fn(ensemble.combine(outs[name], weights)), "members": members}
+    rows = [_row("member", c.name, w, c.value, summary, i) for i, (c, w) in enumerate(zip(cands, weights))]
+    rows += [_row("best_single", cands[best].name, None, cands[best].value, summary, "best_single"),
+             _row("mean", f"mean of {len(cands)}", None, None, summary, "mean"),
+             _row("ensemble", method, None, None, summary, "ensemble")]
+    gain = summary["report"]["ensemble"]["mrr"] - summary["report"]["best_single"]["mrr"]
+    metrics = {"report/gain_mrr": gain}
+    for half in ("select", "report"):
+        for kind in ("best_single", "mean", "ensemble"):
+            metrics.update({f"{half}/{kind}_{k}": float(summary[half][kind][k]) for k in ("mrr", "r1", "r10")})
+        metrics.update({f"member/{c.name}/{half}_mrr": float(m["mrr"])
+                        for c, m in zip(cands, summary[half]["members"])})
+    details = {"scores": {h: {k: summary[h][k] for k in ("best_single", "mean", "ensemble")}
+                          for h in ("select", "report")} | {"gain_report_mrr": gain},
+               "halves": {"salt": ensemble.HALF_SALT, **{h.name: {"images": len(h.images), "captions": len(h.captions),
+                                                                  "gallery_size": h.gallery_size} for h in halves}}}
+    return Selection(weights, pd.DataFrame(rows), cands[best].name, gain, float("nan"), "halves", metrics, details)
+
+
+def _row(role: str, name: str, weight, value, summary: dict, key) -> dict[str, Any]:
+    def get(half: str) -> dict[str, float]:
+        return summary[half]["members"][key] if isinstance(key, int) else summary[half][key]
+
+    sel, rep = get("select"), get("report")
+    return {"role": role, "name": name, "weight": weight, "study_value": value, "select_mrr": sel["mrr"],
+            "report_mrr": rep["mrr"], "report_r1": rep["r1"], "report_r10": rep["r10"]}
+
+
+def job_cost(cand: Candidate, data) -> float:
+    """Estimated seconds per caption per epoch of `cand`'s config, from its trial's wall time on its train split."""
+    if cand.seconds is None:
+        return 0.0
+    train_img, _ = split_images(cand.cfg, data)
+    return cand.seconds / max(cand.epochs_run, 1) / max(len(captions_of(data.cap2img, train_img)), 1)
+
+
+def fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path) -> list[refit.Job]:
+    fold_of = refit.fold_assignment(data.image_names, n_folds)
+    return [refit.make_job(f"{c.name}/fold-{f + 1}-of-{n_folds}", c.name, refit.replay_config(c.cfg, c.best_epoch),
+                           data, np.flatnonzero(fold_of != f), picks / "runs" / f"{c.name}-fold-{f + 1}-of-{n_folds}",
+                           job_cost(c, data))
+            for c in cands for f in range(n_folds)]
+
+
+def refit_jobs(cands: list[Candidate], seeds: int, data, picks: Path) -> list[refit.Job]:
+    jobs = []
+    for c in cands:
+        for s in range(seeds):
+            seed = c.cfg.train.seed + s
+            jobs.append(refit.make_job(f"{c.name}/refit-seed-{seed}", c.name,
+                                       refit.replay_config(c.cfg, c.best_epoch, seed), data, None,
+                                       picks / "runs" / f"{c.name}-refit-seed-{seed}", job_cost(c, data)))
+    return jobs
+
+
+def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, picks: Path, device) -> Selection:
+    """Train every candidate on k-1 folds for each fold, predict the held-out fold, select on all images."""
+    oof = [np.zeros((len(data.cap2img), c.dims[1]), np.float32) for c in cands]
+    fold_of = refit.fold_assignment(data.image_names, n_folds)
+    spent = estimated = 0.0
+    for job in fold_jobs(cands, data, n_folds, picks):
+        i = next(k for k, c in enumerate(cands) if c.name == job.member)
+        ckpt, seconds = refit.run_job(job, data, opts.progress)
+        if seconds is not None:
+            spent, estimated = spent + seconds, estimated + job.cost
+        model = load_model(ckpt, device)[0]
+        held = captions_of(data.cap2img, np.setdiff1d(np.arange(len(data.image)), job.images))
+        oof[i][held] = outputs([model], data.text[held], device)[0]
+    folds = oof_mod.Folds(fold_of, np.asarray(data.cap2img, np.int64))
+    res = oof_mod.select(oof, folds, data.image, opts.method, opts.size, opts.seed)
+    rows = [{"role": "member", "name": c.name, "weight": float(w), "study_value": c.value, "oof_mrr": float(m)}
+            for c, w, m in zip(cands, res.weights, res.member_mrr)]
+    rows += [{"role": "best_single", "name": cands[res.best_single].name, "weight": None,
+              "study_value": cands[res.best_single].value, "oof_mrr": float(res.member_mrr[res.best_single]),
+              "nested_mrr": float(res.fold_best.mean())},
+             {"role": "mean", "name": f"mean of {len(cands)}", "weight": None, "study_value": None,
+              "oof_mrr": res.mean_mrr},
+             {"role": "ensemble", "name": opts.method, "weight": None, "study_value": None,
+              "oof_mrr": res.ensemble_mrr, "nested_mrr": float(res.fold_ensemble.mean())}]
+    metrics = {"nested/gain_mrr": res.gain, "nested/gain_mrr_std": res.gain_std,
+               "nested/ensemble_mrr": float(res.fold_ensemble.mean()),
+               "nested/best_single_mrr": float(res.fold_best.mean()), "oof/ensemble_mrr": res.ensemble_mrr,
+               "oof/mean_mrr": res.mean_mrr, **{f"member/{c.name}/oof_mrr": float(m)
+                                                for c, m in zip(cands, res.member_mrr)}}
+    details = {"folds": n_folds, "images": len(data.image), "captions": len(data.cap2img),
+               # measured / estimated seconds of the fold jobs: the refit plan scales its estimates by it
+               "cost_factor": spent / estimated if spent and estimated else 1.0,
+               "nested": {"gain_mrr": res.gain, "gain_mrr_std": res.gain_std,
+                          "fold_gains": res.fold_gains.tolist(), "fold_ensemble_mrr": res.fold_ensemble.tolist(),
+                          "fold_best_single_mrr": res.fold_best.tolist()},
+               "oof": {"ensemble_mrr": res.ensemble_mrr, "mean_mrr": res.mean_mrr,
+                       "best_single_mrr": float(res.member_mrr[res.best_single])}}
+    return Selection(res.weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_std, "oof",
+                     metrics, details)

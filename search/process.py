@@ -1,0 +1,66 @@
+"""Process-wide settings, applied only where a process starts (the CLI's main, a spawned study worker) or scoped to a
+block that restores them: library log levels, warning filters, environment defaults, the matplotlib backend and
+signals that stop a run like Ctrl-C."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import warnings
+from typing import Iterator
+
+import matplotlib
+import optuna
+
+# MLflow's first use of a SQLite store logs one INFO line per schema migration through these loggers.
+MIGRATION_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration", "alembic")
+ENV_DEFAULTS = {
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # the REST client's "View run ... at: URL" on every run end
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # one bar per copied checkpoint is noise
+}
+
+
+def quiet_optuna() -> None:
+    """Optuna's INFO lines duplicate our progress bar; heartbeats/stale-trial handling are 'experimental' in Optuna
+    but relied on knowingly here (ask/tell with our own heartbeat thread)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
+
+def quiet_mlflow() -> None:
+    """MLflow's migration INFO lines (unless the user configured those loggers), URL lines and artifact bars (unless
+    the environment sets them)."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    for name in MIGRATION_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
+
+
+def configure_process() -> None:
+    """Everything a latentsweep process sets once at its start: quiet libraries, and figures drawn without a display
+    (headless workers, CI)."""
+    matplotlib.use("Agg")
+    quiet_optuna()
+    quiet_mlflow()
+
+
+@contextlib.contextmanager
+def interrupt_on(*signals: int | None) -> Iterator[None]:
+    """Inside the block, each of `signals` (None entries are skipped) raises KeyboardInterrupt, so a run stops as on
+    Ctrl-C; the previous handlers are restored after. Handlers can only be set in the main thread; elsewhere this
+    does nothing."""
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, interrupt) for sig in signals if sig is not None and in_main}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,194 @@
+"""Launching studies on this machine: one process or K spawned workers, a study progress bar, the end-of-run refresh."""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import signal
+import sys
+import threading
+from dataclasses import replace
+
+import optuna
+import torch
+from tqdm.auto import tqdm
+
+from search.process import configure_process, interrupt_on
+
+from search.study.objective import TrialRunner
+from search.study.progress import emit, trial_line
+from search.study.report import study_summary
+from search.study.studyfile import load_study_file
+from search.study.worker import (
+    RunSpec, counted, cpu_threads, dispose_study, load_or_create, reap,
+    open_tracker, reap_owner, study_dir, worker_id, worker_loop,
+)
+from search.tracking.base import Tracker
+from search.tracking.plots import study_figures
+from trainers.data import load_train
+from trainers.errors import LatentsweepError
+
+log = logging.getLogger("latentsweep")
+POLL_S = 2.0  # how often the main process refreshes the study bar from the storage when workers run elsewhere
+
+
+def run_worker(spec: RunSpec, create: bool = False, study: optuna.Study | None = None,
+               tracker: Tracker | None = None) -> int:
+    """One worker: load the study (created beforehand), reap dead trials, run trials until the budget is spent.
+
+    `study`/`tracker` may be passed in by a caller that already opened them (saves MLflow's slow first connection).
+    SIGTERM (docker stop, a scheduler) behaves like Ctrl-C meanwhile: the running trial is closed and retried.
+    """
+    with interrupt_on(signal.SIGTERM):
+        return _run_worker(spec, create, study, tracker)
+
+
+def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker: Tracker | None) -> int:
+    study_file = load_study_file(spec.study_file)
+    data = load_train(spec.data_path)
+    owned = study is None
+    tracker = tracker or open_tracker(spec)
+    study = study or load_or_create(study_file, spec, tracker, create=create)
+    bar = _StudyBar(spec, study) if spec.progress else None
+
+    def on_trial(frozen) -> None:
+        emit(trial_line(study, frozen))  # one plain line per trial, with or without a bar (--quiet included)
+        if bar:
+            bar.update_from(frozen)
+
+    try:
+        reap(study, tracker)
+        runner = TrialRunner(study_file, spec, data, tracker, study_dir(spec.state_dir, spec.name))
+        return worker_loop(study_file, spec, study, runner, on_trial=on_trial)
+    finally:
+        if bar:
+            bar.close()
+        if owned:
+            _close_parent_if_idle(study, tracker)
+            dispose_study(study)
+
+
+def _close_parent_if_idle(study: optuna.Study, tracker: Tracker) -> None:
+    """A worker that joined on its own (`latentsweep worker`) ends the parent run when no trial runs any more, so
+    the last worker out leaves nothing RUNNING in MLflow (a later worker or `study run` reopens it)."""
+    try:
+        if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            finish(study, tracker)
+    except Exception as exc:  # noqa: BLE001 - on the way out of another error: keep that one
+        log.warning("could not close the study's MLflow parent run: %s", exc)
+
+
+def worker_main(spec: RunSpec) -> None:
+    """The entry of a spawned worker process: its process-wide settings, then run_worker; a user error is one line
+    on stderr and exit code 2, like the CLI (no traceback)."""
+    configure_process()
+    if spec.threads:  # the share of this machine's cores of one of several local workers
+        torch.set_num_threads(spec.threads)
+    try:
+        run_worker(spec)
+    except KeyboardInterrupt:
+        pass
+    except LatentsweepError as exc:
+        print(f"latentsweep: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+class _StudyBar:
+    """Trials done / budget and the best value so far."""
+
+    def __init__(self, spec: RunSpec, study: optuna.Study):
+        self.study, self.spec = study, spec
+        self.bar = tqdm(total=spec.n_trials, initial=min(counted(study), spec.n_trials), desc=spec.name,
+                        unit="trial", dynamic_ncols=True)
+        self._best()
+
+    def _best(self) -> None:
+        try:
+            self.bar.set_postfix({"best": f"{self.study.best_value:.4f}"})
+        except ValueError:  # no complete trial yet
+            pass
+
+    def refresh(self) -> None:
+        self.bar.n = min(counted(self.study), self.spec.n_trials)
+        self._best()
+        self.bar.refresh()
+
+    def update_from(self, frozen) -> None:
+        self.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_study(spec: RunSpec, workers: int = 1) -> dict:
+    """Create/load the study, run it here with `workers` processes, refresh the parent run; returns the summary."""
+    study_file = load_study_file(spec.study_file)
+    tracker = open_tracker(spec)
+    study = load_or_create(study_file, spec, tracker, create=True)
+    interrupted = False
+    try:
+        if workers <= 1:
+            run_worker(spec, study=study, tracker=tracker)
+        else:
+            _run_spawned(spec, study, workers, tracker)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        summary = finish(study, tracker)
+        dispose_study(study)
+    if interrupted:
+        raise KeyboardInterrupt
+    return summary
+
+
+def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Tracker) -> None:
+    ctx = mp.get_context("spawn")  # fork after torch/SQLAlchemy initialisation is unsafe
+    child = replace(spec, threads=cpu_threads(workers), progress=False)
+    procs = [ctx.Process(target=worker_main, args=(child,), name=f"worker-{i}") for i in range(workers)]
+    for p in procs:
+        p.start()
+    bar = _StudyBar(spec, study) if spec.progress else None
+    stop = threading.Event()
+    reaped: set[int] = set()
+    try:
+        while any(p.is_alive() for p in procs):
+            _reap_dead_children(study, tracker, procs, reaped)
+            if bar:
+                bar.refresh()
+            stop.wait(POLL_S)
+    except KeyboardInterrupt:
+        for p in procs:  # the children got SIGINT too; give them time to close their trials
+            p.join(timeout=60)
+        raise
+    finally:
+        for p in procs:
+            p.join()
+        _reap_dead_children(study, tracker, procs, reaped)
+        if bar:
+            bar.refresh()
+            bar.close()
+
+
+def _reap_dead_children(study: optuna.Study, tracker: Tracker, procs, reaped: set[int]) -> None:
+    """A child that died (killed, crashed) cannot close its trial: fail and retry it now instead of after the
+    heartbeat grace period, so the other workers pick the retry up at once."""
+    for p in procs:
+        if p.pid not in reaped and not p.is_alive():
+            reaped.add(p.pid)
+            try:
+                closed = reap_owner(study, tracker, worker_id(p.pid))
+            except Exception as exc:  # noqa: BLE001 - the heartbeat reaper still catches it after the grace
+                log.warning("could not reap the trials of dead worker %s: %s", p.name, exc)
+                continue
+            if closed:
+                log.warning("worker %s died (exit code %s); its trial was failed and queued for retry",
+                            p.name, p.exitcode)
+
+
+def finish(study: optuna.Study, tracker: Tracker) -> dict:
+    """Refresh the parent run (summary + Optuna plots) and return the summary."""
+    summary = study_summary(study)
+    try:
+        tracker.end_study(summary, study_figures(study, study.user_attrs.get("objective")))
+    except Exception as exc:  # noqa: BLE001 - the study's results are in Optuna either way
+        log.warning("could not refresh the study's MLflow parent run: %s", exc)
+    return summary

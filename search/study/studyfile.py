@@ -1,0 +1,172 @@
+"""Study files (`studies/*.toml`): `[study]` settings, `[base]` config, `[space]` and `[[enqueue]]`, all validated at once.
+
+Every problem found is reported together, one line each, before any trial runs, including every invalid config the
+space can propose (each conditional branch is probed and validated, see `search.study.branches`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from search.stores import safe_name
+from search.study.branches import check_branches
+from search.study.samplers import check_settings
+from search.study.space import Param, active_values, config_key, parse_space
+from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml
+from trainers.demo import default_train_path
+from trainers.errors import ConfigError, LatentsweepError, closest
+
+STUDY_KEYS = {"name", "objective", "direction", "sampler", "pruner", "n_trials", "timeout", "description"}
+TOP_KEYS = {"study", "base", "space", "enqueue"}
+DIRECTIONS = ("maximize", "minimize")
+
+
+@dataclass(frozen=True)
+class StudyFile:
+    path: Path
+    name: str
+    objective: str = "val/mrr"
+    direction: str = "maximize"
+    sampler: dict[str, Any] = field(default_factory=lambda: {"name": "tpe"})
+    pruner: dict[str, Any] = field(default_factory=lambda: {"name": "median"})
+    n_trials: int = 20
+    timeout: float | None = None
+    base: Config = field(default_factory=Config)
+    fixed: frozenset[str] = frozenset()  # keys set explicitly in [base]
+    space: tuple[Param, ...] = ()
+    enqueue: tuple[dict[str, Any], ...] = ()
+    description: str = ""
+
+
+def load_study_file(path: str | Path) -> StudyFile:
+    """Parse and validate a study file; raise ConfigError listing every problem (one per line)."""
+    path = Path(path)
+    raw = load_toml(path)
+    where = str(path)
+    errors: list[str] = []
+    for key in raw:
+        if key not in TOP_KEYS:
+            errors.append(f"{where}: unknown table [{key}]{closest(key, TOP_KEYS)}")
+    study = _study_settings(raw.get("study", {}), path, errors)
+    base, fixed = _base(raw.get("base", {}), where, errors)
+    space = parse_space(raw.get("space", {}), fixed, errors, where)
+    enqueue = [_enqueue_entry(e, i, path, base, space, errors) for i, e in enumerate(raw.get("enqueue", []))]
+    if not errors:  # probing needs a space that parsed; every config it proposes must pass the trainer's check
+        check_branches(space, base, [e for e in enqueue if e], errors, where)
+    if errors:
+        raise ConfigError(f"{len(errors)} problem(s) in {where}:\n  " + "\n  ".join(errors))
+    return StudyFile(path=path, base=base, fixed=frozenset(fixed), space=tuple(space),
+                     enqueue=tuple(e for e in enqueue if e), **study)
+
+
+def _study_settings(table: dict, path: Path, errors: list[str]) -> dict[str, Any]:
+    where = str(path)
+    for key in table:
+        if key not in STUDY_KEYS:
+            errors.append(f"{where}: study.{key}: unknown setting{closest(key, STUDY_KEYS)}")
+    out: dict[str, Any] = {"name": str(table.get("name", path.stem))}
+    try:
+        safe_name(out["name"], "study.name")
+    except LatentsweepError as exc:
+        errors.append(f"{where}: {exc}")
+    out["objective"] = str(table.get("objective", "val/mrr"))
+    out["description"] = str(table.get("description", ""))
+    direction = table.get("direction", "maximize")
+    if direction not in DIRECTIONS:
+        errors.append(f"{where}: study.direction: must be maximize or minimize{closest(str(direction), DIRECTIONS)}")
+    out["direction"] = direction
+    for kind in ("sampler", "pruner"):
+        sub = table.get(kind, {})
+        sub = {"name": sub} if isinstance(sub, str) else sub
+        if not isinstance(sub, dict):
+            errors.append(f"{where}: study.{kind}: expected a name or a table")
+            sub = {}
+        check_settings(kind, sub, errors, where)
+        out[kind] = sub or {"name": "tpe" if kind == "sampler" else "median"}
+    n_trials = table.get("n_trials", 20)
+    if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1:
+        errors.append(f"{where}: study.n_trials: must be a whole number >= 1, got {n_trials!r}")
+    out["n_trials"] = n_trials
+    timeout = table.get("timeout")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                or not math.isfinite(timeout) or timeout <= 0):
+        errors.append(f"{where}: study.timeout: must be a positive number of seconds, got {timeout!r}")
+    out["timeout"] = timeout
+    return out
+
+
+def _base(table: dict, where: str, errors: list[str]) -> tuple[Config, set[str]]:
+    """The base config and the keys it sets explicitly (conditions may only read searched or fixed knobs)."""
+    try:
+        return from_dict(table, where=f"{where}: base"), set(flatten_tree(table))
+    except ConfigError as exc:
+        errors.append(str(exc))
+        return Config(), set()
+
+
+def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: list[Param],
+                   errors: list[str]) -> dict[str, Any]:
+    """A known-good config to try first: explicit knob values, or `recipe = "other.toml"` (its [base])."""
+    at = f"{path}: enqueue[{index}]"
+    searched = {p.key for p in space}
+    entry = dict(entry)
+    recipe = entry.pop("recipe", None)
+    values: dict[str, Any] = {}
+    if recipe is not None:
+        if (path.parent / recipe).resolve() == path.resolve():
+            other_base = base  # the file's own recipe: its [base] is the known-good config
+        else:
+            # Only the other file's [base] is read: loading it whole would follow its own [[enqueue]] recipes,
+            # and two files naming each other would recurse forever.
+            recipe_errors: list[str] = []
+            try:
+                other_base, _ = _base(load_toml(path.parent / recipe).get("base", {}),
+                                      str(path.parent / recipe), recipe_errors)
+            except LatentsweepError as exc:
+                recipe_errors.append(str(exc))
+            if recipe_errors:
+                errors.append(f"{at}: recipe {recipe}: {recipe_errors[0]}")
+                return {}
+        mine, theirs = flatten(base), flatten(other_base)
+        for key, value in theirs.items():
+            if key in searched:
+                values[key] = value
+            # data.* (file, split, val ratio) belongs to the study, not the recipe: every trial of one study shares
+            # one val split so that their values compare.
+            elif value != mine[key] and not key.startswith("data."):
+                errors.append(f"{at}: recipe {recipe} sets {key}={value!r} (base has {mine[key]!r}) "
+                              f"but {key} is not searched")
+    for key, value in flatten_tree(entry).items():
+        if key not in searched:
+            errors.append(f"{at}: '{key}' is not a searched knob{closest(key, searched)}")
+            continue
+        try:  # typed before conditions and ranges compare it (a string would raise TypeError there)
+            values[key] = coerce(key, value)
+        except ConfigError as exc:
+            errors.append(f"{at}: {exc}")
+    base_values = flatten(base)
+    active = active_values(space, base_values, values)
+    by_name = {p.name: p for p in space}
+    for key, value in values.items():
+        if key not in {config_key(n) for n in active} and value != base_values[key]:
+            conditions = " or ".join(f"({', '.join(map(str, p.when))})" for p in space if p.key == key)
+            errors.append(f"{at}: {key}={value!r} would be ignored: its condition {conditions} "
+                          f"does not hold for this entry")
+    for name, value in active.items():
+        param = by_name[name]
+        shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+        if not param.contains(shown if param.type == "categorical" else value):
+            errors.append(f"{at}: {param.key}={shown!r} lies outside the searched space ({name})")
+        elif isinstance(value, tuple):
+            active[name] = shown
+    return active
+
+
+def resolve_data_path(value: str | Path | None) -> Path:
+    """The train npz to use: the given path, else the bundled demo data."""
+    if value:
+        return Path(value).expanduser()
+
+    return default_train_path()

@@ -1,0 +1,295 @@
+"""Running studies: create/load an Optuna study, claim trials within an exact budget, run them, track them in MLflow."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from search.study.objective import ERROR_ATTR, TrialRunner
+from search.study.samplers import build_pruner, build_sampler
+from search.study.storage import (
+    RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url, schema_lock,
+)
+from search.stores import safe_name
+from search.study.studyfile import StudyFile
+from search.tracking import make_tracker
+from search.tracking.base import REAPED_TAG, Tracker
+from trainers.errors import LatentsweepError
+
+log = logging.getLogger("latentsweep")
+
+PARENT_ATTR = "mlflow_parent_run_id"
+ENQUEUED_ATTR = "latentsweep.enqueued"
+OWNER_ATTR = "latentsweep.worker"
+# The budget counts finished trials: complete, pruned, and failed by themselves (a config that cannot train).
+# Trials failed by a dead or interrupted worker are retried instead, so they do not count.
+COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
+# A worker with nothing to claim while others' trials still run re-checks this often (capped by the heartbeat
+# interval): one of those trials may die and need its retry run. A few cheap queries; 5 s keeps the idle tail short.
+WAIT_POLL_S = 5.0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker process needs (picklable: workers are spawned)."""
+    study_file: str
+    name: str
+    storage: StorageSettings
+    tracking_uri: str
+    artifact_root: str | None
+    state_dir: str
+    data_path: str
+    n_trials: int
+    timeout: float | None
+    threads: int = 0
+    progress: bool = True  # tqdm bars (a terminal and no --quiet); the per-trial lines are printed regardless
+    verbose: bool = False  # one line per epoch when there are no bars
+
+
+def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True,
+                   reopen: bool = True) -> optuna.Study:
+    """The study named spec.name (created with the file's sampler/pruner if absent), its parent run and enqueued recipes."""
+    storage = open_storage(spec.storage)
+    sampler, pruner = build_sampler(study_file.sampler, per_worker=not create), build_pruner(study_file.pruner)
+    if create:
+        study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner,
+                                    direction=study_file.direction, load_if_exists=True)
+    else:
+        try:
+            study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
+        except KeyError:
+            raise LatentsweepError(f"study '{spec.name}' does not exist in {redact_url(spec.storage.url)}: "
+                                   f"create it with `latentsweep study create`") from None
+    existing = len(study.get_trials(deepcopy=False))
+    if existing:  # resumed: a sampler seeded as at the start would propose trial 0's values again
+        study.sampler = build_sampler(study_file.sampler, per_worker=not create, history=existing)
+    attrs = study.user_attrs
+    if not reopen:  # read-only use (study reap): bind to the parent run as it is, write nothing to the study
+        if PARENT_ATTR in attrs:
+            tracker.attach_study(spec.name, attrs[PARENT_ATTR], reopen=False)
+        return study
+    if PARENT_ATTR in attrs:
+        tracker.attach_study(spec.name, attrs[PARENT_ATTR])
+    else:
+        settings = {"study_file": str(study_file.path), "objective": study_file.objective,
+                    "direction": study_file.direction, "sampler": study_file.sampler.get("name", "tpe"),
+                    "pruner": study_file.pruner.get("name", "median"),
+                    "n_trials": str(spec.n_trials), "data": spec.data_path, "description": study_file.description}
+        study.set_user_attr(PARENT_ATTR, tracker.ensure_study(spec.name, settings))
+    if not attrs.get(ENQUEUED_ATTR):
+        for values in study_file.enqueue:
+            study.enqueue_trial(values, user_attrs={"latentsweep.enqueued": True}, skip_if_exists=True)
+        study.set_user_attr(ENQUEUED_ATTR, True)
+    study.set_user_attr("objective", study_file.objective)
+    if study.metric_names != [study_file.objective]:
+        study.set_metric_names([study_file.objective])  # optuna-dashboard labels the value with it, not "Objective 0"
+    return study
+
+
+def open_tracker(spec: RunSpec) -> Tracker:
+    """The tracker of spec; a first-time SQLite tracking store is created under a lock (MLflow migrates its schema
+    on first use, and two first runs racing on it would kill one)."""
+    with schema_lock(spec.tracking_uri):
+        return make_tracker(spec.tracking_uri, spec.artifact_root)
+
+
+def check_existing(study_file: StudyFile, spec: RunSpec) -> None:
+    """A stored study of this name must agree with the file before anything runs: the same direction, and every
+    searched knob with a distribution of the kind its trials stored (Optuna refuses the first suggest otherwise,
+    which would fail each trial in turn). Reads only; a study not stored yet passes."""
+    storage = open_storage(spec.storage)
+    try:
+        try:
+            study_id = storage.get_study_id_from_name(spec.name)
+        except KeyError:
+            return
+        stored = storage.get_study_directions(study_id)[0].name.lower()
+        if stored != study_file.direction:
+            raise LatentsweepError(f"study '{spec.name}' is stored with direction {stored} but {study_file.path} says "
+                                   f"{study_file.direction}: fix the file or use another --name")
+        wanted = {p.key: p.distribution() for p in study_file.space}
+        seen: set[str] = set()
+        for trial in reversed(storage.get_all_trials(study_id, deepcopy=False)):
+            for key, dist in trial.distributions.items():
+                if key in wanted and key not in seen:
+                    seen.add(key)
+                    try:
+                        optuna.distributions.check_distribution_compatibility(dist, wanted[key])
+                    except ValueError as exc:
+                        raise LatentsweepError(
+                            f"study '{spec.name}' stores {key} as {dist} but {study_file.path} searches {wanted[key]} "
+                            f"({str(exc).rstrip('.')}): use another --name") from None
+    finally:
+        dispose(storage)
+
+
+def counted(study: optuna.Study, extra: tuple[TrialState, ...] = ()) -> int:
+    trials = study.get_trials(deepcopy=False)
+    return sum(t.state in COUNTED + extra or (t.state == TrialState.FAIL and ERROR_ATTR in t.user_attrs)
+               for t in trials)
+
+
+def claim_trial(study: optuna.Study, n_trials: int) -> optuna.Trial | None:
+    """Under the budget lock: fail dead workers' trials (they get retried), then ask for a trial if budget remains.
+
+    The new trial's first heartbeat is recorded before the lock is released: Optuna never counts a RUNNING trial
+    without any heartbeat as stale, so a worker killed before its heartbeat thread started would block the budget.
+    """
+    storage = storage_of(study)
+    with budget_lock(storage, study.study_name):
+        optuna.storages.fail_stale_trials(study)
+        if counted(study, (TrialState.RUNNING,)) >= n_trials:
+            return None
+        trial = study.ask()
+        try:
+            storage.record_heartbeat(trial._trial_id)
+            trial.set_user_attr(OWNER_ATTR, worker_id())
+        except BaseException:
+            study.tell(trial, state=TrialState.FAIL)  # without a heartbeat it would never go stale
+            raise
+        return trial
+
+
+def worker_id(pid: int | None = None) -> str:
+    """Who runs a trial (host:pid): a launcher reaps the trials of a child it saw die without waiting for the grace."""
+    return f"{socket.gethostname()}:{pid or os.getpid()}"
+
+
+def reap_owner(study: optuna.Study, tracker: Tracker, owner: str) -> list[str]:
+    """Fail (and queue the retry of) the RUNNING trials of a worker known to be dead, then close their runs."""
+    storage = storage_of(study)
+    callback = storage.get_heartbeat_stale_trial_callback()
+    with budget_lock(storage, study.study_name):
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if trial.user_attrs.get(OWNER_ATTR) == owner and storage.set_trial_state_values(
+                    trial._trial_id, state=TrialState.FAIL) and callback is not None:
+                callback(study, storage.get_trial(trial._trial_id))
+    return close_dead_runs(study, tracker)
+
+
+class LiveTrialNumbers(frozenset):
+    """Trial numbers whose MLflow run may be RUNNING: running or waiting at the snapshot, or created after it (the
+    MLflow search comes after the snapshot, so it can see the fresh run of a trial another worker just claimed)."""
+
+    def __new__(cls, trials: list[optuna.trial.FrozenTrial]):
+        alive = super().__new__(cls, (t.number for t in trials
+                                      if t.state in (TrialState.RUNNING, TrialState.WAITING)))
+        alive.first_new = len(trials)  # trial numbers are dense per study: later trials get numbers >= this
+        return alive
+
+    def __contains__(self, number) -> bool:
+        return number >= self.first_new or super().__contains__(number)
+
+
+def close_dead_runs(study: optuna.Study, tracker: Tracker) -> list[str]:
+    """Close as FAILED the runs of the trials this process just found dead (see RetryAndRecord), then every other
+    run still RUNNING whose trial is finished or failed (e.g. failed by a process that died before closing it)."""
+    callback = storage_of(study).get_heartbeat_stale_trial_callback()
+    closed = []
+    for trial in callback.drain() if isinstance(callback, RetryAndRecord) else []:
+        run_id = trial.user_attrs.get("mlflow_run_id")  # absent when the worker died before opening the run
+        if run_id:
+            tracker.set_tags(run_id, {REAPED_TAG: "true"})
+            tracker.end_trial(run_id, TrialState.FAIL)
+            closed.append(run_id)
+    return closed + tracker.close_stale_runs(LiveTrialNumbers(study.get_trials(deepcopy=False)))
+
+
+def reap(study: optuna.Study, tracker: Tracker) -> list[str]:
+    """Fail trials whose worker stopped beating (they get retried) and close their MLflow runs as FAILED.
+
+    Failing happens under the budget lock, like in claim_trial, so concurrent reapers queue exactly one retry.
+    """
+    with budget_lock(storage_of(study), study.study_name):
+        optuna.storages.fail_stale_trials(study)
+    return close_dead_runs(study, tracker)
+
+
+class Heartbeat:
+    """Record a heartbeat for a running trial every interval from a daemon thread (ask/tell runs have none)."""
+
+    def __init__(self, storage, trial_id: int):
+        self.storage, self.trial_id = storage, trial_id
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self) -> None:
+        interval = self.storage.get_heartbeat_interval() or 60
+        warned = False
+        while not self.stop.is_set():
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception as exc:  # noqa: BLE001 - a dead thread would get a live trial failed and run twice
+                if not warned:
+                    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    log.warning("heartbeat of trial id %d failed (%s); retrying every %d s", self.trial_id,
+                                redact_url(reason), interval)
+                    warned = True
+            self.stop.wait(interval)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runner: TrialRunner,
+                on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None) -> int:
+    """Claim and run trials until the budget or the timeout is reached; returns how many this worker ran.
+
+    While the budget is full only because of running trials, the worker waits instead of exiting: a running trial
+    whose worker died goes stale after the grace period and its retry still has to run.
+    """
+    start, ran = time.monotonic(), 0
+    poll = min(WAIT_POLL_S, storage_of(study).get_heartbeat_interval() or WAIT_POLL_S)
+    while spec.timeout is None or time.monotonic() - start < spec.timeout:
+        trial = claim_trial(study, spec.n_trials)
+        try:
+            close_dead_runs(study, runner.tracker)  # the claim may have failed dead workers' trials
+            if trial is not None:
+                with Heartbeat(storage_of(study), trial._trial_id):
+                    state, value = runner.run(trial)
+        except BaseException:  # Ctrl-C, SIGTERM, or an error outside the config's fault: retried, not counted
+            if trial is not None:
+                runner.abandon(study, trial)
+            raise
+        if trial is None:
+            if counted(study) >= spec.n_trials:
+                break
+            time.sleep(poll)
+            continue
+        frozen = study.tell(trial, value, state=state)
+        ran += 1
+        if on_trial is not None:
+            on_trial(frozen)
+    return ran
+
+
+def cpu_threads(workers: int) -> int:
+    """Split this machine's cores among local workers (at least one thread each)."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
+def study_dir(state_dir: str | Path, name: str) -> Path:
+    """STATE/studies/<name>; the name is checked here too, so no caller can write outside the state directory."""
+    return Path(state_dir) / "studies" / safe_name(name)
+
+
+def storage_of(study: optuna.Study) -> optuna.storages.RDBStorage:
+    """The RDBStorage behind a study (Optuna wraps it in a private caching layer)."""
+    return getattr(study._storage, "_backend", study._storage)
+
+
+def dispose_study(study: optuna.Study) -> None:
+    dispose(storage_of(study))

@@ -1,0 +1,141 @@
+"""The shape of the code, read with ast: no import circles, search/ layered cli -> pick -> study -> tracking/stores,
+trainers/ free of search, optuna and mlflow, and no module over MAX_LINES lines."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("search", "trainers")
+MAX_LINES = 400
+# A package may import only packages on its own level or below (never one above): cli -> pick -> study -> the bottom.
+LAYERS = {"cli": 3, "pick": 2, "study": 1, "tracking": 0, "stores": 0, "process": 0}
+ENTRY = {"search", "search.__main__"}  # the package itself and `python -m search` sit above every layer
+TRAINERS_NEVER = ("search", "optuna", "mlflow")
+# All MLflow access goes through the tracker; the standalone pyfunc module is shipped into the model and loads there.
+MLFLOW_MODULES = {"search.tracking.mlflow", "search.pick.pyfunc_standalone"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def imported_names(name: str) -> set[str]:
+    """Every dotted name a module imports, at the top or inside functions: `import a.b` gives a.b; `from a import b`
+    gives a and a.b (b may be a submodule); relative imports are resolved against the module's package."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def internal_imports(name: str) -> set[str]:
+    """The modules of search/ and trainers/ that `name` imports."""
+    return {n for n in imported_names(name) if n in MODULES and n != name}
+
+
+GRAPH = {name: internal_imports(name) for name in MODULES}
+
+
+def layer(name: str) -> int | None:
+    parts = name.split(".")
+    if parts[0] == "trainers":
+        return -1
+    if name in ENTRY:
+        return None
+    return LAYERS[parts[1]]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_every_search_module_has_a_layer():
+    assert all(layer(name) is not None or name in ENTRY for name in MODULES)
+
+
+def test_no_import_cycles_in_search():
+    assert [c for c in cycles(GRAPH) if c[0].startswith("search")] == []
+
+
+# trainers/losses.py and losses_multilabel.py import each other until the trainers/losses/ package (issue 11) cuts it;
+# the mark lapses by itself once the old module is gone.
+@pytest.mark.xfail((ROOT / "trainers" / "losses_multilabel.py").exists(), strict=True,
+                   reason="trainers.losses <-> trainers.losses_multilabel, cut by the trainers/losses/ package")
+def test_no_import_cycles_in_trainers():
+    assert [c for c in cycles(GRAPH) if c[0].startswith("trainers")] == []
+
+
+def test_cycle_finder_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_lower_packages_never_import_higher_ones():
+    upward = [f"{src} -> {dst}" for src, targets in GRAPH.items() for dst in sorted(targets)
+              if layer(src) is not None and layer(dst) is not None and layer(dst) > layer(src)]
+    assert upward == []
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if n.startswith("trainers")])
+def test_trainers_never_import_search_optuna_or_mlflow(name):
+    bad = sorted(n for n in imported_names(name) if n.split(".")[0] in TRAINERS_NEVER)
+    assert bad == []
+
+
+def test_only_the_mlflow_tracker_imports_mlflow():
+    users = sorted(name for name in MODULES if name not in MLFLOW_MODULES
+                   and any(n.split(".")[0] == "mlflow" for n in imported_names(name)))
+    assert users == []
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if n.startswith("search")])
+def test_search_modules_are_short(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)}: {lines} lines"
