@@ -14,6 +14,8 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from trainers.errors import ConfigError, closest
 from trainers.knobs import (MAX_SEED, MAX_WIDTH, AugmentCfg, Config, DataCfg, DiversityCfg, EvalCfg, GeometryCfg,
                             InfoNCECfg, LossCfg, ModelCfg, MomentCfg, MultiLabelTripletCfg, OptimCfg, QueueInfoNCECfg,
@@ -261,38 +263,5 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def dump_toml(cfg: Config) -> str:
-    """The resolved config as TOML (sections per sub-config), readable back by `from_dict`."""
-    lines: list[str] = []
-    _dump_table(to_dict(cfg), "", lines)
-    return "\n".join(lines).strip() + "\n"
-
-
-def _dump_table(tree: dict[str, Any], prefix: str, lines: list[str]) -> None:
-    scalars = {k: v for k, v in tree.items() if not isinstance(v, dict)}
-    if scalars:
-        if prefix:
-            lines.append(f"\n[{prefix}]")
-        for key, value in scalars.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            _dump_table(value, f"{prefix}.{key}" if prefix else key, lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + "".join(_toml_char(ch) for ch in value) + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
-def _toml_char(ch: str) -> str:
-    """One character of a TOML basic string: quote, backslash and control characters (TOML forbids them raw) escaped."""
-    if ch in ('"', "\\"):
-        return "\\" + ch
-    if ord(ch) < 0x20 or ord(ch) == 0x7F:  # tab is allowed raw, but the escape is valid too
-        return f"\\u{ord(ch):04X}"
-    return ch
+    """The resolved config as TOML (a table per sub-config), readable back by `from_dict`."""
+    return tomli_w.dumps(to_dict(cfg))
