@@ -358,14 +358,3 @@ def test_top_trials_rank_pruned_trials_by_their_best_reported_value():
     ranked = candidates.top_trials(study, 5)
     assert [t.number for t in ranked] == [1, 0, 2]  # 0.5 (pruned), 0.4 (complete), 0.3; no value: left out
     assert candidates.trial_value(ranked[0], maximize=True) == 0.5
-
-
-def test_a_shrunk_plan_keeps_the_best_then_the_cheapest_candidates_in_rank_order():
-    from search.pick.picker import cheapest_first
-
-    cands = [types.SimpleNamespace(name=n, cost=c) for n, c in
-             (("best", 90.0), ("slow", 80.0), ("cheap", 1.0), ("cached", 0.0), ("mid", 5.0))]
-    keep = cheapest_first(cands, lambda c: c.cost)
-    assert [c.name for c in keep(1)] == ["best"]  # the study's best stays, however slow
-    assert [c.name for c in keep(3)] == ["best", "cheap", "cached"]  # rank order; "slow" goes first
-    assert [c.name for c in keep(5)] == ["best", "slow", "cheap", "cached", "mid"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-from typing import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,12 +83,10 @@ def choose(opts: PickOptions, cands: list[Candidate], data, paths: Paths, device
     check_agreement(cands, same_split=False)
 
     def cost(top: int, folds: int, seeds: int) -> float:
-        chosen = keep(top)
+        chosen = cands[:top]
         jobs = (fold_jobs(chosen, data, folds, paths.picks) if folds else []) + (
             refit_jobs(chosen, seeds, data, paths.picks) if opts.refit else [])
         return sum(j.cost for j in jobs)
-
-    keep = cheapest_first(cands, lambda c: cost_of_one(c, opts, data, paths.picks))
 
     budget = None if opts.budget is None else opts.budget - (time.monotonic() - started)
     # One refit per candidate is reserved here; more seeds are added at the refit step as what is left of the budget
@@ -98,11 +95,7 @@ def choose(opts: PickOptions, cands: list[Candidate], data, paths: Paths, device
     for line in p.notes:
         note(line)
     note(f"plan: {p.describe()}")
-    if p.top < len(cands):
-        kept = keep(p.top)
-        note("candidates kept: " + ", ".join(c.name for c in kept) + " (the study's best, then the cheapest)")
-        p.notes.append(f"candidates kept: {', '.join(c.name for c in kept)}")
-        cands[:] = kept
+    del cands[p.top:]
     if p.folds == 0:
         table = pd.DataFrame([{"role": "member", "name": cands[0].name, "weight": 1.0, "study_value": cands[0].value}])
         sel = Selection(np.ones(1), table, cands[0].name, 0.0, float("nan"), "single", {}, {})
@@ -110,23 +103,6 @@ def choose(opts: PickOptions, cands: list[Candidate], data, paths: Paths, device
         sel = select_oof(cands, data, p.folds, opts, paths.picks, device)
     sel.details["notes"] = p.notes
     return sel, seeds  # the refit step fits its seeds to what is left of the budget, with measured job costs
-
-
-def cheapest_first(cands: list[Candidate], cost: Callable[[Candidate], float]) -> Callable[[int], list[Candidate]]:
-    """top -> the candidates a plan of `top` keeps, in rank order: the study's best, then the others from the cheapest.
-
-    Why cost and not rank: the top trials' values are within a seed's noise of one another (one seed moves a member's
-    MRR by about 0.02 on the demo data), while one slow candidate (a 65k-queue recipe, say) can take the whole budget
-    and leave a single member with nothing to select; cached jobs cost nothing, so reused work is kept first."""
-    order = [cands[0]] + sorted(cands[1:], key=cost)  # stable: equal costs keep rank order
-    rank = {id(c): i for i, c in enumerate(cands)}
-    return lambda top: sorted(order[:top], key=lambda c: rank[id(c)])
-
-
-def cost_of_one(cand: Candidate, opts: PickOptions, data, picks: Path) -> float:
-    """Estimated seconds of one candidate's fold jobs and one refit (zero for what is cached)."""
-    jobs = fold_jobs([cand], data, opts.folds, picks) + (refit_jobs([cand], 1, data, picks) if opts.refit else [])
-    return sum(j.cost for j in jobs)
 
 
 def run_pick(opts: PickOptions) -> PickResult:
