@@ -296,6 +296,11 @@ def test_default_pick_refits_chosen_members_on_every_image_with_seeds(world, oof
     out, manifest = oof_pick
     assert manifest["selection"] == "oof" and manifest["folds"] == 3
     chosen = {name for name, w in manifest["weights"].items() if w > 0}
+    nested = manifest["nested"]
+    # the ensemble is submitted only when its nested gain is above its spread; else the best single member alone
+    assert manifest["ensemble_used"] == (nested["gain_mrr"] > nested["gain_mrr_std"])
+    if not manifest["ensemble_used"]:
+        assert chosen == {manifest["best_single"]} and any("ensemble not used" in n for n in manifest["notes"])
     made = manifest["submission_models"]
     assert {m["member"] for m in made} == chosen and len(made) == 2 * len(chosen)
     assert sum(m["weight"] for m in made) == pytest.approx(1.0)
@@ -358,3 +363,16 @@ def test_top_trials_rank_pruned_trials_by_their_best_reported_value():
     ranked = candidates.top_trials(study, 5)
     assert [t.number for t in ranked] == [1, 0, 2]  # 0.5 (pruned), 0.4 (complete), 0.3; no value: left out
     assert candidates.trial_value(ranked[0], maximize=True) == 0.5
+
+
+def test_an_ensemble_gain_inside_its_fold_spread_is_not_used():
+    from search.pick.oof import OofSelection
+
+    def selection(gains):
+        gains = np.array(gains)
+        return OofSelection(np.array([0.5, 0.5]), 0, np.array([0.4, 0.39]), 0.4, 0.41, gains, gains + 0.4,
+                            np.full(len(gains), 0.4))
+
+    assert selection([0.015, 0.017, 0.014]).gain_is_real  # +0.0153 +/- 0.0015
+    assert not selection([0.003, -0.001, 0.008]).gain_is_real  # +0.0033 +/- 0.0045: noise
+    assert not selection([-0.002, -0.001]).gain_is_real

@@ -70,6 +70,14 @@ class OofSelection:
         """Spread of the per-fold gains (sample std); the standard error is gain_std / sqrt(F)."""
         return float(self.fold_gains.std(ddof=1)) if len(self.fold_gains) > 1 else float("nan")
 
+    @property
+    def gain_is_real(self) -> bool:
+        """The ensemble is worth submitting only when its nested gain is above its spread over the folds (mean > std,
+        i.e. a t statistic above sqrt(F)): a gain inside the noise of the folds is not a win, and a weaker member
+        weighted in on noise costs more than it brings."""
+        spread = self.gain_std if np.isfinite(self.gain_std) else 0.0
+        return self.gain > spread
+
 
 def _choose(oof: list[np.ndarray], caps: np.ndarray, score, method: str, size: int) -> tuple[np.ndarray, int]:
     """(weights, best single index) chosen on the captions `caps` only."""

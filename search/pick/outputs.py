@@ -116,6 +116,8 @@ def describe(study_name: str, method: str, sel, models, dims: tuple[int, int]) -
     gain = (f" Gain over the best single member ({sel.best_single}) on data the selection never saw ({where}): "
             f"{sel.gain:+.4f}" + (f" +/- {sel.gain_std:.4f} (std over folds)." if sel.gain_std == sel.gain_std
                                   else ".")) if where else ""
+    if sel.details.get("ensemble_used") is False:
+        gain += " That is within its spread, so the submission is the best single member."
     origins = sorted({m.origin for m in models})
     return (f"Ensemble ({method}, {sel.kind} selection) of study {study_name}: {members}.{gain} Made of "
             f"{len(models)} model(s) ({', '.join(origins)}). Input: caption embeddings [N, {dims[0]}] (float32 or "

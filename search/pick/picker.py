@@ -101,7 +101,7 @@ def choose(opts: PickOptions, cands: list[Candidate], data, paths: Paths, device
         sel = Selection(np.ones(1), table, cands[0].name, 0.0, float("nan"), "single", {}, {})
     else:
         sel = select_oof(cands, data, p.folds, opts, paths.picks, device)
-    sel.details["notes"] = p.notes
+    sel.details["notes"] = p.notes + sel.details.get("notes", [])
     return sel, seeds  # the refit step fits its seeds to what is left of the budget, with measured job costs
 
 

@@ -123,8 +123,14 @@ def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, pi
         oof[i][held] = outputs([model], data.text[held], device)[0]
     folds = oof_mod.Folds(fold_of, np.asarray(data.cap2img, np.int64))
     res = oof_mod.select(oof, folds, data.image, opts.method, opts.size, opts.seed)
+    weights, notes = res.weights, []
+    if not res.gain_is_real:
+        weights = np.eye(len(cands))[res.best_single]
+        notes.append(f"ensemble not used: its nested gain {res.gain:+.4f} is not above its spread over folds "
+                     f"({res.gain_std:.4f}); the submission is the best single member, {cands[res.best_single].name}")
+        refit.note(notes[-1])
     rows = [{"role": "member", "name": c.name, "weight": float(w), "study_value": c.value, "oof_mrr": float(m)}
-            for c, w, m in zip(cands, res.weights, res.member_mrr)]
+            for c, w, m in zip(cands, weights, res.member_mrr)]
     rows += [{"role": "best_single", "name": cands[res.best_single].name, "weight": None,
               "study_value": cands[res.best_single].value, "oof_mrr": float(res.member_mrr[res.best_single]),
               "nested_mrr": float(res.fold_best.mean())},
@@ -144,6 +150,7 @@ def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, pi
                           "fold_gains": res.fold_gains.tolist(), "fold_ensemble_mrr": res.fold_ensemble.tolist(),
                           "fold_best_single_mrr": res.fold_best.tolist()},
                "oof": {"ensemble_mrr": res.ensemble_mrr, "mean_mrr": res.mean_mrr,
-                       "best_single_mrr": float(res.member_mrr[res.best_single])}}
-    return Selection(res.weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_std, "oof",
+                       "best_single_mrr": float(res.member_mrr[res.best_single])},
+               "ensemble_used": res.gain_is_real, "notes": notes}
+    return Selection(weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_std, "oof",
                      metrics, details)
