@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainers.checkpoint import Translator, atomic_torch_save, checkpoint_payload, load_loss_state, load_model
+from trainers.checkpoint import CenteredModel, atomic_torch_save, checkpoint_payload, load_loss_state, load_model
 from trainers.config import Config, LossCfg, with_values
 from trainers.errors import ConfigError
 from trainers.losses import LOSSES, Criterion, EpochContext, Temperature
@@ -492,7 +492,7 @@ def _learned_criterion(tau: float) -> Criterion:
 
 def test_checkpoint_round_trip_restores_the_learned_logit_scale(tmp_path):
     cfg = make_cfg({"temperature.mode": "learnable", "temperature.tau": 0.1})
-    model = Translator(build_model(cfg, ModelContext(DIN, D)), torch.zeros(DIN))
+    model = CenteredModel(build_model(cfg, ModelContext(DIN, D)), torch.zeros(DIN))
     trained = _learned_criterion(0.04)
     trained.after_step({}, {"y_n": F.normalize(torch.randn(5, D), dim=-1)})  # queue rows: not saved
     atomic_torch_save(checkpoint_payload(model, cfg, (DIN, D), {}, loss_state=trained.state_dict()),

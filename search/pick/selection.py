@@ -124,7 +124,7 @@ def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, pi
     folds = oof_mod.Folds(fold_of, np.asarray(data.cap2img, np.int64))
     res = oof_mod.select(oof, folds, data.image, opts.method, opts.size, opts.seed)
     weights, notes = res.weights, []
-    if not res.gain_is_real:
+    if not res.gain_is_real and (res.weights > 0).sum() > 1:  # (greedy may already have chosen one member)
         weights = np.eye(len(cands))[res.best_single]
         notes.append(f"ensemble not used: its nested gain {res.gain:+.4f} is not above its spread over folds "
                      f"({res.gain_std:.4f}); the submission is the best single member, {cands[res.best_single].name}")
