@@ -15,8 +15,10 @@ from collections import Counter
 import optuna
 from mlflow import MlflowClient
 
-# Terminal MLflow statuses per Optuna state (search.tracking.base.STATUS_OF_STATE; a reaped trial's run ends FAILED).
-RUN_STATUS = {"COMPLETE": "FINISHED", "PRUNED": "KILLED", "FAIL": "FAILED"}
+from search.tracking.base import STATUS_OF_STATE  # the image has latentsweep installed
+
+# Terminal MLflow status per Optuna state, as the tracker sets it (a reaped trial's run ends FAILED).
+RUN_STATUS = {**STATUS_OF_STATE, "FAIL": "FAILED"}
 
 
 def load(study: str) -> optuna.Study:
