@@ -48,9 +48,11 @@ def make_cfg(values: dict | None = None) -> Config:
 
 def make_batch(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    y = torch.randn(4, D, generator=g)[IMG]
+    images = torch.randn(4, D, generator=g)
+    y = images[IMG]
     return {"x": torch.randn(len(IMG), DIN, generator=g), "y": y, "y_n": F.normalize(y, dim=-1), "img": IMG,
-            "labels": LABELS, "neg_x": torch.randn(len(IMG), DIN, generator=g)}
+            "labels": LABELS, "neg_x": torch.randn(len(IMG), DIN, generator=g),
+            "bank": F.normalize(images, dim=-1), "bank_idx": IMG}
 
 
 def make_loss(name: str, cfg: Config, dim: int = D):
@@ -307,6 +309,54 @@ def test_queue_only_negatives_drop_the_in_batch_images():
     with_batch.enqueue(e[2:])
     both = float(with_batch(out, batch, tau)["queue_infonce"])
     assert math.isclose(both, math.log(1 + 2 * math.exp(-1.0)), rel_tol=1e-5)  # the other image is a negative too
+
+
+def test_all_images_infonce_equals_the_queue_holding_each_image_once():
+    """The exact all-images loss is the limit of the queue: with every training image queued once and queue-only
+    negatives (the own image's queued copy masked as a copy), both are the softmax over all images."""
+    torch.manual_seed(1)
+    images = unit(torch.randn(7, D))  # 7 distinct training images
+    img = torch.tensor([0, 0, 3, 5, 6, 6])
+    pred = unit(torch.randn(len(img), D))
+    batch, out = {"y_n": images[img], "img": img, "bank": images, "bank_idx": img}, {"pred": pred}
+    for smoothing in (0.0, 0.1):
+        cfg = make_cfg({"temperature.tau": 0.07, "loss.queue_infonce.in_batch": False,
+                        "loss.queue_infonce.size": len(images), "loss.queue_infonce.label_smoothing": smoothing,
+                        "loss.all_images_infonce.symmetric": False,
+                        "loss.all_images_infonce.label_smoothing": smoothing})
+        tau = Temperature(cfg.temperature)
+        queue = QueueInfoNCE(cfg.loss.queue_infonce, D)
+        queue.enqueue(images)
+        exact = call("all_images_infonce", out, batch, cfg.loss.all_images_infonce, tau)["all_images_infonce"]
+        assert torch.allclose(exact, queue(out, batch, tau)["queue_infonce"], atol=1e-6)
+        if smoothing == 0.0:  # and it is the plain cross-entropy over the 7 images, target = the caption's image
+            assert torch.allclose(exact, F.cross_entropy(pred @ images.T / 0.07, img), atol=1e-6)
+
+
+def test_all_images_infonce_symmetric_adds_the_multipositive_image_to_caption_term():
+    cfg = make_cfg({"temperature.tau": 0.1})
+    batch, tau = make_batch(), Temperature(cfg.temperature)
+    out = Tiny()(batch["x"])
+    one_way = call("all_images_infonce", out, batch, dataclasses.replace(cfg.loss.all_images_infonce,
+                                                                        symmetric=False), tau)["all_images_infonce"]
+    both = call("all_images_infonce", out, batch, cfg.loss.all_images_infonce, tau)["all_images_infonce"]
+    multipos = call("multipos_infonce", out, batch, cfg.loss.multipos_infonce, tau)["multipos_infonce"]
+    c2i_batch = F.cross_entropy(out["pred"] @ unit(batch["bank"]).T / 0.1, IMG)  # this batch's bank = its 4 images
+    i2c = 2 * multipos - c2i_batch  # multipos = (c2i over the batch's images + i2c) / 2
+    assert torch.allclose(both, 0.5 * (one_way + i2c), atol=1e-5)
+
+
+def test_queue_larger_than_the_training_images_is_capped_once(capsys):
+    cfg = make_cfg({"loss.queue_infonce.size": 4099})
+    ctx = EpochContext(embed_train=lambda: torch.zeros(0), n_targets=33)
+    for _ in range(2):  # two trials of one study: the cap is said once
+        loss = queue_loss(cfg)
+        loss.on_epoch_start(0, ctx)
+        assert loss.queue.shape[0] == 33
+    assert capsys.readouterr().err.count("capped at 33") == 1
+    small = queue_loss(make_cfg({"loss.queue_infonce.size": 8}))
+    small.on_epoch_start(0, ctx)
+    assert small.queue.shape[0] == 8
 
 
 def test_moment_std_term_is_optional():

@@ -17,13 +17,13 @@ from typing import Any
 import tomli_w
 
 from trainers.errors import ConfigError, closest
-from trainers.knobs import (MAX_SEED, MAX_WIDTH, AugmentCfg, Config, DataCfg, DiversityCfg, EvalCfg, GeometryCfg,
-                            InfoNCECfg, LossCfg, ModelCfg, MomentCfg, MultiLabelTripletCfg, OptimCfg, QueueInfoNCECfg,
-                            ScheduleCfg, SlotCfg, SlotInfoNCECfg, SlotTripletCfg, SmoothedInfoNCECfg, TemperatureCfg,
+from trainers.knobs import (MAX_SEED, MAX_WIDTH, AllImagesInfoNCECfg, AugmentCfg, Config, DataCfg, DiversityCfg,
+                            EvalCfg, GeometryCfg, InfoNCECfg, LossCfg, ModelCfg, MomentCfg, MultiLabelTripletCfg,
+                            OptimCfg, QueueInfoNCECfg, ScheduleCfg, SlotCfg, SlotInfoNCECfg, SlotTripletCfg, SmoothedInfoNCECfg, TemperatureCfg,
                             TrainCfg, TripletCfg, WeightCfg)
 
 __all__ = [
-    "MAX_SEED", "MAX_WIDTH", "AugmentCfg", "Config", "DataCfg", "DiversityCfg", "EvalCfg", "GeometryCfg", "InfoNCECfg",
+    "MAX_SEED", "MAX_WIDTH", "AllImagesInfoNCECfg", "AugmentCfg", "Config", "DataCfg", "DiversityCfg", "EvalCfg", "GeometryCfg", "InfoNCECfg",
     "LossCfg", "ModelCfg", "MomentCfg", "MultiLabelTripletCfg", "OptimCfg", "QueueInfoNCECfg", "ScheduleCfg",
     "SlotCfg", "SlotInfoNCECfg", "SlotTripletCfg", "SmoothedInfoNCECfg", "TemperatureCfg", "TrainCfg", "TripletCfg",
     "WeightCfg", "MOVED", "check_key", "coerce", "dump_toml", "flatten", "flatten_tree", "from_dict", "key_hint",

@@ -152,6 +152,16 @@ class QueueInfoNCECfg:
 
 
 @dataclass(frozen=True)
+class AllImagesInfoNCECfg:
+    """caption->image InfoNCE over every distinct training image (the exact limit of a queue of fixed targets)."""
+
+    weight: float = _f(0.0, low=0.0)
+    label_smoothing: float = _f(0.0, low=0.0, high=0.5)
+    symmetric: bool = _f(True, doc="add image->caption over the batch's captions, all captions of an image "
+                                   "positives (as multipos_infonce)")
+
+
+@dataclass(frozen=True)
 class LossCfg:
     triplet: TripletCfg = field(default_factory=TripletCfg)
     slot_triplet: SlotTripletCfg = field(default_factory=SlotTripletCfg)
@@ -161,6 +171,7 @@ class LossCfg:
     infonce: InfoNCECfg = field(default_factory=InfoNCECfg)
     multipos_infonce: SmoothedInfoNCECfg = field(default_factory=SmoothedInfoNCECfg)
     queue_infonce: QueueInfoNCECfg = field(default_factory=QueueInfoNCECfg)
+    all_images_infonce: AllImagesInfoNCECfg = field(default_factory=AllImagesInfoNCECfg)
     cosine: WeightCfg = field(default_factory=WeightCfg)
     moment: MomentCfg = field(default_factory=MomentCfg)
     agreement: WeightCfg = field(default_factory=WeightCfg)

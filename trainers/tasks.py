@@ -119,6 +119,8 @@ class TranslateTask(Task):
         self.val_images = torch.as_tensor(data.image[val_img], device=device)
         self.dim_in, self.dim_out = data.text.shape[1], data.image.shape[1]
         self.text_mean = self.x.mean(0) if cfg.data.center_text else torch.zeros(self.dim_in, device=device)
+        # The exact all-images loss reads the whole split's images each batch (a reference, no copy).
+        self.bank = "bank" in batch_keys(cfg)
         order = torch.argsort(self.img, stable=True)  # CSR of captions by image, for image sampling
         self.by_image = order
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
@@ -134,6 +136,9 @@ class TranslateTask(Task):
     def model_context(self) -> ModelContext:
         return ModelContext(self.dim_in, self.dim_out, fit_x=self.x - self.text_mean, fit_y=self.images[self.img])
 
+    def epoch_context(self, model: torch.nn.Module) -> EpochContext:
+        return EpochContext(embed_train=lambda: predict(model, self.x), n_targets=len(self.images))
+
     def steps_per_epoch(self) -> int:
         return max(1, len(self.x) // self.cfg.train.batch_size)  # both samplers visit every caption once
 
@@ -144,7 +149,8 @@ class TranslateTask(Task):
         for start in range(0, max(1, len(rows) - b + 1), b):
             idx = rows[start : start + b]
             img = self.img[idx]
-            yield {"x": self.x[idx], "y": self.images[img], "y_n": self.images_n[img], "img": img}
+            batch = {"x": self.x[idx], "y": self.images[img], "y_n": self.images_n[img], "img": img}
+            yield batch | ({"bank": self.images_n, "bank_idx": img} if self.bank else {})
 
     def _caption_order(self, generator: torch.Generator) -> torch.Tensor:
         return torch.randperm(len(self.x), generator=generator).to(self.device)
@@ -160,10 +166,12 @@ class TranslateTask(Task):
 
     def val_batches(self) -> Iterator[dict]:
         b = self.cfg.train.batch_size
+        bank = F.normalize(self.val_images, dim=1) if self.bank else None  # the val images are the val loss's bank
         for start in range(0, len(self.val_x), b):
             img = self.val_img[start : start + b]
             y = self.val_images[img]
-            yield {"x": self.val_x[start : start + b], "y": y, "y_n": F.normalize(y, dim=1), "img": img}
+            batch = {"x": self.val_x[start : start + b], "y": y, "y_n": F.normalize(y, dim=1), "img": img}
+            yield batch | ({"bank": bank, "bank_idx": img} if self.bank else {})
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         if len(self.val_x) == 0:  # data.split = "all": nothing held out, the loop keeps the last epoch

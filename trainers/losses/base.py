@@ -34,6 +34,7 @@ class EpochContext:
 
     embed_train: Callable[[], torch.Tensor]  # eval-mode outputs of the model now for every training item [N, D]
     train_labels: torch.Tensor | None = None  # [N, L] bool labels of those items (tasks with labels)
+    n_targets: int | None = None  # distinct training targets (images of the translate task): a queue's useful cap
 
 
 class Loss(nn.Module):
@@ -132,3 +133,13 @@ def masked_ce(logits: torch.Tensor, keep: torch.Tensor, target: torch.Tensor, sm
         return nll.mean()
     uniform = -(logp * keep).sum(dim=-1) / keep.sum(dim=-1)
     return ((1.0 - smoothing) * nll + smoothing * uniform).mean()
+
+
+def multipos_i2c(logits: torch.Tensor, inverse: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
+    """image->caption SupCon (Khosla et al. 2020) from caption->image logits [B, U] over the batch's U distinct
+    images: for each image, the mean over ALL its captions (inverse [B]: each caption's image in 0..U-1) of -log
+    softmax over the B captions (positives stay in the denominator); smoothing eps spread uniformly over the B."""
+    positives = (inverse[None, :] == torch.arange(logits.shape[1], device=logits.device)[:, None]).float()  # [U, B]
+    logp = logits.T.log_softmax(dim=-1)
+    i2c = (-(logp * positives).sum(dim=-1) / positives.sum(dim=-1)).mean()
+    return (1.0 - smoothing) * i2c - smoothing * logp.mean(dim=-1).mean()

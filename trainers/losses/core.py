@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainers.losses.base import Loss, masked_ce, register_loss, same_image, unit, zero_like
+from trainers.losses.base import Loss, masked_ce, multipos_i2c, register_loss, same_image, unit, zero_like
 
 
 def _vse_hinge(sim: torch.Tensor, neg: torch.Tensor, margin: float, hardest: bool) -> tuple[torch.Tensor, ...]:
@@ -145,7 +145,7 @@ class InfoNCE(Loss):
         return {"infonce": loss}
 
 
-def _unique_images(img: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unique_images(img: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(first [U]: index of one caption per distinct image, inverse [B]: each caption's position in 0..U-1)."""
     uniq, inverse = torch.unique(img, return_inverse=True)
     order = torch.arange(img.shape[0], device=img.device)
@@ -165,16 +165,12 @@ class MultiPosInfoNCE(Loss):
     """
 
     def terms(self, out, batch, temperature):
-        first, inverse = _unique_images(batch["img"])
+        first, inverse = unique_images(batch["img"])
         p, y_u = unit(out["pred"]), unit(batch["y_n"])[first]  # [B, D], [U, D]
         logits = p @ y_u.T / temperature()  # [B, U]
         eps = self.cfg.label_smoothing
         c2i = F.cross_entropy(logits, inverse, label_smoothing=eps)
-        positives = (inverse[None, :] == torch.arange(first.shape[0], device=p.device)[:, None]).float()  # [U, B]
-        logp = logits.T.log_softmax(dim=-1)
-        i2c = (-(logp * positives).sum(dim=-1) / positives.sum(dim=-1)).mean()
-        i2c = (1.0 - eps) * i2c - eps * logp.mean(dim=-1).mean()  # eps uniform over the B captions
-        return {"multipos_infonce": 0.5 * (c2i + i2c)}
+        return {"multipos_infonce": 0.5 * (c2i + multipos_i2c(logits, inverse, eps))}
 
 
 # ---------------------------------------------------------------------------------------------- regression / alignment
@@ -209,7 +205,7 @@ class Agreement(Loss):
 
     def terms(self, out, batch, temperature):
         p = unit(out["pred"])
-        first, inverse = _unique_images(batch["img"])
+        first, inverse = unique_images(batch["img"])
         u = first.shape[0]
         counts = torch.bincount(inverse, minlength=u).float()  # [U]
         mean = torch.zeros(u, p.shape[1], device=p.device).index_add(0, inverse, p) / counts[:, None]  # [U, D]
