@@ -284,7 +284,7 @@ def test_errors_exit_2_with_one_line_and_leave_no_files(world, tmp_path, capsys)
 def oof_pick(world):
     out = world.root / "oof" / "submission.csv"
     code = main(["pick", STUDY, "--state-dir", str(world.state), "--top", "3", "--folds", "3", "--seeds", "2",
-                 "--out", str(out), "--quiet"])
+                 "--budget", "none", "--out", str(out), "--quiet"])
     assert code == 0
     return out, json.loads(out.with_name("submission.manifest.json").read_text())
 
@@ -302,17 +302,21 @@ def test_default_pick_refits_chosen_members_on_every_image_with_seeds(world, oof
     if not manifest["ensemble_used"]:
         assert len(chosen) == 1  # one member alone: greedy's own choice, or the fallback to the best single
     made = manifest["submission_models"]
-    assert {m["member"] for m in made} == chosen and len(made) == 2 * len(chosen)
+    # each chosen member: its 3 fold models (bagged, from the selection) and its 2 refit seeds
+    assert {m["member"] for m in made} == chosen and len(made) == (3 + 2) * len(chosen)
     assert sum(m["weight"] for m in made) == pytest.approx(1.0)
+    assert len({m["weight"] for m in made if m["member"] == next(iter(chosen))}) == 1  # shared equally
     members = {m["name"]: m for m in manifest["members"]}
     data = load_train(world.train)
     for m in made:
-        assert m["origin"] == "refit"
         model, cfg, meta = load_model(m["checkpoint"])
         assert cfg.data.split == "all" and cfg.train.stop_after == members[m["member"]]["best_epoch"] + 1
-        assert meta["data_fingerprint"] == data.fingerprint  # every labelled image, not a subset
-    seeds = sorted(load_model(m["checkpoint"])[1].train.seed for m in made)
-    assert len(set(seeds)) == 2  # two seeds per member
+        if m["origin"] == "refit":
+            assert meta["data_fingerprint"] == data.fingerprint  # every labelled image, not a subset
+        else:
+            assert m["origin"] == "fold" and meta["data_fingerprint"].startswith(f"{data.fingerprint}/images-")
+    seeds = sorted(load_model(m["checkpoint"])[1].train.seed for m in made if m["origin"] == "refit")
+    assert len(seeds) == 2 * len(chosen) and len(set(seeds)) == 2  # two seeds per member
     # the submission is the weighted mean of the refit models' normalised outputs
     test = load_test(world.test)
     preds = [selection.outputs([load_model(m["checkpoint"])[0]], test.embeddings, "cpu")[0] for m in made]
@@ -325,7 +329,9 @@ def test_refits_are_nested_mlflow_runs_with_checkpoints(world, oof_pick):
     _, manifest = oof_pick
     client = MlflowClient(world.tracking)
     pick_run = manifest["mlflow"]["run_id"]
-    for m in manifest["submission_models"]:
+    refits = [m for m in manifest["submission_models"] if m["origin"] == "refit"]
+    assert refits and all(m["mlflow_run_id"] is None for m in manifest["submission_models"] if m not in refits)
+    for m in refits:
         run = client.get_run(m["mlflow_run_id"])
         assert run.data.tags["mlflow.parentRunId"] == pick_run and run.info.status == "FINISHED"
         assert "best.pt" in {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -347,9 +353,26 @@ def test_rerun_reuses_finished_jobs_and_budget_drops_are_reported(world, oof_pic
     assert main(["pick", STUDY, "--state-dir", str(world.state), "--top", "3", "--folds", "4", "--seeds", "3",
                  "--budget", "0.001", "--out", str(tight), "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert "--budget" in err and "folds 4 -> 3" in err
+    assert "budget 0 s" in err and "folds 4 -> 3" in err
     manifest = json.loads(tight.with_name("submission.manifest.json").read_text())
-    assert manifest["notes"] and any("--budget" in n for n in manifest["notes"])
+    assert manifest["notes"] and any("budget" in n for n in manifest["notes"])
+
+
+@pytest.mark.slow
+def test_default_budget_is_derived_from_the_study_printed_and_applied(world, oof_pick, capsys):
+    from search.pick.plan import default_budget, study_wall_seconds
+
+    out = world.root / "auto" / "submission.csv"
+    assert main(["pick", STUDY, "--state-dir", str(world.state), "--top", "3", "--folds", "3", "--out", str(out),
+                 "--quiet"]) == 0
+    err = capsys.readouterr().err
+    study = optuna.load_study(study_name=STUDY, storage=world.storage)
+    expected, _ = default_budget(study_wall_seconds(study.trials))
+    assert f"budget: {expected:.0f} s (default: 0.5 x the study's" in err
+    assert err.index("budget:") < err.index("plan:") < err.index("job 1/")  # said before any training
+    manifest = json.loads(out.with_name("submission.manifest.json").read_text())
+    assert manifest["options"]["budget"] == pytest.approx(expected)
+    assert main(["pick", STUDY, "--state-dir", str(world.state), "--budget", "soon", "--quiet"]) == 2
 
 
 def test_top_trials_rank_pruned_trials_by_their_best_reported_value():

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from search.pick import ensemble, oof, refit
+from search.pick import plan as plan_mod
 from trainers.config import Config, with_values
 from trainers.data import load_train
 from trainers.errors import ConfigError
@@ -53,12 +54,34 @@ def test_stop_after_keeps_the_schedule_horizon_and_the_last_epoch(data):
 
 def test_plan_drops_in_order_and_notes_each_drop():
     cost = lambda top, folds, seeds: top * (folds + seeds) * 10.0  # noqa: E731
-    assert refit.plan(cost, 5, 5, 3, None).notes == []
-    p = refit.plan(cost, 5, 5, 3, budget=130)
-    assert (p.top, p.folds, p.seeds) == (3, 3, 1)  # folds 5->3, seeds 3->2, top 5->3, seeds 2->1
-    assert [n.split(", so ")[1] for n in p.notes] == ["folds 5 -> 3", "seeds 3 -> 2", "top 5 -> 3", "seeds 2 -> 1"]
-    single = refit.plan(cost, 5, 5, 3, budget=1)
-    assert (single.top, single.folds) == (1, 0) and "smallest plan" in single.notes[-1]
+    assert plan_mod.plan(cost, 5, 5, 3, None).notes == []
+    p = plan_mod.plan(cost, 5, 5, 3, budget=130)
+    assert (p.top, p.folds, p.seeds) == (2, 3, 3)  # folds 5->3, then the weakest candidates
+    assert [n.split(", so ")[1] for n in p.notes] == ["folds 5 -> 3", "top 5 -> 4", "top 4 -> 3", "top 3 -> 2"]
+    single = plan_mod.plan(cost, 5, 5, 3, budget=1)
+    assert (single.top, single.folds, single.seeds) == (1, 0, 1) and "smallest plan" in single.notes[-1]
+
+
+@pytest.mark.parametrize("budget", [1, 35, 60, 95, 130, 200, 310, 1000])
+def test_a_plan_never_exceeds_its_budget_by_more_than_one_job(budget):
+    """The planned jobs fit the budget, or the plan is the smallest one: a single job (one refit of the best)."""
+    job = {1: 12.0, 2: 9.0, 3: 7.0, 4: 20.0, 5: 5.0}  # seconds of one full-data job per candidate rank
+
+    def cost(top, folds, seeds):
+        fold_jobs = sum((folds - 1) * job[c] for c in range(1, top + 1))  # k jobs on (k-1)/k of the images each
+        return fold_jobs + job[1] * (1 if folds else seeds)
+
+    p = plan_mod.plan(cost, 5, 5, 3, budget)
+    assert p.estimate == cost(p.top, p.folds, p.seeds)
+    assert p.estimate <= budget or (p.top, p.folds, p.seeds) == (1, 0, 1)
+    assert p.estimate <= budget + max(job.values())
+
+
+def test_default_budget_is_half_the_study_wall_time_within_bounds():
+    assert plan_mod.default_budget(600)[0] == 300
+    assert plan_mod.default_budget(30)[0] == plan_mod.DEFAULT_BUDGET_MIN
+    assert plan_mod.default_budget(4 * 3600)[0] == plan_mod.DEFAULT_BUDGET_MAX
+    assert plan_mod.default_budget(None)[0] == plan_mod.DEFAULT_BUDGET_MAX
 
 
 def _members(n_images: int = 120, caps_per_image: int = 2, seed: int = 0):

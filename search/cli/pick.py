@@ -3,6 +3,7 @@ from __future__ import annotations
 
 
 from search.pick.ensemble import METHODS
+from search.pick.options import parse_budget
 from search.pick.picker import PickOptions, run_pick
 from search.stores import add_state_arg, safe_name
 from search.study.progress import is_terminal
@@ -14,7 +15,8 @@ def add_parser(sub) -> None:
     p.add_argument("study", help="study name")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite under the state directory)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the state directory)")
-    p.add_argument("--top", type=int, default=5, help="candidates: the K best complete trials (default 5)")
+    p.add_argument("--top", type=int, default=5, help="candidates: K trials (default 5) of the 2K best (complete or pruned), "
+                        "ordered for diversity by a greedy ensemble on the study's val split, then by rank")
     p.add_argument("--method", choices=METHODS, default="greedy",
                    help="greedy: Caruana forward selection with replacement; mean: uniform; weighted: weights "
                         "proportional to each member's select-half MRR (default greedy)")
@@ -30,9 +32,11 @@ def add_parser(sub) -> None:
     p.add_argument("--seeds", type=int, default=None,
                    help="refit: seeds per chosen member (default 3); with --no-refit --selection halves: retrain "
                         "the best min(K, 3) configs with this many more seeds as extra candidates (default 0)")
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                   help="time bound for the whole pick: folds, candidates and seeds are planned to fit, and each "
-                        "drop is printed (default: no bound); finished jobs are reused and cost nothing")
+    p.add_argument("--budget", default="auto", metavar="SECONDS|auto|none",
+                   help="time bound for the whole pick: folds, candidates and seeds are planned to fit, the plan and "
+                        "its estimate are printed before any training, and no job starts once it is spent (default "
+                        "auto: half the study's wall time, within 60-600 s; none: no bound); finished jobs are "
+                        "reused and cost nothing")
     p.add_argument("--data", help="train npz (default: the path recorded on the trials, else the demo data)")
     p.add_argument("--test", help="test.clean.npz (default: the demo test for the demo data, else the one beside "
                                   "--data)")
@@ -51,7 +55,7 @@ def run(args) -> int:
     opts = PickOptions(study=args.study, state_dir=args.state_dir, storage=args.storage,
                        tracking_uri=args.tracking_uri, top=args.top, method=args.method, size=args.size,
                        seeds=args.seeds, selection=args.selection, folds=args.folds, refit=args.refit,
-                       budget=args.budget, data=args.data, test=args.test, out=args.out, register=args.register,
+                       budget=parse_budget(args.budget), data=args.data, test=args.test, out=args.out, register=args.register,
                        seed=args.seed, device=args.device, progress=not args.quiet and is_terminal())
     result = run_pick(opts)
     table = result.table.copy()

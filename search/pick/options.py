@@ -12,6 +12,10 @@ from trainers.errors import LatentsweepError
 # Refit seeds per chosen member by default: averaging 3 seeds was worth about +0.015 MRR on challenge-format data.
 REFIT_SEEDS = 3
 SELECTIONS = ("oof", "halves")
+AUTO = "auto"  # --budget default: derived from the study's wall time (search.pick.plan.default_budget)
+# Out-of-fold selection screens this many times --top trials (ordered for diversity on the study's val split, from
+# their checkpoints: no training) before the plan keeps --top of them.
+POOL_FACTOR = 2
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class PickOptions:
     selection: str = "oof"  # "oof": k-fold out-of-fold on every labelled image; "halves": halves of the val split
     folds: int = 5
     refit: bool = True
-    budget: float | None = None  # seconds for the whole pick; None = no limit
+    budget: float | str | None = AUTO  # seconds for the whole pick; None = no limit; AUTO = from the study's time
     data: str | None = None
     test: str | None = None
     out: str | None = None
@@ -102,7 +106,26 @@ def check_options(opts: PickOptions) -> None:
         raise LatentsweepError(f"--selection must be one of {', '.join(SELECTIONS)}, got '{opts.selection}'")
     if opts.folds < 2:
         raise LatentsweepError(f"--folds must be >= 2, got {opts.folds}")
-    if opts.budget is not None and not opts.budget > 0:
-        raise LatentsweepError(f"--budget must be a positive number of seconds, got {opts.budget}")
+    if opts.budget not in (None, AUTO) and not (isinstance(opts.budget, (int, float)) and opts.budget > 0
+                                                 and opts.budget != float("inf")):
+        raise LatentsweepError(f"--budget must be a positive number of seconds, 'auto' or 'none', got {opts.budget}")
     if opts.method not in METHODS:
         raise LatentsweepError(f"--method must be one of {', '.join(METHODS)}, got '{opts.method}'")
+
+
+def pool_size(opts: PickOptions) -> int:
+    """How many of the study's best trials to load: --top, or POOL_FACTOR x --top for out-of-fold selection."""
+    return opts.top * POOL_FACTOR if opts.selection == "oof" else opts.top
+
+
+def parse_budget(text: str) -> float | str | None:
+    """--budget: seconds, 'auto' (the default) or 'none' (no bound)."""
+    word = text.strip().lower()
+    if word in ("none", "inf", "unlimited"):
+        return None
+    if word == AUTO:
+        return AUTO
+    try:
+        return float(word)
+    except ValueError:
+        raise LatentsweepError(f"--budget must be a number of seconds, 'auto' or 'none', got '{text}'") from None

@@ -70,7 +70,7 @@ def start_run(tracker: Tracker, study, method: str) -> tuple[str, str]:
     return exp_id, tracker.start_run(f"pick-{method}", tags)
 
 
-def _seeds(models) -> int:
+def _models_per_member(models) -> int:
     members = {m.member for m in models}
     return len(models) // max(len(members), 1)
 
@@ -96,8 +96,8 @@ def _log_refits(tracker: Tracker, run_id: str, models, study_name: str) -> dict[
 
 def run_params(opts, cands, sel, models, data, test) -> dict[str, Any]:
     return {"method": opts.method, "selection": sel.kind, "top": opts.top, "size": opts.size,
-            "folds": sel.details.get("folds", ""), "refit": opts.refit, "seeds_per_member": _seeds(models),
-            "budget_s": opts.budget, "seed": opts.seed, "n_candidates": len(cands),
+            "folds": sel.details.get("folds", ""), "refit": opts.refit, "models_per_member": _models_per_member(models),
+            "budget_s": sel.details.get("plan", {}).get("budget_s", opts.budget), "seed": opts.seed, "n_candidates": len(cands),
             "n_members": int((sel.weights > 0).sum()), "n_models": len(models), "best_single": sel.best_single,
             "data_fingerprint": data.fingerprint, "test_path": test.path}
 
@@ -164,7 +164,7 @@ def manifest(opts, paths, study, cands, sel, models, data, test, run: dict[str, 
         "study": study.study_name, "direction": study.direction.name.lower(), "method": opts.method,
         "selection": sel.kind,
         "options": {"top": opts.top, "size": opts.size, "seeds": opts.seeds, "seed": opts.seed, "folds": opts.folds,
-                    "refit": opts.refit, "budget": opts.budget},
+                    "refit": opts.refit, "budget": sel.details.get("plan", {}).get("budget_s", opts.budget)},
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "members": members,
         "weights": {c.name: float(w) for c, w in zip(cands, sel.weights) if w > 0},

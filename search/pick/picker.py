@@ -23,10 +23,12 @@ from search.pick import ensemble, refit
 from search.pick.candidates import (
     Candidate, check_agreement, check_data, check_test, load_candidates, resolve_data, seed_candidates,
 )
-from search.pick.options import Paths, PickOptions, check_options, resolve_paths
+from search.pick import plan as plan_mod
+from search.pick.options import AUTO, Paths, PickOptions, check_options, pool_size, resolve_paths
 from search.pick.outputs import PickResult, write_outputs
+from search.pick.plan import Clock
 from search.pick.refit import note
-from search.pick.selection import Selection, fold_jobs, outputs, refit_jobs, select, select_oof
+from search.pick.selection import Selection, fold_jobs, outputs, refit_jobs, screen, select, select_oof
 from search.study.report import load_existing_study
 from search.tracking import make_tracker
 from trainers.checkpoint import load_model
@@ -46,63 +48,84 @@ class SubmissionModel:
     model: torch.nn.Module | None = field(default=None, repr=False)
 
 
-def submission_models(cands: list[Candidate], sel: Selection, seeds: int, opts: PickOptions, data, picks: Path,
-                      device, budget_left: float | None) -> tuple[list[SubmissionModel], list[str]]:
-    """Refit each chosen member on every labelled image with `seeds` seeds (fewer if the budget is short), or keep
-    the trial checkpoints (--no-refit, or no budget left even for one seed each)."""
+def submission_models(cands: list[Candidate], sel: Selection, opts: PickOptions, data, picks: Path, device,
+                      clock: Clock) -> tuple[list[SubmissionModel], list[str]]:
+    """The models of the submission. Each chosen member's fold models (out-of-fold selection) are bagged in with its
+    refits on every labelled image: seed 1 of every member, then seed 2, ... up to --seeds while the budget holds one
+    more (job costs scaled by what the fold jobs really took against their estimates). A member's weight is shared
+    equally by its models. Without refits and fold models (--no-refit), the trials' checkpoints."""
     chosen = [(c, float(w)) for c, w in zip(cands, sel.weights) if w > 0]
-    notes: list[str] = []
+    if not opts.refit:
+        return [SubmissionModel(c.name, c.name, c.checkpoint, w, c.origin, model=c.model) for c, w in chosen], []
     factor = sel.details.get("cost_factor", 1.0)  # trials' wall time includes validation and tracking
-    while seeds > 0 and budget_left is not None and factor * sum(
-            j.cost for j in refit_jobs([c for c, _ in chosen], seeds, data, picks)) > budget_left:
-        seeds -= 1
-        notes.append(f"--budget: {budget_left:.0f} s left, refit seeds per member -> {seeds}")
-    if opts.refit and seeds == 0:
-        notes.append("--budget: no time left to refit; the submission uses the trials' checkpoints")
-    if seeds == 0:
-        return [SubmissionModel(c.name, c.name, c.checkpoint, w, c.origin, model=c.model) for c, w in chosen], notes
+    per_seed = [refit_jobs([c for c, _ in chosen], 1, data, picks, seed_offset=s) for s in range(opts.refit_seeds)]
+    queue = [job for jobs in per_seed for job in jobs]
+    clock.announce(len(queue))
+    made = {c.name: [(name, ckpt, "fold", None) for name, ckpt in sel.fold_models.get(c.name, [])]
+            for c, _ in chosen}
+    notes: list[str] = []
+    left = factor * sum(j.cost for j in queue)
+    for i, job in enumerate(queue):
+        first = not any(made.values())
+        if not first and clock.budget is not None and factor * job.cost > clock.left():
+            notes.append(f"budget: {clock.left():.0f} s left, so {i} of {len(queue)} refits run")
+            break
+        ckpt, seconds = refit.run_job(job, data, opts.progress)
+        left -= factor * job.cost
+        clock.report(job.name, refit.describe(job, seconds), left)
+        made[job.member].append((job.name, ckpt, "refit", job))
     out = []
-    for job in refit_jobs([c for c, _ in chosen], seeds, data, picks):
-        weight = dict((c.name, w) for c, w in chosen)[job.member] / seeds
-        ckpt, _ = refit.run_job(job, data, opts.progress)
-        out.append(SubmissionModel(job.name, job.member, ckpt, weight, "refit", job, load_model(ckpt, device)[0]))
+    for c, w in chosen:
+        for name, ckpt, origin, job in made[c.name]:
+            out.append(SubmissionModel(name, c.name, ckpt, w / len(made[c.name]), origin, job,
+                                       load_model(ckpt, device)[0]))
     return out, notes
 
 
-def choose(opts: PickOptions, cands: list[Candidate], data, paths: Paths, device,
-           started: float) -> tuple[Selection, int]:
-    """(selection, refit seeds per member) by --selection: out-of-fold, planned with the refits to fit the budget
-    (a single candidate needs no selection), or halves of the study's val split."""
-    seeds = opts.refit_seeds
+def choose(opts: PickOptions, pool: list[Candidate], data, paths: Paths, device,
+           clock: Clock) -> tuple[list[Candidate], Selection]:
+    """(the candidates kept, the selection) by --selection: out-of-fold over a pool ordered for diversity and planned
+    to fit the budget (a single candidate needs no selection), or halves of the study's val split."""
     if opts.selection == "halves":
-        check_agreement(cands, same_split=True)
+        check_agreement(pool, same_split=True)
+        cands = list(pool[:opts.top])
         if opts.seeds and not opts.refit:
             cands += seed_candidates(cands, opts.seeds, data, paths.picks, device, opts.progress)
             check_agreement(cands, same_split=True)
-        return select(cands, data, opts.method, opts.size, opts.seed, device), seeds
-    check_agreement(cands, same_split=False)
+        return cands, select(cands, data, opts.method, opts.size, opts.seed, device)
+    check_agreement(pool, same_split=False)
+    ordered, how = screen(pool, data, device, opts.size, opts.seed)
+    note(f"candidates: {len(pool)} best trials, ordered {how}")
 
     def cost(top: int, folds: int, seeds: int) -> float:
-        chosen = cands[:top]
-        jobs = (fold_jobs(chosen, data, folds, paths.picks) if folds else []) + (
-            refit_jobs(chosen, seeds, data, paths.picks) if opts.refit else [])
-        return sum(j.cost for j in jobs)
+        chosen = ordered[:top]
+        refits = refit_jobs(chosen[:1], 1 if folds else seeds, data, paths.picks) if opts.refit else []
+        return sum(j.cost for j in (fold_jobs(chosen, data, folds, paths.picks) if folds else []) + refits)
 
-    budget = None if opts.budget is None else opts.budget - (time.monotonic() - started)
-    # One refit per candidate is reserved here; more seeds are added at the refit step as what is left of the budget
-    # allows, with job costs measured on the fold jobs (the members are only known after selection).
-    p = refit.plan(cost, len(cands), opts.folds, min(seeds, 1), budget)
+    p = plan_mod.plan(cost, min(opts.top, len(ordered)), opts.folds, opts.refit_seeds, clock.left())
     for line in p.notes:
         note(line)
-    note(f"plan: {p.describe()}")
-    del cands[p.top:]
+    budget = f" (budget {clock.budget:.0f} s)" if clock.budget is not None else ""
+    note(f"plan: {p.describe()}{budget}")
+    cands = ordered[:p.top]
     if p.folds == 0:
         table = pd.DataFrame([{"role": "member", "name": cands[0].name, "weight": 1.0, "study_value": cands[0].value}])
         sel = Selection(np.ones(1), table, cands[0].name, 0.0, float("nan"), "single", {}, {})
     else:
-        sel = select_oof(cands, data, p.folds, opts, paths.picks, device)
+        cands, sel = select_oof(cands, data, p.folds, opts, paths.picks, device, clock)
     sel.details["notes"] = p.notes + sel.details.get("notes", [])
-    return sel, seeds  # the refit step fits its seeds to what is left of the budget, with measured job costs
+    sel.details["plan"] = {"top": p.top, "folds": p.folds, "seeds": p.seeds, "estimate_s": p.estimate,
+                           "budget_s": clock.budget, "candidates_order": how}
+    return cands, sel
+
+
+def pick_budget(opts: PickOptions, study) -> float | None:
+    """The pick's budget in seconds: --budget, none, or the default derived from the study's wall time (printed)."""
+    if opts.budget != AUTO:
+        return opts.budget
+    budget, why = plan_mod.default_budget(plan_mod.study_wall_seconds(study.get_trials(deepcopy=False)))
+    note(f"budget: {budget:.0f} s ({why}; --budget SECONDS or --budget none to change)")
+    return budget
 
 
 def run_pick(opts: PickOptions) -> PickResult:
@@ -112,17 +135,17 @@ def run_pick(opts: PickOptions) -> PickResult:
     paths = resolve_paths(opts)
     study = load_existing_study(opts.study, paths.storage)
     device = resolve_device(opts.device)
+    clock = Clock(pick_budget(opts, study), started)
     with tempfile.TemporaryDirectory(prefix="latentsweep-pick-") as downloads:
         tracker = make_tracker(paths.tracking_uri, paths.artifact_root)
-        cands = load_candidates(study, opts.top, tracker, Path(downloads), device, paths.root)
-        data_path, test_path = resolve_data(opts, cands)
+        pool = load_candidates(study, pool_size(opts), tracker, Path(downloads), device, paths.root)
+        data_path, test_path = resolve_data(opts, pool)
         test = load_test(test_path)
-        check_test(cands, test)
+        check_test(pool, test)
         data = load_train(data_path)
-        check_data(cands, data)
-        sel, seeds = choose(opts, cands, data, paths, device, started)
-        left = None if opts.budget is None else opts.budget - (time.monotonic() - started)
-        models, notes = submission_models(cands, sel, seeds, opts, data, paths.picks, device, left)
+        check_data(pool, data)
+        cands, sel = choose(opts, pool, data, paths, device, clock)
+        models, notes = submission_models(cands, sel, opts, data, paths.picks, device, clock)
         for line in notes:
             note(line)
         sel.details.setdefault("notes", []).extend(notes)

@@ -41,8 +41,10 @@ class EnsembleModel(mlflow.pyfunc.PythonModel):
         self.members = [torch.export.load(str(root / m["file"])).module() for m in spec["members"]]
         self.weights = np.asarray([m["weight"] for m in spec["members"]], np.float64)
 
-    def predict(self, context, model_input, params=None):
-        """model_input: caption embeddings [N, Dt] (float32 or float64 array, DataFrame or lists)."""
+    def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:
+        """model_input: caption embeddings [N, Dt] (float32 or float64 array, DataFrame or lists). The ndarray hint is
+        one MLflow infers no schema from, so it converts nothing (the output signature is logged explicitly) and
+        does not warn that type hints are missing."""
         x = torch.from_numpy(np.ascontiguousarray(as_matrix(model_input)))
         total = None
         with torch.no_grad():

@@ -1,5 +1,5 @@
 """The training jobs of `latentsweep pick`: out-of-fold models and refits on every labelled image, each cached on disk
-and planned to fit a time budget.
+and planned to fit a time budget (search.pick.plan).
 
 A job replays one trial's configuration with `data.split = "all"` (no validation) on a set of images for the number
 of epochs the trial found best (`train.stop_after = best epoch + 1`), keeping the trial's schedule horizon
@@ -24,10 +24,6 @@ from trainers.io import atomic_write
 from trainers.loop import train
 
 DONE_FILE = "done.json"  # written when a job finished; a job with the same config and data reuses its model
-# Order in which `plan` gives work up to fit a budget: each step is (knob, value it drops to). Folds go first
-# (5 -> 3 folds halves their cost and selection still sees every image), seeds next (the issue measured +0.015 MRR for
-# 3 seeds, more than a weak extra member adds), members last; one member needs no out-of-fold selection at all.
-REDUCTIONS = (("folds", 3), ("seeds", 2), ("top", 3), ("seeds", 1), ("top", 2), ("folds", 2), ("top", 1))
 
 
 def note(message: str) -> None:
@@ -71,10 +67,6 @@ class Job:
     run_dir: Path
     cost: float  # estimated seconds; 0 when a finished identical job can be reused
 
-    @property
-    def reusable(self) -> bool:
-        return self.cost == 0.0
-
 
 def replay_config(cfg: Config, best_epoch: int, seed: int | None = None) -> Config:
     """The trial's config trained without validation up to its best epoch (0-based), optionally with another seed."""
@@ -102,6 +94,13 @@ def make_job(name: str, member: str, cfg: Config, data: TrainSet, images, run_di
     return Job(name, member, cfg, images, run_dir, cost)
 
 
+def describe(job: Job, seconds: float | None) -> str:
+    """What a finished job did, for the pick's progress line."""
+    if seconds is None:
+        return f"reused {job.run_dir}"
+    return (f"trained {job.cfg.train.stop_after} epochs in {seconds:.0f} s (estimated {job.cost:.0f} s)")
+
+
 def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | None]:
     """Train (or reuse) the job: (its checkpoint, seconds spent training; None when reused). The done stamp is
     written only after training finished."""
@@ -109,7 +108,6 @@ def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | Non
     stamp = done_stamp(job.cfg, part.fingerprint)
     ckpt = job.run_dir / "best.pt"
     if is_done(job.run_dir, stamp):
-        note(f"{job.name}: reused {job.run_dir}")
         return ckpt, None
     job.run_dir.mkdir(parents=True, exist_ok=True)
     (job.run_dir / DONE_FILE).unlink(missing_ok=True)
@@ -119,43 +117,8 @@ def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | Non
     train(job.cfg, part, out_dir=job.run_dir, progress=progress)
     with atomic_write(job.run_dir / DONE_FILE) as fh:
         fh.write(json.dumps(stamp))
-    seconds = time.monotonic() - start
-    note(f"{job.name}: trained {job.cfg.train.stop_after} epochs on {len(part.image)} images "
-         f"in {seconds:.0f} s (estimated {job.cost:.0f} s)")
-    return ckpt, seconds
+    return ckpt, time.monotonic() - start
 
 
-@dataclass
-class Plan:
-    top: int
-    folds: int  # 0 = no out-of-fold selection (a single member)
-    seeds: int
-    notes: list[str]
-
-    def describe(self) -> str:
-        oof = f"{self.folds}-fold out-of-fold selection" if self.folds else "no selection (one member)"
-        return f"{self.top} member candidate(s), {oof}, {self.seeds} refit seed(s) per chosen member"
-
-
-def plan(cost_of, top: int, folds: int, seeds: int, budget: float | None) -> Plan:
-    """Shrink (top, folds, seeds) along REDUCTIONS until cost_of(top, folds, seeds) (estimated seconds, refitting
-    every candidate: the members are not known before selection) fits the budget; each drop is noted."""
-    knobs = {"top": top, "folds": folds if top > 1 else 0, "seeds": seeds}
-    notes: list[str] = []
-    for knob, value in REDUCTIONS:
-        estimate = cost_of(**knobs)
-        if budget is None or estimate <= budget:
-            break
-        if knobs[knob] > value:
-            notes.append(f"--budget {budget:.0f} s: estimated {estimate:.0f} s, so {knob} {knobs[knob]} -> {value}")
-            knobs[knob] = value
-            if knobs["top"] == 1:
-                knobs["folds"] = 0
-    estimate = cost_of(**knobs)
-    if budget is not None and estimate > budget:
-        notes.append(f"--budget {budget:.0f} s: still estimated {estimate:.0f} s at the smallest plan; running it")
-    return Plan(knobs["top"], knobs["folds"], knobs["seeds"], notes)
-
-
-__all__ = ["Job", "Plan", "done_stamp", "fold_assignment", "is_done", "make_job", "note", "plan", "replay_config",
-           "run_job", "subset"]
+__all__ = ["Job", "describe", "done_stamp", "fold_assignment", "is_done", "make_job", "note", "replay_config", "run_job",
+           "subset"]

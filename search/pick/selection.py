@@ -2,7 +2,7 @@
 or the older halves of the study's val split; the fold and refit jobs of the candidates."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +12,9 @@ import torch
 
 from search.pick import ensemble, refit
 from search.pick import oof as oof_mod
-from search.pick.candidates import Candidate
+from search.pick.candidates import SPLIT_KEYS, Candidate
 from search.pick.options import PickOptions
+from search.pick.plan import Clock
 from trainers.checkpoint import load_model
 from trainers.splits import captions_of
 from trainers.tasks import predict, split_images
@@ -35,6 +36,7 @@ class Selection:
     kind: str  # "oof" or "halves"
     metrics: dict[str, float]  # for the MLflow pick run
     details: dict[str, Any]  # for the manifest
+    fold_models: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)  # oof: (job, checkpoint) each
 
 
 def select(cands: list[Candidate], data, method: str, size: int, seed: int, device) -> Selection:
@@ -81,6 +83,25 @@ def _row(role: str, name: str, weight, value, summary: dict, key) -> dict[str, A
             "report_mrr": rep["mrr"], "report_r1": rep["r1"], "report_r10": rep["r10"]}
 
 
+def screen(cands: list[Candidate], data, device, size: int, seed: int = 0) -> tuple[list[Candidate], str]:
+    """The candidate pool reordered for diversity, at no training cost: when the trials share one val split, greedy
+    forward selection (Caruana) on their checkpoints' val predictions picks members that add to one another, and
+    those come first (by weight), then the rest by study rank. Each trial chose its best epoch on that split, so its
+    figures are optimistic; it only orders the pool, and the out-of-fold selection re-measures every candidate."""
+    shared = all(getattr(c.cfg.data, k) == getattr(cands[0].cfg.data, k) for c in cands for k in SPLIT_KEYS)
+    if len(cands) < 3 or not shared or cands[0].cfg.data.split == "all":
+        return cands, "by study rank"
+    _, val_img = split_images(cands[0].cfg, data)
+    if len(val_img) < 2:
+        return cands, "by study rank"
+    caps, score = oof_mod.scorer(val_img, data.image, data.cap2img, seed)
+    preds = outputs([c.model for c in cands], data.text[caps], device)
+    weights = ensemble.method_weights("greedy", preds, lambda p: score(p)["mrr"], size)
+    order = sorted(range(len(cands)), key=lambda i: (-weights[i], i))
+    picked = ", ".join(f"{cands[i].name} {weights[i]:.2f}" for i in order if weights[i] > 0)
+    return [cands[i] for i in order], f"greedy on the study's val split first ({picked}), then by study rank"
+
+
 def job_cost(cand: Candidate, data) -> float:
     """Estimated seconds per caption per epoch of `cand`'s config, from its trial's wall time on its train split."""
     if cand.seconds is None:
@@ -97,10 +118,11 @@ def fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path) -> list[r
             for c in cands for f in range(n_folds)]
 
 
-def refit_jobs(cands: list[Candidate], seeds: int, data, picks: Path) -> list[refit.Job]:
+def refit_jobs(cands: list[Candidate], seeds: int, data, picks: Path, seed_offset: int = 0) -> list[refit.Job]:
+    """Refits on every labelled image, seeds train.seed + seed_offset .. + seed_offset + seeds - 1 of each candidate."""
     jobs = []
     for c in cands:
-        for s in range(seeds):
+        for s in range(seed_offset, seed_offset + seeds):
             seed = c.cfg.train.seed + s
             jobs.append(refit.make_job(f"{c.name}/refit-seed-{seed}", c.name,
                                        refit.replay_config(c.cfg, c.best_epoch, seed), data, None,
@@ -108,19 +130,46 @@ def refit_jobs(cands: list[Candidate], seeds: int, data, picks: Path) -> list[re
     return jobs
 
 
-def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, picks: Path, device) -> Selection:
-    """Train every candidate on k-1 folds for each fold, predict the held-out fold, select on all images."""
-    oof = [np.zeros((len(data.cap2img), c.dims[1]), np.float32) for c in cands]
-    fold_of = refit.fold_assignment(data.image_names, n_folds)
+def run_fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path, device, clock: Clock,
+                  progress: bool) -> tuple[list[Candidate], list[np.ndarray], dict[str, list[tuple[str, Path]]], float]:
+    """Train every candidate on k-1 folds for each fold and predict the held-out fold, candidate by candidate while
+    the budget lasts (the first candidate always completes). Returns (the candidates whose folds all finished, their
+    out-of-fold predictions [Nc, Di] each, their (job name, fold checkpoint) lists by name, measured / estimated seconds)."""
+    jobs = fold_jobs(cands, data, n_folds, picks)
+    clock.announce(len(jobs))
+    kept, oof, models = [], [], {}
     spent = estimated = 0.0
-    for job in fold_jobs(cands, data, n_folds, picks):
-        i = next(k for k, c in enumerate(cands) if c.name == job.member)
-        ckpt, seconds = refit.run_job(job, data, opts.progress)
-        if seconds is not None:
-            spent, estimated = spent + seconds, estimated + job.cost
-        model = load_model(ckpt, device)[0]
-        held = captions_of(data.cap2img, np.setdiff1d(np.arange(len(data.image)), job.images))
-        oof[i][held] = outputs([model], data.text[held], device)[0]
+    left = sum(j.cost for j in jobs)
+    for cand in cands:
+        mine = [j for j in jobs if j.member == cand.name]
+        pred, ckpts = np.zeros((len(data.cap2img), cand.dims[1]), np.float32), []
+        for job in mine:
+            if kept and clock.spent():
+                break
+            ckpt, seconds = refit.run_job(job, data, progress)
+            left -= job.cost
+            if seconds is not None:
+                spent, estimated = spent + seconds, estimated + job.cost
+            factor = spent / estimated if spent and estimated else 1.0
+            clock.report(job.name, refit.describe(job, seconds), factor * left)
+            held = captions_of(data.cap2img, np.setdiff1d(np.arange(len(data.image)), job.images))
+            pred[held] = outputs([load_model(ckpt, device)[0]], data.text[held], device)[0]
+            ckpts.append((job.name, ckpt))
+        if len(ckpts) < len(mine):
+            refit.note(f"budget spent: {cand.name} and the candidates after it leave the selection (their finished "
+                       "fold jobs are kept for the next pick)")
+            break
+        kept.append(cand)
+        oof.append(pred)
+        models[cand.name] = ckpts
+    return kept, oof, models, (spent / estimated if spent and estimated else 1.0)
+
+
+def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, picks: Path, device,
+               clock: Clock) -> tuple[list[Candidate], Selection]:
+    """Out-of-fold selection over the candidates whose fold jobs fit the budget: (those candidates, the selection)."""
+    cands, oof, fold_models, cost_factor = run_fold_jobs(cands, data, n_folds, picks, device, clock, opts.progress)
+    fold_of = refit.fold_assignment(data.image_names, n_folds)
     folds = oof_mod.Folds(fold_of, np.asarray(data.cap2img, np.int64))
     res = oof_mod.select(oof, folds, data.image, opts.method, opts.size, opts.seed)
     weights, notes = res.weights, []
@@ -145,12 +194,13 @@ def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, pi
                                                 for c, m in zip(cands, res.member_mrr)}}
     details = {"folds": n_folds, "images": len(data.image), "captions": len(data.cap2img),
                # measured / estimated seconds of the fold jobs: the refit plan scales its estimates by it
-               "cost_factor": spent / estimated if spent and estimated else 1.0,
+               "cost_factor": cost_factor,
                "nested": {"gain_mrr": res.gain, "gain_mrr_std": res.gain_std,
                           "fold_gains": res.fold_gains.tolist(), "fold_ensemble_mrr": res.fold_ensemble.tolist(),
                           "fold_best_single_mrr": res.fold_best.tolist()},
                "oof": {"ensemble_mrr": res.ensemble_mrr, "mean_mrr": res.mean_mrr,
                        "best_single_mrr": float(res.member_mrr[res.best_single])},
                "ensemble_used": res.gain_is_real, "notes": notes}
-    return Selection(weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_std, "oof",
-                     metrics, details)
+    sel = Selection(weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_std, "oof",
+                    metrics, details, fold_models)
+    return cands, sel

@@ -1,0 +1,118 @@
+"""The time plan of `latentsweep pick`: its default budget, what the budget buys (candidates, folds, refit seeds),
+the estimate printed before any training, and the clock that reports each job (i of n, elapsed, left).
+
+What a pick spends its time on, in order:
+  1. fold jobs: every candidate retrained on k-1 image folds, k times (out-of-fold predictions for the selection);
+  2. refits: the chosen members retrained on every labelled image, one seed each and more while the budget lasts.
+The fold models are not thrown away: a chosen member's k fold models are bagged into the submission with its refits
+(AutoGluon predicts with its bagged fold models the same way), so the selection's compute is also submission compute.
+
+The plan shrinks along REDUCTIONS until its estimate fits the budget, keeping one refit of the best candidate (one
+model that saw every image). Jobs run candidate by candidate, and a job starts only while the budget is not spent, so
+a pick overruns its budget by at most the one job that was running when the budget ran out; a candidate whose folds
+are then incomplete leaves the selection (its finished jobs are kept and reused by the next pick).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from search.pick.refit import note
+
+# The default budget is this fraction of the study's wall time: a pick is a finishing step, not a second study.
+DEFAULT_BUDGET_FRACTION = 0.5
+# ... within these bounds (seconds): even a short study gets a minute (one refit and a small selection), and no pick
+# runs longer than 10 minutes unless asked (`--budget SECONDS` or `--budget none`).
+DEFAULT_BUDGET_MIN, DEFAULT_BUDGET_MAX = 60.0, 600.0
+# Order in which the plan gives work up: folds first (5 -> 3 keeps every image in the selection and 3 bagged models
+# per member on 2/3 of the images), then the weakest candidates; one candidate needs no selection at all, and then
+# only its refit seeds are left to shrink. Two folds (models on half the images) are never planned.
+REDUCTIONS = (("folds", 3), ("top", 4), ("top", 3), ("top", 2), ("top", 1), ("seeds", 2), ("seeds", 1))
+
+
+def default_budget(wall_seconds: float | None) -> tuple[float, str]:
+    """(seconds, why) of the default pick budget from the study's wall time (None: unknown)."""
+    if not wall_seconds:
+        return DEFAULT_BUDGET_MAX, f"default, the study's wall time is unknown (at most {DEFAULT_BUDGET_MAX:.0f} s)"
+    budget = min(max(DEFAULT_BUDGET_FRACTION * wall_seconds, DEFAULT_BUDGET_MIN), DEFAULT_BUDGET_MAX)
+    return budget, (f"default: {DEFAULT_BUDGET_FRACTION:g} x the study's {wall_seconds:.0f} s wall time, within "
+                    f"{DEFAULT_BUDGET_MIN:.0f}-{DEFAULT_BUDGET_MAX:.0f} s")
+
+
+def study_wall_seconds(trials) -> float | None:
+    """Seconds from the first trial's start to the last finished trial's end (what the user waited for the study)."""
+    starts = [t.datetime_start for t in trials if t.datetime_start]
+    ends = [t.datetime_complete for t in trials if t.datetime_complete]
+    return (max(ends) - min(starts)).total_seconds() if starts and ends else None
+
+
+@dataclass
+class Plan:
+    top: int
+    folds: int  # 0 = no out-of-fold selection (a single member)
+    seeds: int  # refit seeds per chosen member wanted; the refit step gives as many as the rest of the budget holds
+    estimate: float  # estimated seconds of the planned jobs (folds, plus one refit of the best candidate)
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        oof = (f"{self.top} candidates x {self.folds} folds = {self.top * self.folds} fold jobs, then refits of "
+               f"the chosen members, up to {self.seeds} seed(s) each as the budget allows" if self.folds
+               else f"1 candidate, no selection, {self.seeds} refit seed(s)")
+        return f"{oof}; estimated {self.estimate:.0f} s"
+
+
+def plan(cost_of: Callable[[int, int, int], float], top: int, folds: int, seeds: int,
+         budget: float | None) -> Plan:
+    """Shrink (top, folds, seeds) along REDUCTIONS until cost_of(top, folds, seeds) (estimated seconds) fits the
+    budget; each drop is noted. cost_of counts the fold jobs and, with folds, one refit of the best candidate, without
+    folds (a single candidate) its `seeds` refits."""
+    knobs = {"top": top, "folds": folds if top > 1 else 0, "seeds": seeds}
+    notes: list[str] = []
+    for knob, value in REDUCTIONS:
+        estimate = cost_of(**knobs)
+        if budget is None or estimate <= budget:
+            break
+        if knobs[knob] > value:
+            notes.append(f"budget {budget:.0f} s: estimated {estimate:.0f} s, so {knob} {knobs[knob]} -> {value}")
+            knobs[knob] = value
+            if knobs["top"] == 1:
+                knobs["folds"] = 0
+    estimate = cost_of(**knobs)
+    if budget is not None and estimate > budget:
+        notes.append(f"budget {budget:.0f} s: still estimated {estimate:.0f} s at the smallest plan (one job)")
+    return Plan(knobs["top"], knobs["folds"], knobs["seeds"], estimate, notes)
+
+
+class Clock:
+    """The pick's budget clock: whether a job may still start, and one line per finished job."""
+
+    def __init__(self, budget: float | None, started: float | None = None):
+        self.budget = budget
+        self.started = time.monotonic() if started is None else started
+        self.done = 0
+        self.total = 0  # jobs announced so far (fold jobs, then refits as they are planned)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def left(self) -> float | None:
+        """Seconds of budget left (never negative); None without a budget."""
+        return None if self.budget is None else max(self.budget - self.elapsed, 0.0)
+
+    def spent(self) -> bool:
+        return self.budget is not None and self.elapsed >= self.budget
+
+    def announce(self, jobs: int) -> None:
+        self.total += jobs
+
+    def report(self, name: str, what: str, remaining_estimate: float) -> None:
+        """After a job: 'job i/n NAME: WHAT; elapsed, about N s left of the plan'."""
+        self.done += 1
+        budget = f" of {self.budget:.0f} s" if self.budget is not None else ""
+        note(f"job {self.done}/{self.total} {name}: {what}; elapsed {self.elapsed:.0f} s{budget}, "
+             f"about {max(remaining_estimate, 0.0):.0f} s of planned work left")
+
+
+__all__ = ["Clock", "Plan", "default_budget", "plan", "study_wall_seconds"]
