@@ -1,7 +1,7 @@
 """The platform against a careful hand-written script, end to end on one dataset, scored through its answer key.
 
-Each run, in a fresh state directory: `latentsweep study run STUDY --timeout T_STUDY`, then `latentsweep pick
---budget T_PICK`; next to it the reference script (benchmarks/reference_script.py: one MLP, multi-positive InfoNCE,
+Each run, in a fresh state directory: `latentsweep study run STUDY --timeout T_STUDY`, then `latentsweep pick` with
+its defaults (its default budget; `--pick-seconds` passes --budget instead); next to it the reference script (benchmarks/reference_script.py: one MLP, multi-positive InfoNCE,
 all images, 3 seeds). Rows per run:
   * platform: the submission of study + pick (out-of-fold selection, refit on every image);
   * reference: the hand-written script;
@@ -9,7 +9,7 @@ all images, 3 seeds). Rows per run:
   * no refit: the same selection made from the trials' checkpoints (`pick --no-refit`; the fold jobs are reused).
 Runs differ by the study's sampler seed. Prints a markdown table (mean and spread over runs) and writes JSON.
 
-    python benchmarks/end_to_end.py [--runs 2] [--study-seconds 600] [--pick-seconds 300] [--study studies/full.toml]
+    python benchmarks/end_to_end.py [--runs 2] [--study-seconds 600] [--pick-seconds S] [--study studies/full.toml]
 """
 from __future__ import annotations
 
@@ -84,10 +84,12 @@ def one_run(seed: int, args, work: Path) -> dict:
     else:
         row["study_s"] = sh([*CLI, "study", "run", str(study_file), "--state-dir", str(state), "--timeout",
                              str(args.study_seconds), "--quiet", "--data", str(args.data)], log)
-    row["pick_s"] = sh([*CLI, "pick", name, "--state-dir", str(state), "--budget", str(args.pick_seconds),
+    budget = [] if args.pick_seconds is None else ["--budget", str(args.pick_seconds)]
+    row["pick_s"] = sh([*CLI, "pick", name, "--state-dir", str(state), *budget,
                         "--test", str(args.test), "--out", str(work / "platform.csv"), "--quiet"], log)
     manifest = json.loads((work / "platform.manifest.json").read_text())
-    sh([*CLI, "pick", name, "--state-dir", str(state), "--no-refit", "--budget", str(args.pick_seconds),
+    row["pick_budget_s"] = manifest["options"]["budget"]
+    sh([*CLI, "pick", name, "--state-dir", str(state), "--no-refit", *budget,
         "--test", str(args.test), "--out", str(work / "norefit.csv"), "--quiet"], log)
     test = load_test(args.test)
     members_submission(manifest, manifest["best_single"], test, work / "single.csv")
@@ -117,6 +119,19 @@ def table(rows: list[dict]) -> str:
     diff = np.array([r["platform"] - r["reference"] for r in rows])
     lines.append(f"| platform - reference | " + " | ".join(f"{v:+.4f}" for v in diff)
                  + f" | {diff.mean():+.4f} | {diff.max() - diff.min():.4f} |")
+    gap = np.array([r["platform"] - r["single"] for r in rows])
+    lines.append(f"| platform - best single refit | " + " | ".join(f"{v:+.4f}" for v in gap)
+                 + f" | {gap.mean():+.4f} | {gap.max() - gap.min():.4f} |")
+    timed = [r for r in rows if r.get("study_s") and r.get("reference_s")]
+    for key, label in (("study_s", "study wall time (s)"), ("pick_s", "pick wall time (s), default budget"),
+                       ("reference_s", "reference script wall time (s)")):
+        values = np.array([r[key] for r in timed])
+        if len(values):
+            lines.append(f"| {label} | " + " | ".join(f"{v:.0f}" for v in values) + f" | {values.mean():.0f} | |")
+    ratio = np.array([(r["study_s"] + r["pick_s"]) / r["reference_s"] for r in timed])
+    if len(ratio):
+        lines.append("| platform time / reference time | " + " | ".join(f"{v:.1f}x" for v in ratio)
+                     + f" | {ratio.mean():.1f}x | |")
     return "\n".join(lines)
 
 
@@ -125,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--study", type=Path, default=ROOT / "studies" / "full.toml")
     p.add_argument("--study-seconds", type=float, default=600)
-    p.add_argument("--pick-seconds", type=float, default=300)
+    p.add_argument("--pick-seconds", type=float, default=None, help="pick --budget (default: the pick's default)")
     p.add_argument("--data", type=Path, default=default_train_path())
     p.add_argument("--test", type=Path, default=default_test_path())
     p.add_argument("--answers", type=Path, default=default_answers_path())

@@ -294,6 +294,25 @@ def test_queue_infonce_masks_queued_copies_of_the_own_image():
     assert float(state(out, batch, tau)["queue_infonce"]) > 1e-6
 
 
+def test_queue_masks_own_image_copies_by_index_as_by_cosine():
+    """Training batches carry each caption's image (image_idx): the queue masks its copies by index, with the same
+    loss as the cosine rule (the val loss's path) and without the second [B, Q] product."""
+    torch.manual_seed(0)
+    images = unit(torch.randn(6, D))
+    cfg = make_cfg({"temperature.tau": 0.1, "loss.queue_infonce.size": 10})
+    by_index, by_cos, tau = QueueInfoNCE(cfg.loss.queue_infonce, D), QueueInfoNCE(cfg.loss.queue_infonce, D), \
+        Temperature(cfg.temperature)
+    for ids in (torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5, 0, 1]), torch.tensor([2, 2, 3, 5])):
+        by_index.after_step({}, {"y_n": images[ids], "image_idx": ids})
+        by_cos.after_step({}, {"y_n": images[ids]})
+    img = torch.tensor([0, 2, 2, 5])
+    out = {"pred": unit(torch.randn(4, D))}
+    batch = {"y_n": images[img], "img": img}
+    with_index = by_index(out, batch | {"image_idx": img}, tau)["queue_infonce"]
+    assert torch.allclose(with_index, by_cos(out, batch, tau)["queue_infonce"], atol=1e-6)
+    assert by_index.queue_img.tolist()[:2] == [3, 5] and int(by_index.queue_count) == 10  # wrapped around
+
+
 def test_queue_only_negatives_drop_the_in_batch_images():
     cfg = make_cfg({"temperature.tau": 1.0, "loss.queue_infonce.in_batch": False})
     state, tau = queue_loss(cfg), Temperature(cfg.temperature)
@@ -424,7 +443,7 @@ def test_queue_is_a_non_persistent_buffer():
     state.enqueue(rows(0, 11))
     state.enqueue(rows(11, 13))
     assert queue_ids(state) == list(range(5, 13)) and dict(state.state_dict()) == {}
-    assert {name for name, _ in state.named_buffers()} == {"queue", "queue_ptr", "queue_count"}
+    assert {name for name, _ in state.named_buffers()} == {"queue", "queue_ptr", "queue_count", "queue_img"}
     restored = queue_loss(cfg)
     restored.load_state_dict(state.state_dict())
     assert queue_ids(restored) == []

@@ -149,7 +149,8 @@ class TranslateTask(Task):
         for start in range(0, max(1, len(rows) - b + 1), b):
             idx = rows[start : start + b]
             img = self.img[idx]
-            batch = {"x": self.x[idx], "y": self.images[img], "y_n": self.images_n[img], "img": img}
+            # image_idx: each caption's training image, which augmentation leaves alone (img may be remapped)
+            batch = {"x": self.x[idx], "y": self.images[img], "y_n": self.images_n[img], "img": img, "image_idx": img}
             yield batch | ({"bank": self.images_n, "bank_idx": img} if self.bank else {})
 
     def _caption_order(self, generator: torch.Generator) -> torch.Tensor:

@@ -51,6 +51,9 @@ class QueueInfoNCE(Loss):
         self.register_buffer("queue", torch.zeros(cfg.size, dim_out, dtype=torch.float32), persistent=False)
         self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("queue_count", torch.zeros((), dtype=torch.long), persistent=False)
+        # [Q] long: the training image of each queued row (-1: unknown), so that copies of a caption's own image are
+        # masked by index instead of by a second [B, Q] similarity product
+        self.register_buffer("queue_img", torch.full((cfg.size,), -1, dtype=torch.long), persistent=False)
 
     def terms(self, out, batch, temperature):
         p, y = unit(out["pred"]), unit(batch["y_n"])
@@ -59,7 +62,7 @@ class QueueInfoNCE(Loss):
         keep_batch = ~same_image(batch["img"]) | torch.eye(b, dtype=torch.bool, device=p.device)
         if not self.cfg.in_batch:
             keep_batch = torch.eye(b, dtype=torch.bool, device=p.device)
-        keep_queue = (y @ queue.T) < _SAME_IMAGE_COS  # [B, M]
+        keep_queue = self._not_own_image(batch, y, queue)  # [B, M]
         logits = p @ torch.cat([y, queue]).T / temperature()  # [B, B + M]
         keep = torch.cat([keep_batch, keep_queue], dim=1)
         return {"queue_infonce": masked_ce(logits, keep, torch.arange(b, device=p.device), self.cfg.label_smoothing)}
@@ -75,26 +78,40 @@ class QueueInfoNCE(Loss):
                       f"training images; the queue is capped at {n} (a larger one only repeats images; "
                       "loss.all_images_infonce uses each image once, exactly)", file=sys.stderr)
             self.queue = self.queue.new_zeros((n, self.queue.shape[1]))
+            self.queue_img = self.queue_img.new_full((n,), -1)
+
+    def _not_own_image(self, batch: dict, y: torch.Tensor, queue: torch.Tensor) -> torch.Tensor:
+        """[B, M] bool: queue row m is not a copy of caption b's own image. Training batches carry each caption's
+        training image (`image_idx`, untouched by augmentation): compared with the queued rows' images, at no
+        matmul cost. Otherwise (the val loss, whose images are not the queue's) by cosine >= _SAME_IMAGE_COS."""
+        if "image_idx" in batch and queue.shape[0]:
+            return self.queue_img[self._recent_rows(queue.shape[0])][None, :] != batch["image_idx"][:, None]
+        return (y @ queue.T) < _SAME_IMAGE_COS
 
     def after_step(self, out: dict, batch: dict) -> None:
         """Enqueue the step's real (un-augmented) images."""
-        self.enqueue(batch["y_n"])
+        self.enqueue(batch["y_n"], batch.get("image_idx"))
 
     @torch.no_grad()
-    def enqueue(self, y_n: torch.Tensor) -> None:
-        """Append a batch of normalised image embeddings [B, D] (FIFO, wrap-around; a batch > Q keeps its newest Q)."""
+    def enqueue(self, y_n: torch.Tensor, image_idx: torch.Tensor | None = None) -> None:
+        """Append a batch of normalised image embeddings [B, D] and their training images [B] (None: unknown, -1)
+        (FIFO, wrap-around; a batch > Q keeps its newest Q)."""
         size = self.queue.shape[0]
         if size == 0 or y_n.shape[0] == 0:
             return
         y = y_n.detach().to(device=self.queue.device, dtype=self.queue.dtype)
+        ids = (torch.full((y.shape[0],), -1, dtype=torch.long) if image_idx is None else image_idx.detach()).to(
+            self.queue_img.device)
         if y.shape[0] >= size:
             # Only the newest Q rows survive; write them oldest-first from row 0 so the layout invariant holds.
             self.queue.copy_(y[-size:])
+            self.queue_img.copy_(ids[-size:])
             self.queue_ptr.zero_()
             self.queue_count.fill_(size)
             return
         rows = (self.queue_ptr + torch.arange(y.shape[0], device=self.queue.device)) % size
         self.queue[rows] = y
+        self.queue_img[rows] = ids
         self.queue_ptr.copy_((self.queue_ptr + y.shape[0]) % size)
         self.queue_count.copy_(torch.clamp(self.queue_count + y.shape[0], max=size))
 
@@ -114,6 +131,8 @@ class QueueInfoNCE(Loss):
         count = int(self.queue_count)
         if count == 0:
             return empty
-        n = min(count, max(1, round(self.slice_fraction() * count)))
-        rows = (self.queue_ptr - n + torch.arange(n, device=self.queue.device)) % self.queue.shape[0]
-        return self.queue[rows]
+        return self.queue[self._recent_rows(min(count, max(1, round(self.slice_fraction() * count))))]
+
+    def _recent_rows(self, n: int) -> torch.Tensor:
+        """[n] long: the queue rows of the newest n entries, oldest first."""
+        return (self.queue_ptr - n + torch.arange(n, device=self.queue.device)) % self.queue.shape[0]
