@@ -1,10 +1,13 @@
 """The queue InfoNCE loss ("queue_infonce") and its FIFO queue of earlier batches' image embeddings (MoCo style).
 
-The loss owns its queue: buffers `queue` [Q, D] float32, `queue_ptr` (long scalar, next write row) and `queue_count`
-(long scalar, valid rows, <= Q), filled by its own `after_step` and moved by `.to(device)` with the criterion. They
+The loss owns its queue: buffers `queue` [Q, D] float32, `queue_img` [Q] long (each row's training image, -1 when
+unknown), `queue_ptr` (long scalar, next write row) and `queue_count` (long scalar, valid rows, <= Q), filled by its
+own `after_step` and moved by `.to(device)` with the criterion. They
 are NON-persistent buffers, so neither `state_dict()` nor a checkpoint holds them: a 65,536 x 1536 queue is 400 MB
 per trial checkpoint, and the queue is rebuilt in the first epoch (the warm-up epochs are enqueue-only anyway).
-The queue only exists while the loss is on (the criterion builds active losses only).
+The queue only exists while the loss is on (the criterion builds active losses only). Before the first epoch a
+queue larger than the training images is capped at their number: the targets are fixed embeddings, so more rows only
+repeat images (loss.all_images_infonce is the exact limit: every image once).
 
 Queue layout invariant: while `queue_count < Q` the valid rows are 0..count-1 (oldest first) and `queue_ptr == count`;
 once full, the oldest row sits at `queue_ptr`. Either way the newest n rows are (ptr - n .. ptr - 1) mod Q.
