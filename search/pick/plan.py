@@ -56,10 +56,11 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
-        oof = (f"{self.top} candidates x {self.folds} folds = {self.top * self.folds} fold jobs, then refits of "
-               f"the chosen members, up to {self.seeds} seed(s) each as the budget allows" if self.folds
-               else f"1 candidate, no selection, {self.seeds} refit seed(s)")
-        return f"{oof}; estimated {self.estimate:.0f} s"
+        if self.folds:
+            return (f"{self.top} candidates x {self.folds} folds = {self.top * self.folds} fold jobs and one refit, "
+                    f"estimated {self.estimate:.0f} s; then refits of the chosen members, up to {self.seeds} seed(s) "
+                    "each, while the budget lasts")
+        return f"1 candidate, no selection, {self.seeds} refit seed(s), estimated {self.estimate:.0f} s"
 
 
 def plan(cost_of: Callable[[int, int, int], float], top: int, folds: int, seeds: int,
