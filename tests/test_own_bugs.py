@@ -96,3 +96,20 @@ def test_configuration_failures_are_fail_trials_and_the_study_goes_on(synthetic,
         "OutOfMemoryError: CUDA out of memory"]
     assert not study(state, "configfail").user_attrs.get("latentsweep.halted")
     assert "RUNNING" not in runs(state, "configfail").values()
+
+
+def test_a_missing_tracked_checkpoint_is_skipped_with_the_reason(tmp_path, capsys):
+    from search.pick.candidates import fetch_checkpoint
+    from search.tracking import make_tracker
+
+    tracker = make_tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts"))
+    tracker.ensure_study("nockpt", {})
+    run_id = tracker.start_trial(0, {}, {})
+    tracker.end_trial(run_id, "COMPLETE")
+    trial = optuna.trial.create_trial(value=0.5, user_attrs={"mlflow_run_id": run_id, "checkpoint": "gone/best.pt"})
+    assert fetch_checkpoint(trial, tracker, tmp_path / "dl", root=tmp_path) is None
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    # the exception's message, not only its class name (create_trial numbers a free-standing trial -1)
+    assert line.startswith(f"latentsweep: warning: trial -1 skipped: gone/best.pt is missing and MLflow run {run_id} "
+                           f"has no best.pt (")
+    assert "Failed to download artifacts from path 'best.pt'" in line
