@@ -218,3 +218,14 @@ def test_ctrl_c_fails_trial_kills_run_and_resume_retries_it(tmp_path, state, syn
     retried = [r for r in runs if r.data.tags.get("optuna.trial_number") == "1"]
     assert retried[0].data.tags["latentsweep.retry_of"] == "0"
     assert all(r.info.status != "RUNNING" for r in runs)
+
+
+def test_status_of_a_study_with_only_waiting_trials(tmp_path, state, synthetic, capsys):
+    extra = '\n[[enqueue]]\n"optim.lr" = 0.01\n"loss.triplet.weight" = 0.0\n'
+    sf = study_file(tmp_path, "waiting", n_trials=2, extra=extra)
+    assert main(["study", "create", str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["study", "status", "waiting", "--state-dir", str(state), "--csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("number,state,value,duration_s")
+    assert lines[1:] == ["0,WAITING,,"]  # no value, no duration yet; one trial: no knob varies

@@ -260,6 +260,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: file not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: malformed TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 by definition; tomllib lets the decoder's traceback through
+        line = exc.object[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte {exc.object[exc.start]:#04x}); "
+                          f"save the file as UTF-8") from None
 
 
 def dump_toml(cfg: Config) -> str:

@@ -125,7 +125,11 @@ class _Npz:
                 raise self.error(key, f"row {row} has id {int(arr[row])}, above the int64 maximum {INT64_MAX}")
             return arr.astype(np.int64, copy=False)
         if "U" in kinds and arr.dtype.kind == "S":
-            return arr.astype(str)
+            try:
+                return np.char.decode(arr, "utf-8")
+            except UnicodeDecodeError as exc:
+                row = next(i for i, v in enumerate(arr.tolist()) if not _utf8(v))
+                raise self.error(key, f"row {row} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         return arr
 
     def matrix(self, key: str) -> np.ndarray:
@@ -219,6 +223,14 @@ def _index_cap2img(npz: _Npz, nc: int, ni: int) -> np.ndarray:
         raise npz.error(key, f"row {int(bad[0])} has image index {int(cap2img[bad[0]])}, "
                              f"outside [0, {ni}) of images/embeddings")
     return cap2img
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _sparse_cap2img(npz: _Npz, nc: int, ni: int) -> np.ndarray:

@@ -114,6 +114,8 @@ def _parse(path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not sep:
             raise DataError(f"{path}: line {lineno}: expected 'id,\"[...]\"', got {line[:40]!r}")
         try:
+            if "_" in head:  # int() reads Python's digit grouping: "0_1" would silently be id 1
+                raise ValueError
             row_id = int(head.strip())
         except ValueError:
             raise DataError(f"{path}: line {lineno}: id {head.strip()[:40]!r} is not an integer") from None

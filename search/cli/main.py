@@ -8,6 +8,7 @@ from importlib.metadata import version as dist_version
 
 from search.cli import data, pick, study, submission, train, ui
 from search.process import configure_process
+from search.study.objective import StudyHalted
 from trainers.errors import LatentsweepError
 
 # Each module exposes add_parser(subparsers); the handler it sets as `func` returns an exit code.
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("latentsweep: interrupted", file=sys.stderr)
         return 130
+    except StudyHalted as exc:  # a worker's bug, its traceback already printed by that worker: exit 1, not 2
+        print(f"latentsweep: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -90,7 +90,8 @@ def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | N
             path = tracker.download_artifact(run_id, "best.pt", download_dir / f"trial-{trial.number}")
             return path, f"runs:/{run_id}/best.pt"
         except Exception as exc:  # noqa: BLE001 - any failure means: no checkpoint for this trial
-            reason += f" and MLflow run {run_id} has no best.pt ({type(exc).__name__})"
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            reason += f" and MLflow run {run_id} has no best.pt ({type(exc).__name__}: {first})"
     note(f"warning: trial {trial.number} skipped: {reason}")
     return None
 

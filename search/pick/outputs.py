@@ -8,6 +8,7 @@ and the MLflow run is marked FAILED.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -226,8 +227,10 @@ def _undo(tracker: Tracker, run_id: str | None, created: list[Path]) -> None:
     if run_id is not None:
         try:
             tracker.end_run(run_id, "FAILED")
-        except Exception:  # noqa: BLE001 - the original error is the one to report
-            pass
+        except Exception as exc:  # noqa: BLE001 - the original error is the one to report; this one in a line
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            logging.getLogger("latentsweep").warning("could not mark the pick's MLflow run %s FAILED (%s: %s)",
+                                                     run_id, type(exc).__name__, first)
     for directory in reversed(created):
         try:
             directory.rmdir()

@@ -7,6 +7,7 @@ import traceback
 from pathlib import Path
 
 import optuna
+import torch
 from optuna.trial import TrialState
 
 from search.study.progress import emit
@@ -25,6 +26,15 @@ from trainers.loop import EpochReport, train
 
 log = logging.getLogger("latentsweep")
 ERROR_ATTR = "latentsweep.error"  # set on trials that failed by themselves (not retried; they count in the budget)
+HALT_ATTR = "latentsweep.halted"  # a study user attr: a bug stopped a worker, so the others stop before their next trial
+# What a configuration can do to a trial: a user-facing error (a bad value found at run time, divergence is a
+# TrainingDiverged) or running out of memory. Anything else raised by train() is a bug in our code: it stops the
+# study loudly instead of failing every trial in turn and burning the budget.
+EXPECTED = (LatentsweepError, torch.OutOfMemoryError, MemoryError)
+
+
+class StudyHalted(Exception):
+    """Another worker of this study stopped on a bug: this one stops before claiming a trial (not a user error)."""
 
 
 def relative_to_state(path: Path, state_dir: str | Path) -> str:
@@ -42,6 +52,7 @@ class TrialRunner:
         self.study_file, self.spec, self.data, self.tracker, self.out_root = study_file, spec, data, tracker, out_root
         self.base_values = flatten(study_file.base)
         self.open_run: str | None = None  # the MLflow run of the trial in progress, until it is closed
+        self.bug: str | None = None  # the traceback of a bug raised by train() in the trial in progress
 
     def run(self, trial: optuna.Trial) -> tuple[TrialState, float | None]:
         cfg, out, run_id = self._start(trial)
@@ -55,12 +66,17 @@ class TrialRunner:
         except KeyboardInterrupt:
             self._close(run_id, out, "INTERRUPTED")
             raise
-        except Exception as exc:  # a config that cannot train is a failed trial, not a dead study
-            message = str(exc) if isinstance(exc, LatentsweepError) else traceback.format_exc(limit=3)
+        except OSError:  # the machine's, not the config's (a full disk): abandon() fails and retries the trial
+            raise
+        except EXPECTED as exc:  # a config that cannot train is a failed trial, not a dead study
+            message = str(exc) if isinstance(exc, LatentsweepError) else f"{type(exc).__name__}: {exc}"
             trial.set_user_attr(ERROR_ATTR, message.strip().splitlines()[-1][:500])
             log.warning("trial %d failed: %s", trial.number, message.strip().splitlines()[-1])
             self._close(run_id, out, "FAIL", error=message)
             return TrialState.FAIL, None
+        except Exception:  # our bug: abandon() fails the trial for good and halts the study, then the worker stops
+            self.bug = traceback.format_exc()
+            raise
         value = float(result.best_metrics[self.study_file.objective])
         trial.set_user_attr("best_epoch", result.best_epoch)
         trial.set_user_attr("checkpoint", relative_to_state(result.checkpoint, self.spec.state_dir))
@@ -104,16 +120,31 @@ class TrialRunner:
     def abandon(self, study: optuna.Study, trial: optuna.Trial) -> None:
         """The worker stops inside this trial (Ctrl-C, SIGTERM, any error): close its run, fail it, queue its retry.
 
+        After a bug in train() (self.bug) the trial is failed for good instead (its run FAILED with the traceback),
+        and the study is marked halted so that the other workers stop too.
+
         Each step is attempted even if an earlier one fails, so a broken tracking server cannot leave the trial
         RUNNING in Optuna and a broken storage cannot leave the run RUNNING in MLflow.
         """
         run_id, self.open_run = self.open_run, None
+        bug, self.bug = self.bug, None
         if run_id is not None:
             try:
-                self.tracker.end_trial(run_id, "INTERRUPTED")
+                if bug:
+                    self._close(run_id, self.out_root / f"trial-{trial.number}", "FAIL", error=bug)
+                else:
+                    self.tracker.end_trial(run_id, "INTERRUPTED")
             except Exception as exc:  # noqa: BLE001 - the Optuna side must still be closed
                 log.warning("could not close the MLflow run of trial %d: %s", trial.number, exc)
-        self.retry(study, study.tell(trial, state=TrialState.FAIL))
+        if not bug:
+            self.retry(study, study.tell(trial, state=TrialState.FAIL))
+            return
+        reason = bug.strip().splitlines()[-1][:500]
+        try:  # retrying would hit the same bug: the trial counts, and the other workers stop before their next one
+            trial.set_user_attr(ERROR_ATTR, reason)
+            study.set_user_attr(HALT_ATTR, f"trial {trial.number} raised {reason}")
+        finally:
+            study.tell(trial, state=TrialState.FAIL)
 
     def _report(self, trial: optuna.Trial, run_id: str, best: dict, report: EpochReport) -> None:
         """Log the epoch, report it to the pruner. `best` (per trial) holds the best epoch so far: its objective

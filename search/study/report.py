@@ -40,7 +40,9 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
     value = next(c for c in frame.columns if c == "value" or c.startswith("value_"))  # value_<metric name>
     frame = frame.rename(columns={value: "value", **{c: c[len("params_"):] for c in frame.columns
                                                        if c.startswith("params_")}})
-    frame["duration_s"] = frame.pop("duration").dt.total_seconds().round(1)
+    frame["value"] = pd.to_numeric(frame["value"])  # all None (no trial has a value yet) would be an object column
+    # all None (only waiting trials) is an object column: converted, it is NaT, printed empty
+    frame["duration_s"] = pd.to_timedelta(frame.pop("duration")).dt.total_seconds().round(1)
     knobs = [c for c in frame.columns if c not in FIXED]
     if varying_only:
         knobs = [c for c in knobs if frame[c].astype(str).nunique(dropna=False) > 1]

@@ -14,12 +14,12 @@ from tqdm.auto import tqdm
 
 from search.process import configure_process, interrupt_on
 
-from search.study.objective import TrialRunner
+from search.study.objective import StudyHalted, TrialRunner
 from search.study.progress import emit, trial_line
 from search.study.report import study_summary
 from search.study.studyfile import load_study_file
 from search.study.worker import (
-    RunSpec, counted, cpu_threads, dispose_study, load_or_create, reap,
+    RunSpec, check_halted, counted, cpu_threads, dispose_study, load_or_create, reap,
     open_tracker, reap_owner, study_dir, worker_id, worker_loop,
 )
 from search.tracking.base import Tracker
@@ -90,6 +90,9 @@ def worker_main(spec: RunSpec) -> None:
     except LatentsweepError as exc:
         print(f"latentsweep: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except StudyHalted as exc:  # another worker's bug (its traceback is in its output): not a user error
+        print(f"latentsweep: error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 class _StudyBar:
@@ -130,6 +133,7 @@ def run_study(spec: RunSpec, workers: int = 1) -> dict:
             run_worker(spec, study=study, tracker=tracker)
         else:
             _run_spawned(spec, study, workers, tracker)
+            check_halted(study)  # a worker stopped on a bug: so does `study run`, after closing what is open
     except KeyboardInterrupt:
         interrupted = True
     finally:

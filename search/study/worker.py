@@ -13,7 +13,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from search.study.objective import ERROR_ATTR, TrialRunner
+from search.study.objective import ERROR_ATTR, HALT_ATTR, StudyHalted, TrialRunner
 from search.study.samplers import build_pruner, build_sampler
 from search.study.storage import (
     RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url, schema_lock,
@@ -72,6 +72,9 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
     if existing:  # resumed: a sampler seeded as at the start would propose trial 0's values again
         study.sampler = build_sampler(study_file.sampler, per_worker=not create, history=existing)
     attrs = study.user_attrs
+    if create and attrs.get(HALT_ATTR):  # `study run`/`study create` again: the user has dealt with the bug
+        log.warning("study '%s' was halted (%s); resuming it", spec.name, attrs[HALT_ATTR])
+        study.set_user_attr(HALT_ATTR, "")
     if not reopen:  # read-only use (study reap): bind to the parent run as it is, write nothing to the study
         if PARENT_ATTR in attrs:
             tracker.attach_study(spec.name, attrs[PARENT_ATTR], reopen=False)
@@ -254,6 +257,7 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
     start, ran = time.monotonic(), 0
     poll = min(WAIT_POLL_S, storage_of(study).get_heartbeat_interval() or WAIT_POLL_S)
     while spec.timeout is None or time.monotonic() - start < spec.timeout:
+        check_halted(study)
         trial = claim_trial(study, spec.n_trials)
         try:
             close_dead_runs(study, runner.tracker)  # the claim may have failed dead workers' trials
@@ -274,6 +278,14 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
         if on_trial is not None:
             on_trial(frozen)
     return ran
+
+
+def check_halted(study: optuna.Study) -> None:
+    """Raise StudyHalted when a worker of this study stopped on a bug (see TrialRunner.abandon)."""
+    reason = study.user_attrs.get(HALT_ATTR)
+    if reason:
+        raise StudyHalted(f"study '{study.study_name}' halted: {reason} (a bug, not the configuration: its traceback "
+                          f"is in that worker's output; `study run` again resumes it)")
 
 
 def cpu_threads(workers: int) -> int:
