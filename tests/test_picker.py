@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from search.pick import candidates, ensemble, selection
+from search.pick import candidates, ensemble
 from search.cli.main import main
 from trainers.config import Config, with_values
 from trainers.data import load_test, load_train
@@ -118,9 +118,18 @@ def test_mean_and_weighted_weights():
 
 
 def test_missing_checkpoint_is_skipped_with_a_warning_naming_the_trial(tmp_path, capsys):
-    trial = types.SimpleNamespace(number=7, user_attrs={"checkpoint": str(tmp_path / "gone" / "best.pt")})
-    assert candidates.fetch_checkpoint(trial, "sqlite:///unused.db", tmp_path) is None
-    assert "trial 7" in capsys.readouterr().err
+    from search.tracking import make_tracker
+
+    tracker = make_tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts"))
+    tracker.open_experiment("s")
+    run_id = tracker.start_run("trial-7", {})  # a real run that never logged best.pt
+    tracker.end_run(run_id)
+    trial = types.SimpleNamespace(number=7, user_attrs={"checkpoint": str(tmp_path / "gone" / "best.pt"),
+                                                        "mlflow_run_id": run_id})
+    assert candidates.fetch_checkpoint(trial, tracker, tmp_path / "downloads", tmp_path) is None
+    err = capsys.readouterr().err
+    # the local path is missing, then the download from the tracked run is tried and fails: both are said
+    assert "trial 7" in err and "gone" in err and run_id in err and "has no best.pt" in err
 
 
 def test_candidates_must_share_the_val_split():
@@ -319,7 +328,7 @@ def test_default_pick_refits_chosen_members_on_every_image_with_seeds(world, oof
     assert len(seeds) == 2 * len(chosen) and len(set(seeds)) == 2  # two seeds per member
     # the submission is the weighted mean of the refit models' normalised outputs
     test = load_test(world.test)
-    preds = [selection.outputs([load_model(m["checkpoint"])[0]], test.embeddings, "cpu")[0] for m in made]
+    preds = [ensemble.predict_all([load_model(m["checkpoint"])[0]], test.embeddings, "cpu")[0] for m in made]
     expected = ensemble.combine(preds, [m["weight"] for m in made])
     assert np.allclose(read_submission(out)[1], expected, atol=1e-5)
 
@@ -398,4 +407,10 @@ def test_an_ensemble_gain_inside_its_fold_spread_is_not_used():
 
     assert selection([0.015, 0.017, 0.014]).gain_is_real  # +0.0153 +/- 0.0015
     assert not selection([0.003, -0.001, 0.008]).gain_is_real  # +0.0033 +/- 0.0045: noise
+    from search.pick.selection import submitted_weights
+
+    weights, notes = submitted_weights(selection([0.003, -0.001, 0.008]), ["trial-1", "trial-2"])
+    assert weights.tolist() == [1.0, 0.0] and "best single member, trial-1" in notes[0]  # the fallback, forced
+    weights, notes = submitted_weights(selection([0.015, 0.017, 0.014]), ["trial-1", "trial-2"])
+    assert weights.tolist() == [0.5, 0.5] and notes == []  # a real gain keeps the ensemble
     assert not selection([-0.002, -0.001]).gain_is_real

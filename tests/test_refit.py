@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from search.pick import ensemble, oof, refit
+from search.pick import ensemble, jobs, oof
 from search.pick import plan as plan_mod
 from trainers.config import Config, with_values
 from trainers.data import load_train
 from trainers.errors import ConfigError
 from trainers.loop import train
 from trainers.metrics import evaluate_leaderboard
-from trainers.splits import captions_of
+from trainers.splits import captions_of, fold_assignment
 from trainers.synthetic import write_synthetic
 
 
@@ -23,9 +23,9 @@ def data(tmp_path_factory):
 
 
 def test_folds_partition_images_and_subset_keeps_pairs(data):
-    fold_of = refit.fold_assignment(data.image_names, 4)
+    fold_of = fold_assignment(data.image_names, 4)
     assert sorted(np.bincount(fold_of)) == [30, 30, 30, 30]
-    part = refit.subset(data, np.flatnonzero(fold_of != 0))
+    part = jobs.subset(data, np.flatnonzero(fold_of != 0))
     assert len(part.image) == 90 and part.fingerprint != data.fingerprint
     held = set(data.image_names[fold_of == 0])
     assert not held & set(part.image_names)
@@ -35,7 +35,7 @@ def test_folds_partition_images_and_subset_keeps_pairs(data):
 
 
 def test_replay_config_trains_without_validation_up_to_the_best_epoch():
-    cfg = refit.replay_config(with_values(Config(), {"train.epochs": 10, "train.seed": 4}), best_epoch=3, seed=7)
+    cfg = jobs.replay_config(with_values(Config(), {"train.epochs": 10, "train.seed": 4}), best_epoch=3, seed=7)
     assert (cfg.data.split, cfg.train.stop_after, cfg.train.epochs, cfg.train.seed) == ("all", 4, 10, 7)
 
 
@@ -96,7 +96,7 @@ def _members(n_images: int = 120, caps_per_image: int = 2, seed: int = 0):
 def test_nested_gain_matches_an_oracle_that_selects_on_the_other_folds():
     image, cap2img, outs = _members()
     fold_of = np.arange(len(image)) % 3
-    sel = oof.select(outs, oof.Folds(fold_of, cap2img), image, "greedy", 6)
+    sel = oof.nested_select(outs, oof.Folds(fold_of, cap2img), image, "greedy", 6)
     assert sel.weights.sum() == pytest.approx(1.0) and len(sel.fold_gains) == 3
     for g in range(3):  # naive re-implementation of fold g
         inner, outer = np.flatnonzero(fold_of != g), np.flatnonzero(fold_of == g)

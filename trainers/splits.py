@@ -41,12 +41,18 @@ def kfold_by_image(image_names, n_folds: int, fold: int, seed: int = 0) -> tuple
         raise ConfigError(f"n_folds must be an integer in [2, {max(n, 2)}] (number of images), got {n_folds!r}")
     if isinstance(fold, bool) or not isinstance(fold, numbers.Integral) or not 0 <= fold < n_folds:
         raise ConfigError(f"fold must be an integer in [0, {n_folds}), got {fold!r}")
-    keys = [hashlib.md5(f"{seed}:{name}".encode("utf-8")).digest() for name in image_names]
-    fold_of = np.empty(n, np.int64)
-    fold_of[sorted(range(n), key=keys.__getitem__)] = np.arange(n) % n_folds  # balanced: sizes differ by <= 1
+    fold_of = fold_assignment(image_names, n_folds, seed)
     train, val = np.flatnonzero(fold_of != fold), np.flatnonzero(fold_of == fold)
     _require_both_sides(train, val, f"fold {fold} of n_folds={n_folds}", n)
     return train, val
+
+
+def fold_assignment(image_names, n_folds: int, seed: int = 0) -> np.ndarray:
+    """int64 [Ni]: each image's fold, images sorted by MD5(seed:name) and dealt round-robin (sizes differ by <= 1)."""
+    keys = [hashlib.md5(f"{seed}:{name}".encode("utf-8")).digest() for name in image_names]
+    fold_of = np.empty(len(keys), np.int64)
+    fold_of[sorted(range(len(keys)), key=keys.__getitem__)] = np.arange(len(keys)) % n_folds
+    return fold_of
 
 
 def captions_of(cap2img, img_idx) -> np.ndarray:
@@ -56,3 +62,13 @@ def captions_of(cap2img, img_idx) -> np.ndarray:
     mask = np.zeros(size, bool)
     mask[img_idx] = True
     return np.flatnonzero(mask[cap2img]) if len(cap2img) else np.zeros(0, np.int64)
+
+
+def captions_and_local_images(cap2img, img_idx) -> tuple[np.ndarray, np.ndarray]:
+    """(caps, local): the captions of the images img_idx (as captions_of) and each one's image as a position in
+    img_idx (int64 [len(caps)]), for galleries and subsets made of those images only. img_idx must be distinct."""
+    cap2img, img_idx = np.asarray(cap2img, np.int64), np.asarray(img_idx, np.int64)
+    caps = captions_of(cap2img, img_idx)
+    position = np.full(int(max(cap2img.max(initial=-1), img_idx.max(initial=-1))) + 1, -1, np.int64)
+    position[img_idx] = np.arange(len(img_idx))
+    return caps, position[cap2img[caps]]

@@ -1,9 +1,8 @@
 """The candidates of `latentsweep pick`: a study's best trials with their checkpoints (local, or downloaded from their
-tracked runs), the checks that they and the data agree, and seed re-runs of the best configs."""
+tracked runs), and the checks that they and the data agree."""
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,23 +12,18 @@ from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
 from search.pick.options import PickOptions
-from search.pick.refit import DONE_FILE, done_stamp, is_done, note
+from search.pick.plan import note
 from search.study.studyfile import resolve_data_path
 from search.tracking.base import Tracker
 from search.tracking.paths import resolve_in_state
 from trainers.checkpoint import load_model
-from trainers.config import Config, dump_toml, with_values
+from trainers.config import Config, dump_toml
 from trainers.data import check_text_dim
 from trainers.demo import default_test_path, default_train_path
 from trainers.errors import DataError, LatentsweepError
-from trainers.io import atomic_write
-from trainers.loop import train
 from trainers.tasks import predict
 
 SPLIT_KEYS = ("split", "val_ratio", "salt", "n_folds", "fold")
-# Only the best few configs get seed re-runs: each re-run is a full training, and past the top 3 the members are
-# weaker than the extra seeds of the strongest ones.
-SEED_CONFIGS = 3
 
 
 @dataclass
@@ -168,27 +162,3 @@ def check_data(cands: list[Candidate], data) -> None:
         if c.data_fingerprint and c.data_fingerprint != data.fingerprint:
             raise DataError(f"{data.path}: fingerprint {data.fingerprint} differs from the data {c.name} was trained "
                             f"on ({c.data_fingerprint}); pass --data with the study's training file")
-
-
-def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, device, progress: bool) -> list[Candidate]:
-    """Retrain the best min(K, 3) configs with train.seed = original + 1..seeds (reusing finished identical runs)."""
-    jobs = [(c, c.cfg.train.seed + s) for c in cands[:SEED_CONFIGS] for s in range(1, seeds + 1)]
-    out = []
-    for i, (base, seed) in enumerate(jobs, start=1):
-        cfg = with_values(base.cfg, {"train.seed": seed})
-        name = f"trial-{base.trial}/seed-{seed}"
-        run_dir = picks / "seeds" / f"trial-{base.trial}-seed-{seed}"
-        stamp = done_stamp(cfg, data.fingerprint)
-        if is_done(run_dir, stamp):
-            note(f"seed re-run {i}/{len(jobs)}: {name} (reused {run_dir})")
-        else:
-            note(f"seed re-run {i}/{len(jobs)}: {name} ({cfg.train.epochs} epochs)")
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / DONE_FILE).unlink(missing_ok=True)
-            with atomic_write(run_dir / "config.toml") as fh:
-                fh.write(dump_toml(cfg))
-            train(cfg, data, out_dir=run_dir, progress=progress)
-            with atomic_write(run_dir / DONE_FILE) as fh:
-                fh.write(json.dumps(stamp))
-        out.append(make_candidate(name, base.trial, run_dir / "best.pt", "retrained", None, device))
-    return out

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import torch
 
-from trainers.splits import captions_of
+from trainers.splits import captions_and_local_images
 from trainers.errors import LatentsweepError
 from trainers.metrics import GALLERY_SIZE, evaluate_leaderboard
+from trainers.tasks import predict
 
 # Salt of the select/report split of the val images: must differ from any data.salt so that the halves do not
 # line up with the train/val split (which hashes salt + name with the study's data.salt, "" by default).
@@ -21,6 +23,12 @@ HALF_SALT = "latentsweep.pick.halves/"
 METHODS = ("greedy", "mean", "weighted")
 # Norm floor when normalising: a zero row stays zero instead of becoming NaN (metrics rank such a query last).
 _EPS = 1e-12
+
+
+def predict_all(models: list[torch.nn.Module], x: np.ndarray, device) -> list[np.ndarray]:
+    """Each model's predictions [N, Di] (numpy float32) for caption embeddings x [N, Dt]."""
+    xt = torch.as_tensor(np.ascontiguousarray(x, np.float32), device=device)
+    return [predict(m, xt).cpu().numpy() for m in models]
 
 
 @dataclass(frozen=True)
@@ -39,10 +47,7 @@ class Half:
 
 def _half(name: str, images: np.ndarray, cap2img: np.ndarray) -> Half:
     images = np.sort(np.asarray(images, np.int64))
-    caps = captions_of(cap2img, images)
-    local = np.full(int(max(images.max(), cap2img.max())) + 1, -1, np.int64)
-    local[images] = np.arange(len(images))
-    return Half(name, images, caps, local[cap2img[caps]])
+    return Half(name, images, *captions_and_local_images(cap2img, images))
 
 
 def split_halves(val_images: np.ndarray, image_names: np.ndarray, cap2img: np.ndarray,
@@ -79,7 +84,7 @@ def combine(outputs: list[np.ndarray], weights) -> np.ndarray:
     return l2n(total)
 
 
-def scorer(half: Half, image: np.ndarray, seed: int = 0) -> Callable[[np.ndarray], dict[str, float]]:
+def half_scorer(half: Half, image: np.ndarray, seed: int = 0) -> Callable[[np.ndarray], dict[str, float]]:
     """fn(pred [Nc_h, Di]) -> leaderboard metrics of the half (its captions against its images)."""
     gallery = np.asarray(image, np.float32)[half.images]
 
@@ -138,5 +143,5 @@ def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[np.
     return raw / raw.sum()
 
 
-__all__ = ["Half", "split_halves", "l2n", "combine", "scorer", "greedy_counts", "method_weights", "METHODS",
+__all__ = ["Half", "split_halves", "l2n", "combine", "half_scorer", "predict_all", "greedy_counts", "method_weights", "METHODS",
            "HALF_SALT"]

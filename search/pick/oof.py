@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from search.pick import ensemble
-from trainers.splits import captions_of
+from trainers.splits import captions_and_local_images
 from trainers.metrics import GALLERY_SIZE, evaluate_leaderboard
 
 
@@ -33,17 +33,15 @@ class Folds:
         return np.flatnonzero(np.isin(self.fold_of, list(folds)))
 
 
-def scorer(images: np.ndarray, image_emb: np.ndarray, cap2img: np.ndarray,
+def images_scorer(images: np.ndarray, image_emb: np.ndarray, cap2img: np.ndarray,
            seed: int = 0) -> tuple[np.ndarray, Callable[[np.ndarray], dict[str, float]]]:
     """(caption indices of `images`, fn(pred over those captions) -> leaderboard metrics against those images)."""
-    caps = captions_of(cap2img, images)
-    local = np.full(len(image_emb), -1, np.int64)
-    local[images] = np.arange(len(images))
+    caps, local = captions_and_local_images(cap2img, images)
     gallery = np.asarray(image_emb, np.float32)[images]
     size = min(GALLERY_SIZE, len(images))
 
     def score(pred: np.ndarray) -> dict[str, float]:
-        return evaluate_leaderboard(pred, gallery, local[cap2img[caps]], gallery_size=size, seed=seed)
+        return evaluate_leaderboard(pred, gallery, local, gallery_size=size, seed=seed)
 
     return caps, score
 
@@ -87,18 +85,18 @@ def _choose(oof: list[np.ndarray], caps: np.ndarray, score, method: str, size: i
     return weights, best
 
 
-def select(oof: list[np.ndarray], folds: Folds, image_emb: np.ndarray, method: str, size: int,
+def nested_select(oof: list[np.ndarray], folds: Folds, image_emb: np.ndarray, method: str, size: int,
            seed: int = 0) -> OofSelection:
     """Weights on all images, plus the nested per-fold gains. oof: each member's predictions [Nc, Di] for every
     caption of the TrainSet, each made by the fold model that did not train on the caption's image."""
-    caps, score = scorer(np.arange(len(folds.fold_of)), image_emb, folds.cap2img, seed)
+    caps, score = images_scorer(np.arange(len(folds.fold_of)), image_emb, folds.cap2img, seed)
     weights, _ = _choose(oof, caps, score, method, size)
     uniform = np.full(len(oof), 1.0 / len(oof))
     per_fold = {"members": [], "mean": [], "ensemble": [], "nested_ensemble": [], "nested_best": []}
     for g in range(folds.n):
-        in_caps, in_score = scorer(folds.images(set(range(folds.n)) - {g}), image_emb, folds.cap2img, seed)
+        in_caps, in_score = images_scorer(folds.images(set(range(folds.n)) - {g}), image_emb, folds.cap2img, seed)
         w_g, best_g = _choose(oof, in_caps, in_score, method, size)
-        out_caps, out_score = scorer(folds.images({g}), image_emb, folds.cap2img, seed)
+        out_caps, out_score = images_scorer(folds.images({g}), image_emb, folds.cap2img, seed)
         outs = [o[out_caps] for o in oof]
         members = [out_score(o)["mrr"] for o in outs]
         per_fold["members"].append(members)
@@ -112,4 +110,4 @@ def select(oof: list[np.ndarray], folds: Folds, image_emb: np.ndarray, method: s
                         float(np.mean(per_fold["ensemble"])), ens - single, ens, single)
 
 
-__all__ = ["Folds", "OofSelection", "scorer", "select"]
+__all__ = ["Folds", "OofSelection", "images_scorer", "nested_select"]

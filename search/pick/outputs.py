@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from search.pick.pyfunc_model import log_ensemble, model_name
+from search.pick.pyfunc_model import ModelCard, log_ensemble, model_name
 from search.study.worker import PARENT_ATTR
 from search.tracking.base import (
     NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker, redact_url, source_tags,
@@ -46,6 +46,21 @@ class PickResult:
     model_uri: str
     tracking_uri: str
     registered: dict[str, str] | None
+
+
+@dataclass(frozen=True)
+class PickRun:
+    """Everything a finished pick writes out: its options and paths, the study, the candidates kept, the selection,
+    the models of the submission (search.pick.jobs.SubmissionModel), the data and test files and the submission."""
+    opts: Any
+    paths: Any
+    study: Any
+    cands: list
+    sel: Any
+    models: list
+    data: Any
+    test: Any
+    test_pred: np.ndarray  # [N_test, Di] the submission's rows
 
 
 def _make_dirs(directory: Path) -> list[Path]:
@@ -95,7 +110,8 @@ def _log_refits(tracker: Tracker, run_id: str, models, study_name: str) -> dict[
     return out
 
 
-def run_params(opts, cands, sel, models, data, test) -> dict[str, Any]:
+def run_params(r: PickRun) -> dict[str, Any]:
+    opts, cands, sel, models, data, test = r.opts, r.cands, r.sel, r.models, r.data, r.test
     return {"method": opts.method, "selection": sel.kind, "top": opts.top, "size": opts.size,
             "folds": sel.details.get("folds", ""), "refit": opts.refit, "models_per_member": _models_per_member(models),
             "budget_s": sel.details.get("plan", {}).get("budget_s", opts.budget), "seed": opts.seed, "n_candidates": len(cands),
@@ -140,8 +156,9 @@ def _figure(opts, sel):
                            f"{opts.study}: {opts.method} ensemble", where)
 
 
-def _log_run(tracker: Tracker, run_id: str, opts, cands, sel, models, data, test, note: str) -> None:
-    tracker.log_params(run_id, run_params(opts, cands, sel, models, data, test))
+def _log_run(tracker: Tracker, run_id: str, r: PickRun, note: str) -> None:
+    opts, sel, data, test = r.opts, r.sel, r.data, r.test
+    tracker.log_params(run_id, run_params(r))
     tracker.set_tags(run_id, {NOTE_TAG: note})
     tracker.log_metrics(run_id, {k: float(v) for k, v in {**sel.metrics, **_gain_metrics(sel)}.items()}, step=0)
     figure = _figure(opts, sel)
@@ -151,8 +168,10 @@ def _log_run(tracker: Tracker, run_id: str, opts, cands, sel, models, data, test
         tracker.log_dataset(run_id, DatasetRecord(Path(files.path).name, files.fingerprint, str(files.path), context))
 
 
-def manifest(opts, paths, study, cands, sel, models, data, test, run: dict[str, Any]) -> dict[str, Any]:
+def manifest(r: PickRun, run: dict[str, Any]) -> dict[str, Any]:
     """Everything needed to audit or rebuild the pick (JSON-ready)."""
+    opts, paths, study, cands, sel, models, data, test = (r.opts, r.paths, r.study, r.cands, r.sel, r.models, r.data,
+                                                           r.test)
     rows = sel.table[sel.table["role"] == "member"].drop(columns=["role", "name", "weight", "study_value"])
     members = [{"name": c.name, "trial": c.trial, "train_seed": c.cfg.train.seed, "best_epoch": c.best_epoch,
                 "checkpoint": str(c.checkpoint), "origin": c.origin, "config_sha256": c.config_sha256,
@@ -180,57 +199,57 @@ def manifest(opts, paths, study, cands, sel, models, data, test, run: dict[str, 
     }
 
 
-def write_outputs(tracker: Tracker, opts, paths, study, cands, sel, models, data, test,
-                  test_pred: np.ndarray) -> PickResult:
+def write_outputs(tracker: Tracker, r: PickRun) -> PickResult:
     """Stage submission + report, log the MLflow run and model, write the manifest, then move the files into place."""
+    opts, paths, study, sel, test = r.opts, r.paths, r.study, r.sel, r.test
     created = _make_dirs(paths.out.parent)
     stage = Path(tempfile.mkdtemp(prefix=".pick-", dir=paths.out.parent))
-    run_id, ok = None, False
+    run_id = None
     try:
         staged = {p: stage / p.name for p in (paths.out, paths.report, paths.manifest)}
-        write_submission(staged[paths.out], test.ids, test_pred)
-        check_submission(staged[paths.out], test, dim=test_pred.shape[1])
+        write_submission(staged[paths.out], test.ids, r.test_pred)
+        check_submission(staged[paths.out], test, dim=r.test_pred.shape[1])
         sel.table.to_csv(staged[paths.report], index=False)
         exp_id, run_id = start_run(tracker, study, opts.method)
-        note = describe(study.study_name, opts.method, sel, models, cands[0].dims)
-        _log_run(tracker, run_id, opts, cands, sel, models, data, test, note)
-        refit_runs = _log_refits(tracker, run_id, models, study.study_name)
-        logged = log_ensemble(tracker, run_id, [(m.name, m.checkpoint) for m in models],
-                              np.array([m.weight for m in models]), cands[0].dims, register=opts.register,
-                              tags={STUDY_TAG: study.study_name, "latentsweep.method": opts.method},
-                              name=model_name(study.study_name),
-                              params=run_params(opts, cands, sel, models, data, test),
-                              metrics=_gain_metrics(sel), description=note)
+        note = describe(study.study_name, opts.method, sel, r.models, r.cands[0].dims)
+        _log_run(tracker, run_id, r, note)
+        refit_runs = _log_refits(tracker, run_id, r.models, study.study_name)
+        card = ModelCard(model_name(study.study_name), {STUDY_TAG: study.study_name, "latentsweep.method": opts.method},
+                         run_params(r), _gain_metrics(sel), note)
+        logged = log_ensemble(tracker, run_id, [(m.name, m.checkpoint, m.weight) for m in r.models], r.cands[0].dims,
+                              card, register=opts.register)
         registered = ({"name": logged.registered_name, "version": logged.registered_version}
                       if logged.registered_name else None)
         run = {"tracking_uri": redact_url(paths.tracking_uri), "experiment_id": exp_id, "run_id": run_id,
                "model_id": logged.model_id, "model_uri": logged.model_uri, "registered": registered,
                "refit_runs": refit_runs}
-        doc = manifest(opts, paths, study, cands, sel, models, data, test, run)
+        doc = manifest(r, run)
         staged[paths.manifest].write_text(json.dumps(doc, indent=2, default=float) + "\n")
         tracker.log_artifacts(run_id, list(staged.values()))
         tracker.end_run(run_id)
         for final, tmp in staged.items():
             os.replace(tmp, final)
-        ok = True
+    except BaseException as exc:
+        # Ctrl-C is the user's stop, not a failure: MLflow's KILLED (as `mlflow run` marks an interrupted run)
+        _undo(tracker, run_id, created, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+        raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        if not ok:
-            _undo(tracker, run_id, created)
     return PickResult(paths.out, paths.manifest, paths.report, sel.table, doc["weights"], sel.best_single,
                       float(sel.gain), float(sel.gain_std), sel.kind, run_id, logged.model_uri, paths.tracking_uri,
                       registered)
 
 
-def _undo(tracker: Tracker, run_id: str | None, created: list[Path]) -> None:
-    """After a failure: mark the MLflow run FAILED and remove directories created for --out (when still empty)."""
+def _undo(tracker: Tracker, run_id: str | None, created: list[Path], status: str) -> None:
+    """After a failure or an interrupt: end the MLflow run with `status` (FAILED or KILLED) and remove directories
+    created for --out (when still empty)."""
     if run_id is not None:
         try:
-            tracker.end_run(run_id, "FAILED")
+            tracker.end_run(run_id, status)
         except Exception as exc:  # noqa: BLE001 - the original error is the one to report; this one in a line
             first = (str(exc).strip().splitlines() or [""])[0][:300]
-            logging.getLogger("latentsweep").warning("could not mark the pick's MLflow run %s FAILED (%s: %s)",
-                                                     run_id, type(exc).__name__, first)
+            logging.getLogger("latentsweep").warning("could not mark the pick's MLflow run %s %s (%s: %s)",
+                                                     run_id, status, type(exc).__name__, first)
     for directory in reversed(created):
         try:
             directory.rmdir()

@@ -1,85 +1,36 @@
-"""`latentsweep pick`: a study's top trials as candidates, an ensemble chosen on data no member saw, the chosen members
-refit on every labelled image, and the outputs (via search.pick.outputs).
+"""`latentsweep pick`: a study's best trials ensembled into a submission, in the order a reader follows:
+budget and candidates -> plan (search.pick.plan) -> fold jobs (search.pick.jobs) -> selection (search.pick.selection,
+out-of-fold with the nested gain in search.pick.oof) -> refits (search.pick.jobs) -> outputs (search.pick.outputs).
 
-Default (`--selection oof`): every candidate config is retrained on k-1 image folds for each fold
-(search.pick.refit), so every labelled caption gets a prediction from a model that never saw its image; greedy
-selection runs on all of them and nested folds give the honest gain with its spread (search.pick.oof). The chosen
-members are then refit on all images with several seeds, each for the epochs its trial found best; the submission
-averages them. `--selection halves` keeps the older scheme: weights on one half of the study's val split, figures
-on the other. Candidates: search.pick.candidates; selection: search.pick.selection; options: search.pick.options.
+Default (`--selection oof`): every candidate config is retrained on k-1 image folds for each fold, so every labelled
+caption gets a prediction from a model that never saw its image; greedy selection runs on all of them and nested folds
+give the honest gain with its spread. The chosen members' fold models are bagged with their refits on all images,
+each replaying the epochs its trial found best. `--selection halves` keeps the older scheme: weights on one half of
+the study's val split, figures on the other. Candidates: search.pick.candidates; options: search.pick.options.
 """
 from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
-from search.pick import ensemble, refit
-from search.pick.candidates import (
-    Candidate, check_agreement, check_data, check_test, load_candidates, resolve_data, seed_candidates,
-)
+from search.pick import ensemble
 from search.pick import plan as plan_mod
+from search.pick.candidates import (
+    Candidate, check_agreement, check_data, check_test, load_candidates, resolve_data,
+)
+from search.pick.jobs import SubmissionModel, fold_jobs, refit_jobs, refit_members, seed_candidates
 from search.pick.options import AUTO, Paths, PickOptions, check_options, pool_size, resolve_paths
-from search.pick.outputs import PickResult, write_outputs
-from search.pick.plan import Clock
-from search.pick.refit import note
-from search.pick.selection import Selection, fold_jobs, outputs, refit_jobs, screen, select, select_oof
+from search.pick.outputs import PickResult, PickRun, write_outputs
+from search.pick.plan import Clock, note
+from search.pick.selection import Selection, screen, select_halves, select_oof
 from search.study.report import load_existing_study
 from search.tracking import make_tracker
-from trainers.checkpoint import load_model
 from trainers.data import load_test, load_train
 from trainers.loop import resolve_device
-
-
-@dataclass
-class SubmissionModel:
-    """One model that makes the submission: a member's refit (one per seed) or its trial checkpoint."""
-    name: str
-    member: str
-    checkpoint: Path
-    weight: float  # the member's weight shared equally by its seeds
-    origin: str  # "refit", "local", "runs:/..." ...
-    job: refit.Job | None = None
-    model: torch.nn.Module | None = field(default=None, repr=False)
-
-
-def submission_models(cands: list[Candidate], sel: Selection, opts: PickOptions, data, picks: Path, device,
-                      clock: Clock) -> tuple[list[SubmissionModel], list[str]]:
-    """The models of the submission. Each chosen member's fold models (out-of-fold selection) are bagged in with its
-    refits on every labelled image: seed 1 of every member, then seed 2, ... up to --seeds while the budget holds one
-    more (job costs scaled by what the fold jobs really took against their estimates). A member's weight is shared
-    equally by its models. Without refits and fold models (--no-refit), the trials' checkpoints."""
-    chosen = [(c, float(w)) for c, w in zip(cands, sel.weights) if w > 0]
-    if not opts.refit:
-        return [SubmissionModel(c.name, c.name, c.checkpoint, w, c.origin, model=c.model) for c, w in chosen], []
-    factor = sel.details.get("cost_factor", 1.0)  # trials' wall time includes validation and tracking
-    per_seed = [refit_jobs([c for c, _ in chosen], 1, data, picks, seed_offset=s) for s in range(opts.refit_seeds)]
-    queue = [job for jobs in per_seed for job in jobs]
-    clock.announce(len(queue))
-    made = {c.name: [(name, ckpt, "fold", None) for name, ckpt in sel.fold_models.get(c.name, [])]
-            for c, _ in chosen}
-    notes: list[str] = []
-    left = factor * sum(j.cost for j in queue)
-    for i, job in enumerate(queue):
-        first = not any(made.values())
-        if not first and clock.budget is not None and factor * job.cost > clock.left():
-            notes.append(f"budget: {clock.left():.0f} s left, so {i} of {len(queue)} refits run")
-            break
-        ckpt, seconds = refit.run_job(job, data, opts.progress)
-        left -= factor * job.cost
-        clock.report(job.name, refit.describe(job, seconds), left)
-        made[job.member].append((job.name, ckpt, "refit", job))
-    out = []
-    for c, w in chosen:
-        for name, ckpt, origin, job in made[c.name]:
-            out.append(SubmissionModel(name, c.name, ckpt, w / len(made[c.name]), origin, job,
-                                       load_model(ckpt, device)[0]))
-    return out, notes
 
 
 def choose(opts: PickOptions, pool: list[Candidate], data, paths: Paths, device,
@@ -92,7 +43,7 @@ def choose(opts: PickOptions, pool: list[Candidate], data, paths: Paths, device,
         if opts.seeds and not opts.refit:
             cands += seed_candidates(cands, opts.seeds, data, paths.picks, device, opts.progress)
             check_agreement(cands, same_split=True)
-        return cands, select(cands, data, opts.method, opts.size, opts.seed, device)
+        return cands, select_halves(cands, data, opts.method, opts.size, opts.seed, device)
     check_agreement(pool, same_split=False)
     ordered, how = screen(pool, data, device, opts.size, opts.seed)
     note(f"candidates: {len(pool)} best trials, ordered {how}")
@@ -145,13 +96,20 @@ def run_pick(opts: PickOptions) -> PickResult:
         data = load_train(data_path)
         check_data(pool, data)
         cands, sel = choose(opts, pool, data, paths, device, clock)
-        models, notes = submission_models(cands, sel, opts, data, paths.picks, device, clock)
+        chosen = [(c, float(w)) for c, w in zip(cands, sel.weights) if w > 0]
+        if opts.refit:
+            models, notes = refit_members(chosen, sel.fold_models, opts.refit_seeds,
+                                          sel.details.get("cost_factor", 1.0), data, paths.picks, device, clock,
+                                          opts.progress)
+        else:  # --no-refit: the trials' own checkpoints
+            models, notes = [SubmissionModel(c.name, c.name, c.checkpoint, w, c.origin, model=c.model)
+                             for c, w in chosen], []
         for line in notes:
             note(line)
         sel.details.setdefault("notes", []).extend(notes)
         made = pd.DataFrame([{"role": "submission_model", "name": m.name, "weight": m.weight, "origin": m.origin}
                              for m in models])
         sel.table = pd.concat([sel.table, made], ignore_index=True)
-        test_pred = ensemble.combine(outputs([m.model for m in models], test.embeddings, device),
+        test_pred = ensemble.combine(ensemble.predict_all([m.model for m in models], test.embeddings, device),
                                      [m.weight for m in models])
-        return write_outputs(tracker, opts, paths, study, cands, sel, models, data, test, test_pred)
+        return write_outputs(tracker, PickRun(opts, paths, study, cands, sel, models, data, test, test_pred))

@@ -14,11 +14,10 @@ are then incomplete leaves the selection (its finished jobs are kept and reused 
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
-
-from search.pick.refit import note
 
 # The default budget is this fraction of the study's wall time: a pick is a finishing step, not a second study.
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -85,6 +84,11 @@ def plan(cost_of: Callable[[int, int, int], float], top: int, folds: int, seeds:
     return Plan(knobs["top"], knobs["folds"], knobs["seeds"], estimate, notes)
 
 
+def note(message: str) -> None:
+    """One line of the pick's progress on stderr."""
+    print(f"latentsweep: {message}", file=sys.stderr)
+
+
 class Clock:
     """The pick's budget clock: whether a job may still start, and one line per finished job."""
 
@@ -116,4 +120,4 @@ class Clock:
              f"about {max(remaining_estimate, 0.0):.0f} s of planned work left")
 
 
-__all__ = ["Clock", "Plan", "default_budget", "plan", "study_wall_seconds"]
+__all__ = ["Clock", "Plan", "default_budget", "note", "plan", "study_wall_seconds"]

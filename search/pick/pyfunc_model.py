@@ -10,8 +10,10 @@ params, metrics and description; registration creates a version of it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,23 +74,32 @@ def requirements() -> tuple[str, ...]:
     return f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}"
 
 
-def log_ensemble(tracker: Tracker, run_id: str, members: list[tuple[str, Path]], weights, dims: tuple[int, int],
-                 register: str | None = None, tags: dict[str, str] | None = None, name: str = "ensemble",
-                 params: dict[str, str] | None = None, metrics: dict[str, float] | None = None,
-                 description: str | None = None) -> LoggedModel:
-    """Log the ensemble as a pyfunc model output of run `run_id` (see Tracker.log_model); register it under
-    `register` if given."""
-    def stage(directory: Path) -> dict[str, str]:
-        return {ARTIFACT_KEY: str(stage_members(directory / "members", members, weights))}
+@dataclass(frozen=True)
+class ModelCard:
+    """What is shown with the logged ensemble: its name, tags, params, metrics and description."""
+    name: str
+    tags: dict[str, str]
+    params: dict[str, Any]
+    metrics: dict[str, float]
+    description: str
 
-    spec = ModelSpec(name=name, code=MODEL_CODE, stage=stage, output_dim=dims[1], model_type=MODEL_TYPE,
+
+def log_ensemble(tracker: Tracker, run_id: str, members: list[tuple[str, Path, float]], dims: tuple[int, int],
+                 card: ModelCard, register: str | None = None) -> LoggedModel:
+    """Log the ensemble of (name, checkpoint, weight) members as a pyfunc model output of run `run_id` (see
+    Tracker.log_model); register it under `register` if given."""
+    def stage(directory: Path) -> dict[str, str]:
+        pairs = [(name, path) for name, path, _ in members]
+        return {ARTIFACT_KEY: str(stage_members(directory / "members", pairs, np.array([w for *_, w in members])))}
+
+    spec = ModelSpec(name=card.name, code=MODEL_CODE, stage=stage, output_dim=dims[1], model_type=MODEL_TYPE,
                      requirements=requirements(),
                      metadata={"input": f"caption embeddings [N, {dims[0]}], float32 or float64 "
                                         "(array, DataFrame or lists)",
                                "output": f"L2-normalised image-space embeddings float32 [N, {dims[1]}]"},
-                     tags=dict(tags or {}), params=dict(params or {}), metrics=dict(metrics or {}),
-                     description=description, registry_description=REGISTRY_DESCRIPTION)
+                     tags=dict(card.tags), params=dict(card.params), metrics=dict(card.metrics),
+                     description=card.description, registry_description=REGISTRY_DESCRIPTION)
     return tracker.log_model(run_id, spec, register)
 
 
-__all__ = ["model_name", "stage_members", "log_ensemble"]
+__all__ = ["ModelCard", "log_ensemble", "model_name", "stage_members"]

@@ -1,5 +1,6 @@
-"""Choosing the ensemble of `latentsweep pick`: out-of-fold selection on every labelled image (fold jobs, nested gain),
-or the older halves of the study's val split; the fold and refit jobs of the candidates."""
+"""Choosing the ensemble of `latentsweep pick`: the diversity screen of the candidate pool, out-of-fold selection on
+every labelled image (over the fold jobs' predictions, with the nested gain), or the older halves of the study's val
+split."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,22 +9,15 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
-from search.pick import ensemble, refit
+from search.pick import ensemble, jobs
 from search.pick import oof as oof_mod
 from search.pick.candidates import SPLIT_KEYS, Candidate
+from search.pick.ensemble import predict_all
 from search.pick.options import PickOptions
-from search.pick.plan import Clock
-from trainers.checkpoint import load_model
-from trainers.splits import captions_of
-from trainers.tasks import predict, split_images
-
-
-def outputs(models: list[torch.nn.Module], x: np.ndarray, device) -> list[np.ndarray]:
-    """Each model's predictions [N, Di] (numpy float32) for caption embeddings x [N, Dt]."""
-    xt = torch.as_tensor(np.ascontiguousarray(x, np.float32), device=device)
-    return [predict(m, xt).cpu().numpy() for m in models]
+from search.pick.plan import Clock, note
+from trainers.splits import fold_assignment
+from trainers.tasks import split_images
 
 
 @dataclass
@@ -39,14 +33,14 @@ class Selection:
     fold_models: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)  # oof: (job, checkpoint) each
 
 
-def select(cands: list[Candidate], data, method: str, size: int, seed: int, device) -> Selection:
+def select_halves(cands: list[Candidate], data, method: str, size: int, seed: int, device) -> Selection:
     """Halves: fit the weights on the select half; measure members, best single, mean and ensemble on both."""
     _, val_img = split_images(cands[0].cfg, data)
     halves = ensemble.split_halves(val_img, data.image_names, data.cap2img)
     scores, outs = {}, {}
     for half in halves:
-        fn = ensemble.scorer(half, data.image, seed)
-        outs[half.name] = out = outputs([c.model for c in cands], data.text[half.captions], device)
+        fn = ensemble.half_scorer(half, data.image, seed)
+        outs[half.name] = out = predict_all([c.model for c in cands], data.text[half.captions], device)
         scores[half.name] = (fn, [fn(o) for o in out])
     sel_fn, sel_members = scores["select"]
     weights = ensemble.method_weights(method, outs["select"], lambda p: sel_fn(p)["mrr"], size)
@@ -94,90 +88,34 @@ def screen(cands: list[Candidate], data, device, size: int, seed: int = 0) -> tu
     _, val_img = split_images(cands[0].cfg, data)
     if len(val_img) < 2:
         return cands, "by study rank"
-    caps, score = oof_mod.scorer(val_img, data.image, data.cap2img, seed)
-    preds = outputs([c.model for c in cands], data.text[caps], device)
+    caps, score = oof_mod.images_scorer(val_img, data.image, data.cap2img, seed)
+    preds = predict_all([c.model for c in cands], data.text[caps], device)
     weights = ensemble.method_weights("greedy", preds, lambda p: score(p)["mrr"], size)
     order = sorted(range(len(cands)), key=lambda i: (-weights[i], i))
     picked = ", ".join(f"{cands[i].name} {weights[i]:.2f}" for i in order if weights[i] > 0)
     return [cands[i] for i in order], f"greedy on the study's val split first ({picked}), then by study rank"
 
 
-def job_cost(cand: Candidate, data) -> float:
-    """Estimated seconds per caption per epoch of `cand`'s config, from its trial's wall time on its train split."""
-    if cand.seconds is None:
-        return 0.0
-    train_img, _ = split_images(cand.cfg, data)
-    return cand.seconds / max(cand.epochs_run, 1) / max(len(captions_of(data.cap2img, train_img)), 1)
-
-
-def fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path) -> list[refit.Job]:
-    fold_of = refit.fold_assignment(data.image_names, n_folds)
-    return [refit.make_job(f"{c.name}/fold-{f + 1}-of-{n_folds}", c.name, refit.replay_config(c.cfg, c.best_epoch),
-                           data, np.flatnonzero(fold_of != f), picks / "runs" / f"{c.name}-fold-{f + 1}-of-{n_folds}",
-                           job_cost(c, data))
-            for c in cands for f in range(n_folds)]
-
-
-def refit_jobs(cands: list[Candidate], seeds: int, data, picks: Path, seed_offset: int = 0) -> list[refit.Job]:
-    """Refits on every labelled image, seeds train.seed + seed_offset .. + seed_offset + seeds - 1 of each candidate."""
-    jobs = []
-    for c in cands:
-        for s in range(seed_offset, seed_offset + seeds):
-            seed = c.cfg.train.seed + s
-            jobs.append(refit.make_job(f"{c.name}/refit-seed-{seed}", c.name,
-                                       refit.replay_config(c.cfg, c.best_epoch, seed), data, None,
-                                       picks / "runs" / f"{c.name}-refit-seed-{seed}", job_cost(c, data)))
-    return jobs
-
-
-def run_fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path, device, clock: Clock,
-                  progress: bool) -> tuple[list[Candidate], list[np.ndarray], dict[str, list[tuple[str, Path]]], float]:
-    """Train every candidate on k-1 folds for each fold and predict the held-out fold, candidate by candidate while
-    the budget lasts (the first candidate always completes). Returns (the candidates whose folds all finished, their
-    out-of-fold predictions [Nc, Di] each, their (job name, fold checkpoint) lists by name, measured / estimated seconds)."""
-    jobs = fold_jobs(cands, data, n_folds, picks)
-    clock.announce(len(jobs))
-    kept, oof, models = [], [], {}
-    spent = estimated = 0.0
-    left = sum(j.cost for j in jobs)
-    for cand in cands:
-        mine = [j for j in jobs if j.member == cand.name]
-        pred, ckpts = np.zeros((len(data.cap2img), cand.dims[1]), np.float32), []
-        for job in mine:
-            if kept and clock.spent():
-                break
-            ckpt, seconds = refit.run_job(job, data, progress)
-            left -= job.cost
-            if seconds is not None:
-                spent, estimated = spent + seconds, estimated + job.cost
-            factor = spent / estimated if spent and estimated else 1.0
-            clock.report(job.name, refit.describe(job, seconds), factor * left)
-            held = captions_of(data.cap2img, np.setdiff1d(np.arange(len(data.image)), job.images))
-            pred[held] = outputs([load_model(ckpt, device)[0]], data.text[held], device)[0]
-            ckpts.append((job.name, ckpt))
-        if len(ckpts) < len(mine):
-            refit.note(f"budget spent: {cand.name} and the candidates after it leave the selection (their finished "
-                       "fold jobs are kept for the next pick)")
-            break
-        kept.append(cand)
-        oof.append(pred)
-        models[cand.name] = ckpts
-    return kept, oof, models, (spent / estimated if spent and estimated else 1.0)
+def submitted_weights(res: oof_mod.OofSelection, names: list[str]) -> tuple[np.ndarray, list[str]]:
+    """(weights, notes): the selection's weights, or the best single member alone when the ensemble's nested gain is
+    not above its spread over the folds (greedy may also have chosen one member by itself)."""
+    if res.gain_is_real or (res.weights > 0).sum() <= 1:
+        return res.weights, []
+    return np.eye(len(names))[res.best_single], [
+        f"ensemble not used: its nested gain {res.gain:+.4f} is not above its spread over folds "
+        f"({res.gain_std:.4f}); the submission is the best single member, {names[res.best_single]}"]
 
 
 def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, picks: Path, device,
                clock: Clock) -> tuple[list[Candidate], Selection]:
     """Out-of-fold selection over the candidates whose fold jobs fit the budget: (those candidates, the selection)."""
-    cands, oof, fold_models, cost_factor = run_fold_jobs(cands, data, n_folds, picks, device, clock, opts.progress)
-    fold_of = refit.fold_assignment(data.image_names, n_folds)
+    cands, oof, fold_models, cost_factor = jobs.run_fold_jobs(cands, data, n_folds, picks, device, clock, opts.progress)
+    fold_of = fold_assignment(data.image_names, n_folds)
     folds = oof_mod.Folds(fold_of, np.asarray(data.cap2img, np.int64))
-    res = oof_mod.select(oof, folds, data.image, opts.method, opts.size, opts.seed)
-    weights, notes = res.weights, []
-    if not res.gain_is_real and (res.weights > 0).sum() > 1:  # (greedy may already have chosen one member)
-        weights = np.eye(len(cands))[res.best_single]
-        notes.append(f"ensemble not used: its nested gain {res.gain:+.4f} is not above its spread over folds "
-                     f"({res.gain_std:.4f}); the submission is the best single member, {cands[res.best_single].name}")
-        refit.note(notes[-1])
+    res = oof_mod.nested_select(oof, folds, data.image, opts.method, opts.size, opts.seed)
+    weights, notes = submitted_weights(res, [c.name for c in cands])
+    for line in notes:
+        note(line)
     rows = [{"role": "member", "name": c.name, "weight": float(w), "study_value": c.value, "oof_mrr": float(m)}
             for c, w, m in zip(cands, weights, res.member_mrr)]
     rows += [{"role": "best_single", "name": cands[res.best_single].name, "weight": None,

@@ -1,0 +1,234 @@
+"""The training jobs of `latentsweep pick` and the two stages that run them: out-of-fold models of every candidate
+(k jobs each, on k-1 image folds) and refits of the chosen members on every labelled image; each job cached on disk,
+started only while the budget (search.pick.plan) lasts.
+
+A job replays one trial's configuration with `data.split = "all"` (no validation) on a set of images for the number
+of epochs the trial found best (`train.stop_after = best epoch + 1`), keeping the trial's schedule horizon
+(`train.epochs`), so the learning-rate curve up to that epoch is the one that produced the trial's best value. An epoch
+is one pass over the data, so a larger training set gets proportionally more steps at the same epoch count.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from search.pick.candidates import Candidate, make_candidate
+from search.pick.ensemble import predict_all
+from search.pick.plan import Clock, note
+from trainers.checkpoint import load_model
+from trainers.config import Config, dump_toml, with_values
+from trainers.data import TrainSet
+from trainers.io import atomic_write
+from trainers.loop import train
+from trainers.splits import captions_and_local_images, captions_of, fold_assignment
+from trainers.tasks import split_images
+
+DONE_FILE = "done.json"  # written when a job finished; a job with the same config and data reuses its model
+# Only the best few configs get seed re-runs (--no-refit --selection halves): each re-run is a full training, and past
+# the top 3 the members are weaker than the extra seeds of the strongest ones.
+SEED_CONFIGS = 3
+
+
+def subset(data: TrainSet, images: np.ndarray) -> TrainSet:
+    """The TrainSet restricted to `images` (sorted int64 indices) and their captions; a fingerprint of its own."""
+    images = np.sort(np.asarray(images, np.int64))
+    caps, local = captions_and_local_images(data.cap2img, images)
+    labels = None if data.image_labels is None else data.image_labels[images]
+    return replace(data, fingerprint=subset_fingerprint(data, images), caption_ids=data.caption_ids[caps],
+                   caption_text=data.caption_text[caps], text=data.text[caps], image=data.image[images],
+                   cap2img=local, image_names=data.image_names[images], image_labels=labels)
+
+
+def subset_fingerprint(data: TrainSet, images: np.ndarray | None) -> str:
+    """The data's fingerprint, extended with a digest of the image subset (None = every image)."""
+    if images is None:
+        return data.fingerprint
+    digest = hashlib.md5(np.sort(np.asarray(images, np.int64)).tobytes()).hexdigest()[:12]
+    return f"{data.fingerprint}/images-{digest}"
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str  # "trial-3/fold-1-of-5" or "trial-3/seed-1"
+    member: str  # the candidate it belongs to ("trial-3")
+    cfg: Config
+    images: np.ndarray | None  # training images; None = every labelled image
+    run_dir: Path
+    cost: float  # estimated seconds; 0 when a finished identical job can be reused
+
+
+def replay_config(cfg: Config, best_epoch: int, seed: int | None = None) -> Config:
+    """The trial's config trained without validation up to its best epoch (0-based), optionally with another seed."""
+    values = {"data.split": "all", "train.stop_after": best_epoch + 1}
+    if seed is not None:
+        values["train.seed"] = seed
+    return with_values(cfg, values)
+
+
+def done_stamp(cfg: Config, fingerprint: str) -> dict[str, str]:
+    return {"config_sha256": hashlib.sha256(dump_toml(cfg).encode()).hexdigest(), "data_fingerprint": fingerprint}
+
+
+def is_done(run_dir: Path, stamp: dict) -> bool:
+    done = run_dir / DONE_FILE
+    return done.is_file() and (run_dir / "best.pt").is_file() and json.loads(done.read_text()) == stamp
+
+
+def make_job(name: str, member: str, cfg: Config, data: TrainSet, images, run_dir: Path,
+             seconds_per_caption_epoch: float) -> Job:
+    fingerprint = subset_fingerprint(data, images)
+    n_caps = len(data.cap2img) if images is None else len(captions_of(data.cap2img, images))
+    cost = 0.0 if is_done(run_dir, done_stamp(cfg, fingerprint)) else (
+        seconds_per_caption_epoch * n_caps * (cfg.train.stop_after or cfg.train.epochs))
+    return Job(name, member, cfg, images, run_dir, cost)
+
+
+def describe(job: Job, seconds: float | None) -> str:
+    """What a finished job did, for the pick's progress line."""
+    if seconds is None:
+        return f"reused {job.run_dir}"
+    epochs = job.cfg.train.stop_after or job.cfg.train.epochs
+    return f"trained {epochs} epochs in {seconds:.0f} s (estimated {job.cost:.0f} s)"
+
+
+def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | None]:
+    """Train (or reuse) the job: (its checkpoint, seconds spent training; None when reused). The done stamp is
+    written only after training finished."""
+    part = data if job.images is None else subset(data, job.images)
+    stamp = done_stamp(job.cfg, part.fingerprint)
+    ckpt = job.run_dir / "best.pt"
+    if is_done(job.run_dir, stamp):
+        return ckpt, None
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    (job.run_dir / DONE_FILE).unlink(missing_ok=True)
+    with atomic_write(job.run_dir / "config.toml") as fh:
+        fh.write(dump_toml(job.cfg))
+    start = time.monotonic()
+    train(job.cfg, part, out_dir=job.run_dir, progress=progress)
+    with atomic_write(job.run_dir / DONE_FILE) as fh:
+        fh.write(json.dumps(stamp))
+    return ckpt, time.monotonic() - start
+
+
+def job_cost(cand: Candidate, data) -> float:
+    """Estimated seconds per caption per epoch of `cand`'s config, from its trial's wall time on its train split."""
+    if cand.seconds is None:
+        return 0.0
+    train_img, _ = split_images(cand.cfg, data)
+    return cand.seconds / max(cand.epochs_run, 1) / max(len(captions_of(data.cap2img, train_img)), 1)
+
+
+def fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path) -> list[Job]:
+    fold_of = fold_assignment(data.image_names, n_folds)
+    return [make_job(f"{c.name}/fold-{f + 1}-of-{n_folds}", c.name, replay_config(c.cfg, c.best_epoch),
+                           data, np.flatnonzero(fold_of != f), picks / "runs" / f"{c.name}-fold-{f + 1}-of-{n_folds}",
+                           job_cost(c, data))
+            for c in cands for f in range(n_folds)]
+
+
+def refit_jobs(cands: list[Candidate], seeds: int, data, picks: Path, seed_offset: int = 0) -> list[Job]:
+    """Refits on every labelled image, seeds train.seed + seed_offset .. + seed_offset + seeds - 1 of each candidate."""
+    jobs = []
+    for c in cands:
+        for s in range(seed_offset, seed_offset + seeds):
+            seed = c.cfg.train.seed + s
+            jobs.append(make_job(f"{c.name}/refit-seed-{seed}", c.name,
+                                       replay_config(c.cfg, c.best_epoch, seed), data, None,
+                                       picks / "runs" / f"{c.name}-refit-seed-{seed}", job_cost(c, data)))
+    return jobs
+
+
+def run_fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path, device, clock: Clock,
+                  progress: bool) -> tuple[list[Candidate], list[np.ndarray], dict[str, list[tuple[str, Path]]], float]:
+    """Train every candidate on k-1 folds for each fold and predict the held-out fold, candidate by candidate while
+    the budget lasts (the first candidate always completes). Returns (the candidates whose folds all finished, their
+    out-of-fold predictions [Nc, Di] each, their (job name, fold checkpoint) lists by name, measured / estimated seconds)."""
+    jobs = fold_jobs(cands, data, n_folds, picks)
+    clock.announce(len(jobs))
+    kept, oof, models = [], [], {}
+    spent = estimated = 0.0
+    left = sum(j.cost for j in jobs)
+    for cand in cands:
+        mine = [j for j in jobs if j.member == cand.name]
+        pred, ckpts = np.zeros((len(data.cap2img), cand.dims[1]), np.float32), []
+        for job in mine:
+            if kept and clock.spent():
+                break
+            ckpt, seconds = run_job(job, data, progress)
+            left -= job.cost
+            if seconds is not None:
+                spent, estimated = spent + seconds, estimated + job.cost
+            factor = spent / estimated if spent and estimated else 1.0
+            clock.report(job.name, describe(job, seconds), factor * left)
+            held = captions_of(data.cap2img, np.setdiff1d(np.arange(len(data.image)), job.images))
+            pred[held] = predict_all([load_model(ckpt, device)[0]], data.text[held], device)[0]
+            ckpts.append((job.name, ckpt))
+        if len(ckpts) < len(mine):
+            note(f"budget spent: {cand.name} and the candidates after it leave the selection (their finished "
+                       "fold jobs are kept for the next pick)")
+            break
+        kept.append(cand)
+        oof.append(pred)
+        models[cand.name] = ckpts
+    return kept, oof, models, (spent / estimated if spent and estimated else 1.0)
+
+
+@dataclass
+class SubmissionModel:
+    """One model that makes the submission: one of a member's fold models, one of its refits (one per seed), or its
+    trial checkpoint (--no-refit)."""
+    name: str
+    member: str
+    checkpoint: Path
+    weight: float  # the member's weight shared equally by its models
+    origin: str  # "fold", "refit", or the trial checkpoint's: "local", "runs:/..."
+    job: Job | None = None
+    model: torch.nn.Module | None = field(default=None, repr=False)
+
+
+def refit_members(chosen: list[tuple[Candidate, float]], fold_models: dict[str, list[tuple[str, Path]]],
+                  seeds: int, cost_factor: float, data, picks: Path, device, clock: Clock,
+                  progress: bool) -> tuple[list[SubmissionModel], list[str]]:
+    """The models of the submission: each chosen (member, weight)'s fold models bagged in with its refits on every
+    labelled image, seed 1 of every member, then seed 2, ... up to `seeds` while the budget holds one more (job costs
+    scaled by cost_factor, what the fold jobs really took against their estimates). A member's weight is shared
+    equally by its models. Without fold models, the first refit always runs (one model is needed)."""
+    queue = [job for s in range(seeds) for job in refit_jobs([c for c, _ in chosen], 1, data, picks, seed_offset=s)]
+    clock.announce(len(queue))
+    made = {c.name: [(name, ckpt, "fold", None) for name, ckpt in fold_models.get(c.name, [])] for c, _ in chosen}
+    notes: list[str] = []
+    left = cost_factor * sum(j.cost for j in queue)
+    for i, job in enumerate(queue):
+        first = not any(made.values())
+        if not first and clock.budget is not None and cost_factor * job.cost > clock.left():
+            notes.append(f"budget: {clock.left():.0f} s left, so {i} of {len(queue)} refits run")
+            break
+        ckpt, seconds = run_job(job, data, progress)
+        left -= cost_factor * job.cost
+        clock.report(job.name, describe(job, seconds), left)
+        made[job.member].append((job.name, ckpt, "refit", job))
+    out = [SubmissionModel(name, c.name, ckpt, w / len(made[c.name]), origin, job, load_model(ckpt, device)[0])
+           for c, w in chosen for name, ckpt, origin, job in made[c.name]]
+    return out, notes
+
+
+def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, device,
+                    progress: bool) -> list[Candidate]:
+    """Retrain the best min(K, SEED_CONFIGS) configs with train.seed = original + 1..seeds on their own split (not a
+    replay: --selection halves scores them on the study's val split), reusing finished identical runs."""
+    todo = [(c, Job(f"trial-{c.trial}/seed-{c.cfg.train.seed + s}", c.name,
+                    with_values(c.cfg, {"train.seed": c.cfg.train.seed + s}), None,
+                    picks / "seeds" / f"trial-{c.trial}-seed-{c.cfg.train.seed + s}", 0.0))
+            for c in cands[:SEED_CONFIGS] for s in range(1, seeds + 1)]
+    out = []
+    for i, (base, job) in enumerate(todo, start=1):
+        ckpt, seconds = run_job(job, data, progress)
+        note(f"seed re-run {i}/{len(todo)}: {job.name}: {describe(job, seconds)}")
+        out.append(make_candidate(job.name, base.trial, ckpt, "retrained", None, device))
+    return out
