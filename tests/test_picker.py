@@ -384,6 +384,16 @@ def test_default_budget_is_derived_from_the_study_printed_and_applied(world, oof
     assert main(["pick", STUDY, "--state-dir", str(world.state), "--budget", "soon", "--quiet"]) == 2
 
 
+@pytest.mark.slow
+def test_pick_probes_its_tracking_store_before_any_training(world, capsys):
+    out = world.root / "unreachable" / "submission.csv"
+    code = main(["pick", STUDY, "--state-dir", str(world.state), "--tracking-uri",
+                 "postgresql://postgres@127.0.0.1:9/nowhere", "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "not reachable" in err and "job 1/" not in err and "plan:" not in err
+    assert not out.parent.exists()
+
+
 def test_top_trials_rank_pruned_trials_by_their_best_reported_value():
     study = optuna.create_study(direction="maximize")
     for values, state in (([0.2, 0.4], TrialState.COMPLETE), ([0.1, 0.5], TrialState.PRUNED),

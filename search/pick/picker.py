@@ -28,6 +28,7 @@ from search.pick.outputs import PickResult, PickRun, write_outputs
 from search.pick.plan import Clock, note
 from search.pick.selection import Selection, screen, select_halves, select_oof
 from search.study.report import load_existing_study
+from search.study.storage import probe_tracking_store
 from search.tracking import make_tracker
 from trainers.data import load_test, load_train
 from trainers.loop import resolve_device
@@ -84,6 +85,7 @@ def run_pick(opts: PickOptions) -> PickResult:
     started = time.monotonic()
     check_options(opts)
     paths = resolve_paths(opts)
+    probe_tracking_store(paths.tracking_uri)  # in seconds, before any training: the run is written last
     study = load_existing_study(opts.study, paths.storage)
     device = resolve_device(opts.device)
     clock = Clock(pick_budget(opts, study), started)
