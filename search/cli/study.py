@@ -4,6 +4,8 @@
 directory's stores (or --storage / --tracking-uri), like `pick`."""
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import math
 import sys
@@ -155,27 +157,59 @@ def _check_stores(spec) -> None:
 
 
 def _probe_tracking_server(uri: str) -> None:
-    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+    """One short request that an MLflow server answers with JSON. Credentials in the URI go in a Basic auth header
+    (urllib cannot open a URL with user:password@); a 401/403 still proves a server answers."""
+    parts = urllib.parse.urlsplit(uri.rstrip("/"))
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    request = urllib.request.Request(bare + "/api/2.0/mlflow/experiments/search?max_results=1")
+    if parts.username is not None:
+        pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        request.add_header("Authorization", "Basic " + base64.b64encode(pair.encode()).decode())
     try:
-        with urllib.request.urlopen(url, timeout=TRACKING_PROBE_TIMEOUT_S):
-            return
+        with urllib.request.urlopen(request, timeout=TRACKING_PROBE_TIMEOUT_S) as response:
+            body = response.read(1 << 20)
     except urllib.error.HTTPError as exc:
-        body = exc.read(200).decode("utf-8", "replace")
-        if exc.code == 403 and "Host header" in body:
+        text = exc.read(200).decode("utf-8", "replace")
+        if exc.code == 403 and "Host header" in text:
             raise LatentsweepError(f"MLflow tracking server {redact_url(uri)} refused the Host header "
-                                   f"'{urllib.parse.urlparse(uri).netloc}': start it with --allowed-hosts "
-                                   "including that name") from None
+                                   f"'{parts.hostname}': start it with --allowed-hosts including that name") from None
+        if exc.code in (404, 405):  # MLflow serves this endpoint: whatever answered is something else
+            raise LatentsweepError(f"{redact_url(uri)} answers but is not an MLflow tracking server (HTTP {exc.code} "
+                                   f"for its experiments API)") from None
         return  # it answered (e.g. 401 without credentials): reachable, and the MLflow client does the rest
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise LatentsweepError(f"MLflow tracking server {redact_url(uri)} is not reachable: {reason}") from None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise LatentsweepError(f"{redact_url(uri)} answers but is not an MLflow tracking server (its experiments API "
+                               f"did not return JSON)")
+
+
+@contextlib.contextmanager
+def _no_new_empty_state_dir(arg):
+    """A command rejected by its checks leaves no empty state directory behind (it was made only to be checked)."""
+    path = state_dir(arg, create=False)
+    existed = path.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            with contextlib.suppress(OSError):  # not empty: a store was opened, keep it
+                (path / ".write-probe").unlink(missing_ok=True)
+                path.rmdir()
+        raise
 
 
 def cmd_run(args) -> int:
     if args.workers < 1:
         raise LatentsweepError(f"--workers must be >= 1, got {args.workers}")
-    spec = make_spec(args)
-    _preflight(spec)
+    with _no_new_empty_state_dir(args.state_dir):
+        spec = make_spec(args)
+        _preflight(spec)
     print(f"study '{spec.name}': storage {redact_url(spec.storage.url)}, tracking {redact_url(spec.tracking_uri)}",
           file=sys.stderr)
     summary = run_study(spec, workers=args.workers)
@@ -185,8 +219,9 @@ def cmd_run(args) -> int:
 
 def cmd_create(args) -> int:
     study_file = load_study_file(args.study)
-    spec = make_spec(args, study_file)
-    _preflight(spec)
+    with _no_new_empty_state_dir(args.state_dir):
+        spec = make_spec(args, study_file)
+        _preflight(spec)
     study = load_or_create(study_file, spec, open_tracker(spec), create=True)
     dispose_study(study)
     print(f"study '{spec.name}' ready in {redact_url(spec.storage.url)}")
@@ -194,8 +229,9 @@ def cmd_create(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    spec = make_spec(args)
-    _preflight(spec)
+    with _no_new_empty_state_dir(args.state_dir):
+        spec = make_spec(args)
+        _preflight(spec)
     ran = run_worker(spec, create=False)
     print(json.dumps({"study": spec.name, "trials_run_by_this_worker": ran}))
     return 0
