@@ -145,3 +145,15 @@ def test_a_rejected_study_run_leaves_no_state_directory(existing, tmp_path, caps
     argv = ["study", "run", str(existing["study_file"]), "--data", str(tmp_path / "nope.npz"), "--state-dir",
             str(fresh)]
     assert_rejected(capsys, main(argv), existing, "nope.npz: file not found", absent=[fresh])
+
+
+def test_a_database_tracking_uri_without_artifact_root_fails_before_the_study_is_stored(data, existing, tmp_path,
+                                                                                        capsys):
+    tracking = tmp_path / "tracking"
+    tracking.mkdir()
+    storage = tmp_path / "optuna.db"
+    argv = ["study", "run", str(existing["study_file"]), "--data", str(data["train"]), "--state-dir",
+            str(existing["state"]), "--storage", f"sqlite:///{storage}", "--tracking-uri",
+            f"sqlite:///{tracking / 'mlflow.db'}"]
+    assert_rejected(capsys, main(argv), existing, "is a database and has no experiment 'badinput' yet",
+                    "an artifact root is required", absent=[storage, tracking / "mlflow.db"])

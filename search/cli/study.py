@@ -18,10 +18,13 @@ from search.stores import add_state_arg, check_artifact_root, resolve_stores, sa
 from search.study.progress import is_terminal
 from search.study.report import load_existing_study, studies_table, study_header, study_table
 from search.study.runner import reap, run_study, run_worker
-from search.study.storage import StorageSettings, dispose, open_storage, probe_tracking_store, redact_url
+from search.study.storage import (
+    StorageSettings, dispose, open_storage, probe_tracking_store, redact_url, tracking_has_experiment,
+)
 from search.study.studyfile import load_study_file, resolve_data_path
 from search.study.worker import PARENT_ATTR, RunSpec, check_existing, dispose_study, load_or_create, open_tracker
 from search.tracking import make_tracker
+from search.tracking.base import DB_SCHEMES
 from trainers.config import with_values
 from trainers.data import load_train
 from trainers.errors import LatentsweepError, closest
@@ -153,7 +156,20 @@ def _check_stores(spec) -> None:
         probe_tracking_store(spec.tracking_uri)
     if spec.artifact_root:
         check_artifact_root(spec.artifact_root)
+    else:
+        _check_artifact_root_needed(spec)
     dispose(open_storage(spec.storage))
+
+
+def _check_artifact_root_needed(spec) -> None:
+    """A database tracking store needs an artifact root to create the study's experiment (else MLflow would use
+    ./mlruns of whichever process creates it): said now, before the Optuna study is created, not after."""
+    url = spec.tracking_uri
+    if url.split(":", 1)[0].split("+")[0] not in DB_SCHEMES:
+        return
+    if not tracking_has_experiment(url, spec.name):
+        raise LatentsweepError(f"MLflow tracking URI {redact_url(url)} is a database and has no experiment "
+                               f"'{spec.name}' yet: an artifact root is required (--artifact-root)")
 
 
 def _probe_tracking_server(uri: str) -> None:
