@@ -4,6 +4,8 @@
 directory's stores (or --storage / --tracking-uri), like `pick`."""
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import math
 import sys
@@ -16,10 +18,13 @@ from search.stores import add_state_arg, check_artifact_root, resolve_stores, sa
 from search.study.progress import is_terminal
 from search.study.report import load_existing_study, studies_table, study_header, study_table
 from search.study.runner import reap, run_study, run_worker
-from search.study.storage import StorageSettings, dispose, open_storage, probe_tracking_store, redact_url
+from search.study.storage import (
+    StorageSettings, dispose, open_storage, probe_tracking_store, redact_url, tracking_has_experiment,
+)
 from search.study.studyfile import load_study_file, resolve_data_path
 from search.study.worker import PARENT_ATTR, RunSpec, check_existing, dispose_study, load_or_create, open_tracker
 from search.tracking import make_tracker
+from search.tracking.base import DB_SCHEMES
 from trainers.config import with_values
 from trainers.data import load_train
 from trainers.errors import LatentsweepError, closest
@@ -151,31 +156,76 @@ def _check_stores(spec) -> None:
         probe_tracking_store(spec.tracking_uri)
     if spec.artifact_root:
         check_artifact_root(spec.artifact_root)
+    else:
+        _check_artifact_root_needed(spec)
     dispose(open_storage(spec.storage))
 
 
+def _check_artifact_root_needed(spec) -> None:
+    """A database tracking store needs an artifact root to create the study's experiment (else MLflow would use
+    ./mlruns of whichever process creates it): said now, before the Optuna study is created, not after."""
+    url = spec.tracking_uri
+    if url.split(":", 1)[0].split("+")[0] not in DB_SCHEMES:
+        return
+    if not tracking_has_experiment(url, spec.name):
+        raise LatentsweepError(f"MLflow tracking URI {redact_url(url)} is a database and has no experiment "
+                               f"'{spec.name}' yet: an artifact root is required (--artifact-root)")
+
+
 def _probe_tracking_server(uri: str) -> None:
-    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+    """One short request that an MLflow server answers with JSON. Credentials in the URI go in a Basic auth header
+    (urllib cannot open a URL with user:password@); a 401/403 still proves a server answers."""
+    parts = urllib.parse.urlsplit(uri.rstrip("/"))
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    request = urllib.request.Request(bare + "/api/2.0/mlflow/experiments/search?max_results=1")
+    if parts.username is not None:
+        pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        request.add_header("Authorization", "Basic " + base64.b64encode(pair.encode()).decode())
     try:
-        with urllib.request.urlopen(url, timeout=TRACKING_PROBE_TIMEOUT_S):
-            return
+        with urllib.request.urlopen(request, timeout=TRACKING_PROBE_TIMEOUT_S) as response:
+            body = response.read(1 << 20)
     except urllib.error.HTTPError as exc:
-        body = exc.read(200).decode("utf-8", "replace")
-        if exc.code == 403 and "Host header" in body:
+        text = exc.read(200).decode("utf-8", "replace")
+        if exc.code == 403 and "Host header" in text:
             raise LatentsweepError(f"MLflow tracking server {redact_url(uri)} refused the Host header "
-                                   f"'{urllib.parse.urlparse(uri).netloc}': start it with --allowed-hosts "
-                                   "including that name") from None
+                                   f"'{parts.hostname}': start it with --allowed-hosts including that name") from None
+        if exc.code in (404, 405):  # MLflow serves this endpoint: whatever answered is something else
+            raise LatentsweepError(f"{redact_url(uri)} answers but is not an MLflow tracking server (HTTP {exc.code} "
+                                   f"for its experiments API)") from None
         return  # it answered (e.g. 401 without credentials): reachable, and the MLflow client does the rest
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise LatentsweepError(f"MLflow tracking server {redact_url(uri)} is not reachable: {reason}") from None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise LatentsweepError(f"{redact_url(uri)} answers but is not an MLflow tracking server (its experiments API "
+                               f"did not return JSON)")
+
+
+@contextlib.contextmanager
+def _no_new_empty_state_dir(arg):
+    """A command rejected by its checks leaves no empty state directory behind (it was made only to be checked)."""
+    path = state_dir(arg, create=False)
+    existed = path.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            with contextlib.suppress(OSError):  # not empty: a store was opened, keep it
+                (path / ".write-probe").unlink(missing_ok=True)
+                path.rmdir()
+        raise
 
 
 def cmd_run(args) -> int:
     if args.workers < 1:
         raise LatentsweepError(f"--workers must be >= 1, got {args.workers}")
-    spec = make_spec(args)
-    _preflight(spec)
+    with _no_new_empty_state_dir(args.state_dir):
+        spec = make_spec(args)
+        _preflight(spec)
     print(f"study '{spec.name}': storage {redact_url(spec.storage.url)}, tracking {redact_url(spec.tracking_uri)}",
           file=sys.stderr)
     summary = run_study(spec, workers=args.workers)
@@ -185,8 +235,9 @@ def cmd_run(args) -> int:
 
 def cmd_create(args) -> int:
     study_file = load_study_file(args.study)
-    spec = make_spec(args, study_file)
-    _preflight(spec)
+    with _no_new_empty_state_dir(args.state_dir):
+        spec = make_spec(args, study_file)
+        _preflight(spec)
     study = load_or_create(study_file, spec, open_tracker(spec), create=True)
     dispose_study(study)
     print(f"study '{spec.name}' ready in {redact_url(spec.storage.url)}")
@@ -194,8 +245,9 @@ def cmd_create(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    spec = make_spec(args)
-    _preflight(spec)
+    with _no_new_empty_state_dir(args.state_dir):
+        spec = make_spec(args)
+        _preflight(spec)
     ran = run_worker(spec, create=False)
     print(json.dumps({"study": spec.name, "trials_run_by_this_worker": ran}))
     return 0

@@ -26,7 +26,8 @@ from trainers.loop import EpochReport, train
 
 log = logging.getLogger("latentsweep")
 ERROR_ATTR = "latentsweep.error"  # set on trials that failed by themselves (not retried; they count in the budget)
-HALT_ATTR = "latentsweep.halted"  # a study user attr: a bug stopped a worker, so the others stop before their next trial
+# A study user attr, set when a bug stopped a worker: the other workers stop before claiming their next trial.
+HALT_ATTR = "latentsweep.halted"
 # What a configuration can do to a trial: a user-facing error (a bad value found at run time, divergence is a
 # TrainingDiverged) or running out of memory. Anything else raised by train() is a bug in our code: it stops the
 # study loudly instead of failing every trial in turn and burning the budget.

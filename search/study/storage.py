@@ -168,6 +168,23 @@ def open_storage(settings: StorageSettings) -> optuna.storages.RDBStorage:
     raise AssertionError("unreachable")
 
 
+def tracking_has_experiment(uri: str, name: str) -> bool:
+    """Whether a database tracking store already holds experiment `name`: read from MLflow's own table, creating
+    nothing (a SQLite file that does not exist yet, or a database without MLflow's tables, holds none)."""
+    url = sa.engine.make_url(uri)
+    if url.get_backend_name() == "sqlite" and not Path(url.database or "").expanduser().is_file():
+        return False
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool, connect_args=_engine_kwargs(uri).get("connect_args", {}))
+    try:
+        with engine.connect() as conn:
+            if not sa.inspect(conn).has_table("experiments"):
+                return False
+            row = conn.execute(sa.text("SELECT 1 FROM experiments WHERE name = :name"), {"name": name}).first()
+        return row is not None
+    finally:
+        engine.dispose()
+
+
 def probe_tracking_store(uri: str) -> None:
     """Fail in seconds, writing nothing, when a database tracking URI cannot be reached (MLflow itself retries for
     minutes and then ends in a traceback, after the Optuna study was created). SQLite: the directory must exist."""
