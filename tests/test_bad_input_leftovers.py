@@ -157,3 +157,20 @@ def test_a_database_tracking_uri_without_artifact_root_fails_before_the_study_is
             f"sqlite:///{tracking / 'mlflow.db'}"]
     assert_rejected(capsys, main(argv), existing, "is a database and has no experiment 'badinput' yet",
                     "an artifact root is required", absent=[storage, tracking / "mlflow.db"])
+
+
+@pytest.mark.parametrize("entries", [129, 10_000])
+def test_a_space_with_too_many_entries_is_refused_at_once(entries, data, existing, tmp_path, capsys):
+    import time
+
+    from bad_input_kit import problem_lines
+
+    extra = "".join(f'"optim.weight_decay#b{i}" = {{ type = "float", low = 0.0, high = 0.1, '
+                    f'when = "optim.lr > {1e-4 + i * 1e-6}" }}\n' for i in range(entries - 1))
+    path = tmp_path / "wide.toml"
+    path.write_text(GOOD_STUDY + extra)
+    start = time.monotonic()
+    code = main(["study", "run", str(path), "--data", str(data["train"]), "--state-dir", str(existing["state"])])
+    assert time.monotonic() - start < 30
+    (problem,) = problem_lines(capsys, code, path)
+    assert f"space has {entries} entries; at most 128 are supported" in problem
