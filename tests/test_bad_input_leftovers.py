@@ -212,3 +212,11 @@ def test_data_check_rejects_what_train_rejects_in_one_line(case, command, data, 
             ["train", str(existing["study_file"]), "--data", str(bad), "--out", str(tmp_path / "o"), "--quiet"])
     with np.errstate(over="raise"):  # the overflow RuntimeWarning must not print before the error line
         assert_rejected(capsys, main(argv), existing, *fragments, absent=[tmp_path / "o"])
+
+
+def test_a_failed_predict_names_the_path_the_user_gave(data, existing, tmp_path, capsys):
+    out = tmp_path / "pred.csv"
+    out.mkdir()  # the rename onto it fails: the error must name it, not the hidden temporary file beside it
+    argv = ["predict", str(existing["checkpoint"]), "--test", str(data["test"]), "--out", str(out)]
+    line = assert_rejected(capsys, main(argv), existing, f"error: {out}: ")
+    assert ".tmp" not in line and list(tmp_path.iterdir()) == [out]
