@@ -157,3 +157,66 @@ def test_a_database_tracking_uri_without_artifact_root_fails_before_the_study_is
             f"sqlite:///{tracking / 'mlflow.db'}"]
     assert_rejected(capsys, main(argv), existing, "is a database and has no experiment 'badinput' yet",
                     "an artifact root is required", absent=[storage, tracking / "mlflow.db"])
+
+
+@pytest.mark.parametrize("entries", [129, 10_000])
+def test_a_space_with_too_many_entries_is_refused_at_once(entries, data, existing, tmp_path, capsys):
+    import time
+
+    from bad_input_kit import problem_lines
+
+    extra = "".join(f'"optim.weight_decay#b{i}" = {{ type = "float", low = 0.0, high = 0.1, '
+                    f'when = "optim.lr > {1e-4 + i * 1e-6}" }}\n' for i in range(entries - 1))
+    path = tmp_path / "wide.toml"
+    path.write_text(GOOD_STUDY + extra)
+    start = time.monotonic()
+    code = main(["study", "run", str(path), "--data", str(data["train"]), "--state-dir", str(existing["state"])])
+    assert time.monotonic() - start < 30
+    (problem,) = problem_lines(capsys, code, path)
+    assert f"space has {entries} entries; at most 128 are supported" in problem
+
+
+def _npz_changed(src: Path, dst: Path, change) -> Path:
+    arrays = dict(np.load(src))
+    change(arrays)
+    np.savez(dst, **arrays)
+    return dst
+
+
+def _one_image(arrays) -> None:
+    keep = arrays["captions/label"][:, 0]
+    for key in ("captions/ids", "captions/text", "captions/embeddings"):
+        arrays[key] = arrays[key][keep]
+    arrays["captions/label"] = arrays["captions/label"][keep][:, :1]
+    arrays["images/names"], arrays["images/embeddings"] = arrays["images/names"][:1], arrays["images/embeddings"][:1]
+    arrays["metadata/num_images"], arrays["metadata/num_captions"] = np.array([1]), np.array([int(keep.sum())])
+
+
+def _beyond_float32(arrays) -> None:
+    arrays["captions/embeddings"] = arrays["captions/embeddings"].astype(np.float64)
+    arrays["captions/embeddings"][3, 2] = 1e300
+
+
+MINOR_DATA = {  # the file change, the fragments of the one-line error of `data check` (and of `train`)
+    "one_image": (_one_image, ["'images/embeddings'", "has 1 image; a train file needs at least 2"]),
+    "beyond_float32": (_beyond_float32, ["'captions/embeddings'", "row 3", "beyond the float32 range"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MINOR_DATA))
+@pytest.mark.parametrize("command", ["data", "train"])
+def test_data_check_rejects_what_train_rejects_in_one_line(case, command, data, existing, tmp_path, capsys):
+    change, fragments = MINOR_DATA[case]
+    bad = _npz_changed(data["train"], tmp_path / f"{case}.npz", change)
+    argv = (["data", "check", str(bad)] if command == "data" else
+            ["train", str(existing["study_file"]), "--data", str(bad), "--out", str(tmp_path / "o"), "--quiet"])
+    with np.errstate(over="raise"):  # the overflow RuntimeWarning must not print before the error line
+        assert_rejected(capsys, main(argv), existing, *fragments, absent=[tmp_path / "o"])
+
+
+def test_a_failed_predict_names_the_path_the_user_gave(data, existing, tmp_path, capsys):
+    out = tmp_path / "pred.csv"
+    out.mkdir()  # the rename onto it fails: the error must name it, not the hidden temporary file beside it
+    argv = ["predict", str(existing["checkpoint"]), "--test", str(data["test"]), "--out", str(out)]
+    line = assert_rejected(capsys, main(argv), existing, f"error: {out}: ")
+    assert ".tmp" not in line and list(tmp_path.iterdir()) == [out]

@@ -136,11 +136,14 @@ class _Npz:
         """A non-empty, finite float32 [N, D] embedding matrix."""
         arr = self.array(key)
         _check_kind(self, key, arr, "f", rank=2)
-        arr = arr.astype(np.float32, copy=False)
+        wide = arr.dtype != np.float32
+        with np.errstate(over="ignore"):  # a value beyond float32 becomes Inf, reported below in one line
+            arr = arr.astype(np.float32, copy=False)
         for start in range(0, len(arr), ROW_CHUNK):
             bad = ~np.isfinite(arr[start:start + ROW_CHUNK]).all(axis=1)
             if bad.any():
-                raise self.error(key, f"row {start + int(np.argmax(bad))} has NaN or Inf values")
+                raise self.error(key, f"row {start + int(np.argmax(bad))} has NaN or Inf values"
+                                      + (" (or values beyond the float32 range)" if wide else ""))
         return arr
 
 
@@ -296,6 +299,9 @@ def load_train(path, *, label_chunk_rows: int | None = None) -> TrainSet:
         caption_text = npz.vector("captions/text", "U", nc, "captions/embeddings")
         image = npz.matrix("images/embeddings")
         ni = len(image)
+        if ni < 2:  # `data check` must not pass a file that every `train` rejects at the split
+            raise npz.error("images/embeddings", f"has {ni} image; a train file needs at least 2 (the validation "
+                                                 f"images are held out from the training ones)")
         # names key the hash split and the submission's image lookup: a repeated name would put one image twice
         names = _unique_names(npz, "images/names", npz.vector("images/names", "U", ni, "images/embeddings"))
         cap2img = _read_cap2img(npz, nc, ni, label_chunk_rows)

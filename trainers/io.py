@@ -27,6 +27,11 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, parents: bool = Tr
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if exc.filename == tmp:  # the user named `path`; the hidden temporary file means nothing to them
+            exc.filename, exc.filename2 = str(path), None
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

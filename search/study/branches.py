@@ -26,9 +26,11 @@ def check_branches(space: list[Param], base: Config, enqueued: list[dict[str, An
     """Append one line per distinct problem found in a probed or enqueued config (with the values that cause it)."""
     base_values = flatten(base)
     found: dict[str, str] = {}
-    for forced in _targets(space):
+    # each entry's probe values once: recomputed per probe they made validation cubic in the entries
+    choices = {p.name: probe_values(p, space) for p in space}
+    for forced in _targets(space, choices):
         for attempt in range(_RETRIES):
-            values, clash = _probe(space, base_values, forced, random.Random(attempt))
+            values, clash = _probe(space, base_values, forced, random.Random(attempt), choices)
             if clash or all(values.get(name) == v for name, v in forced.items()):
                 break
         shown = _shown(values, forced, space)
@@ -56,7 +58,7 @@ def _validate_into(found: dict[str, str], validate, base: Config, values: dict[s
         found.setdefault(message, f"{prefix}: {message}")
 
 
-def _targets(space: list[Param]) -> list[dict[str, Any]]:
+def _targets(space: list[Param], choices: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """Forced {name: value} sets: each probe value of each entry, alone and with each value of each knob its
     conditions read that makes them hold."""
     by_key: dict[str, list[Param]] = {}
@@ -64,21 +66,21 @@ def _targets(space: list[Param]) -> list[dict[str, Any]]:
         by_key.setdefault(p.key, []).append(p)
     targets: list[dict[str, Any]] = []
     for param in space:
-        for value in probe_values(param, space):
+        for value in choices[param.name]:
             forced = {param.name: value}
-            gates = _satisfying_gates(param, by_key, space)
+            gates = _satisfying_gates(param, by_key, choices)
             targets.append({**{g.name: v[0] for g, v in gates if v}, **forced})
             for gate, gate_values in gates:
                 targets.extend({**forced, gate.name: v} for v in gate_values[1:])
     return targets
 
 
-def _satisfying_gates(param: Param, by_key: dict[str, list[Param]], space: list[Param]):
+def _satisfying_gates(param: Param, by_key: dict[str, list[Param]], choices: dict[str, list[Any]]):
     """[(gate entry, its probe values that satisfy param's conditions on it)] for each searched knob read."""
     out = []
     for cond in param.when:
         for gate in by_key.get(cond.key, ()):
-            out.append((gate, [v for v in probe_values(gate, space) if cond.holds({cond.key: coerce(gate.key, v)})]))
+            out.append((gate, [v for v in choices[gate.name] if cond.holds({cond.key: coerce(gate.key, v)})]))
     return out
 
 
@@ -101,8 +103,8 @@ def _around(param: Param, threshold: float) -> list[float]:
     return [threshold, threshold * (1 + 1e-6) if threshold else 1e-9]
 
 
-def _probe(space: list[Param], base_values: dict[str, Any], forced: dict[str, Any],
-           rng: random.Random) -> tuple[dict[str, Any], str | None]:
+def _probe(space: list[Param], base_values: dict[str, Any], forced: dict[str, Any], rng: random.Random,
+           choices: dict[str, list[Any]]) -> tuple[dict[str, Any], str | None]:
     """One probed assignment {name: value} (forced values where the entry is active), and a clash message if two
     entries of one knob were active together."""
     current = dict(base_values)
@@ -114,7 +116,7 @@ def _probe(space: list[Param], base_values: dict[str, Any], forced: dict[str, An
         if param.key in written:
             return chosen, (f"{written[param.key]} and {param.name} are both active: their conditions "
                             f"({_show(written, param, space)}) must exclude each other")
-        value = forced[param.name] if param.name in forced else rng.choice(probe_values(param, space))
+        value = forced[param.name] if param.name in forced else rng.choice(choices[param.name])
         chosen[param.name] = value
         written[param.key] = param.name
         current[param.key] = coerce(param.key, value)

@@ -34,6 +34,10 @@ HALT_ATTR = "latentsweep.halted"
 EXPECTED = (LatentsweepError, torch.OutOfMemoryError, MemoryError)
 
 
+class StoreFailed(LatentsweepError):
+    """The tracking store or the storage failed during a trial: the worker stops in one line, the trial is retried."""
+
+
 class StudyHalted(Exception):
     """Another worker of this study stopped on a bug: this one stops before claiming a trial (not a user error)."""
 
@@ -67,7 +71,7 @@ class TrialRunner:
         except KeyboardInterrupt:
             self._close(run_id, out, "INTERRUPTED")
             raise
-        except OSError:  # the machine's, not the config's (a full disk): abandon() fails and retries the trial
+        except (OSError, StoreFailed):  # the machine's, not the config's: abandon() fails and retries the trial
             raise
         except EXPECTED as exc:  # a config that cannot train is a failed trial, not a dead study
             message = str(exc) if isinstance(exc, LatentsweepError) else f"{type(exc).__name__}: {exc}"
@@ -156,8 +160,13 @@ class TrialRunner:
         if report.improved or not best:  # the loop keeps the checkpoint of the improved epochs
             best.update({best_metric(self.study_file.objective): report.metrics[self.study_file.objective],
                          BEST_EPOCH_METRIC: report.epoch})
-        self.tracker.log_epoch(run_id, {**report.metrics, **best}, report.epoch)
-        trial.report(report.metrics[self.study_file.objective], report.epoch)
+        try:
+            self.tracker.log_epoch(run_id, {**report.metrics, **best}, report.epoch)
+            trial.report(report.metrics[self.study_file.objective], report.epoch)
+        except Exception as exc:  # a store that failed is neither the config's fault nor a bug: stop, retry later
+            reason = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise StoreFailed(f"trial {trial.number}: cannot record epoch {report.epoch} "
+                              f"({type(exc).__name__}: {redact_url(reason)})") from exc
         if self.spec.verbose and not self.spec.progress:  # with bars, the epoch bar shows it
             objective = self.study_file.objective
             emit(f"study {self.spec.name} trial {trial.number} epoch {report.epoch} {objective} "
