@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from bad_input_kit import GOOD_STUDY, assert_rejected
+from test_postgres import pg_db, pg_url  # noqa: F401 - pg_db is a fixture, used by name
 from search.cli.main import main
 from search.cli.study import _probe_tracking_server
 from trainers.submission import write_submission
@@ -148,15 +149,20 @@ def test_a_rejected_study_run_leaves_no_state_directory(existing, tmp_path, caps
 
 
 def test_a_database_tracking_uri_without_artifact_root_fails_before_the_study_is_stored(data, existing, tmp_path,
-                                                                                        capsys):
-    tracking = tmp_path / "tracking"
-    tracking.mkdir()
+                                                                                        pg_db, capsys):
+    """A server database has no directory for artifacts (SQLite keeps them beside its file): the missing root is
+    said before the Optuna study is stored, and MLflow's tables are not created."""
+    import sqlalchemy as sa
+
     storage = tmp_path / "optuna.db"
     argv = ["study", "run", str(existing["study_file"]), "--data", str(data["train"]), "--state-dir",
-            str(existing["state"]), "--storage", f"sqlite:///{storage}", "--tracking-uri",
-            f"sqlite:///{tracking / 'mlflow.db'}"]
+            str(existing["state"]), "--storage", f"sqlite:///{storage}", "--tracking-uri", pg_url(pg_db)]
     assert_rejected(capsys, main(argv), existing, "is a database and has no experiment 'badinput' yet",
-                    "an artifact root is required", absent=[storage, tracking / "mlflow.db"])
+                    "an artifact root is required", absent=[storage])
+    engine = sa.create_engine(pg_url(pg_db), poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        assert not sa.inspect(conn).has_table("experiments")
+    engine.dispose()
 
 
 @pytest.mark.parametrize("entries", [129, 10_000])

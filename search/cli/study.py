@@ -24,7 +24,7 @@ from search.study.storage import (
 from search.study.studyfile import load_study_file, resolve_data_path
 from search.study.worker import PARENT_ATTR, RunSpec, check_existing, dispose_study, load_or_create, open_tracker
 from search.tracking import make_tracker
-from search.tracking.base import DB_SCHEMES
+from search.tracking.base import DB_SCHEMES, default_artifact_root
 from trainers.config import with_values
 from trainers.data import load_train
 from trainers.errors import LatentsweepError, closest
@@ -165,8 +165,8 @@ def _check_artifact_root_needed(spec) -> None:
     """A database tracking store needs an artifact root to create the study's experiment (else MLflow would use
     ./mlruns of whichever process creates it): said now, before the Optuna study is created, not after."""
     url = spec.tracking_uri
-    if url.split(":", 1)[0].split("+")[0] not in DB_SCHEMES:
-        return
+    if url.split(":", 1)[0].split("+")[0] not in DB_SCHEMES or default_artifact_root(url) is not None:
+        return  # not a database, or SQLite: the tracker keeps artifacts beside its file
     if not tracking_has_experiment(url, spec.name):
         raise LatentsweepError(f"MLflow tracking URI {redact_url(url)} is a database and has no experiment "
                                f"'{spec.name}' yet: an artifact root is required (--artifact-root)")
