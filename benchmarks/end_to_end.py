@@ -1,11 +1,11 @@
 """The platform against a careful hand-written script, end to end on one dataset, scored through its answer key.
 
 Each run, in a fresh state directory: `latentsweep study run STUDY --timeout T_STUDY`, then `latentsweep pick` with
-its defaults (its default budget; `--pick-seconds` passes --budget instead); next to it the reference script (benchmarks/reference_script.py: one MLP, multi-positive InfoNCE,
-all images, 3 seeds). Rows per run:
-  * platform: the submission of study + pick (out-of-fold selection, refit on every image);
+its defaults (its default budget; `--pick-seconds` passes --budget instead); next to it the reference script
+(benchmarks/reference_script.py: one MLP, multi-positive InfoNCE, all images, 3 seeds). Rows per run:
+  * platform: the submission of study + pick (out-of-fold selection, fold models bagged with refits on every image);
   * reference: the hand-written script;
-  * best single refit: the pick's best single member, its refit seeds averaged;
+  * best single refit: the pick's best single member alone, its submission models (fold models and refits) averaged;
   * no refit: the same selection made from the trials' checkpoints (`pick --no-refit`; the fold jobs are reused).
 Runs differ by the study's sampler seed. Prints a markdown table (mean and spread over runs) and writes JSON.
 

@@ -49,8 +49,8 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
 def checkpoint_payload(model: CenteredModel, cfg: Config, dims: tuple[int, int], meta: dict,
                        loss_state: dict[str, torch.Tensor] | None = None) -> dict:
     """Plain types and tensors only, so that torch.load(weights_only=True) can read it back. `loss_state` is the
-    criterion's `state_dict()` (the learned logit scale; the queue is a non-persistent buffer and is not in it),
-    restored by `load_loss_state`."""
+    criterion's `state_dict()` (the learned logit scale; the queue is a non-persistent buffer and is not in it):
+    `Criterion.load_state_dict(payload["loss_state"])` restores it, renaming the earlier format's key."""
     return {
         "format": FORMAT_VERSION,
         "config": to_dict(cfg),
@@ -72,16 +72,6 @@ def _read(path: Path) -> dict:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
         raise LatentsweepError(f"{path}: not a latentsweep checkpoint (format {FORMAT_VERSION} expected)")
     return payload
-
-
-def load_loss_state(path: str | Path, criterion: nn.Module) -> bool:
-    """Restore the saved loss state (learned logit scale) into `criterion` (a trainers.losses.Criterion) to continue
-    training from a checkpoint; False when the checkpoint has none (written before it was saved). Checkpoints of the
-    earlier format ({"logit_scale": ...}) load too: the criterion renames the key."""
-    saved = _read(Path(path)).get("loss_state") or {}
-    if saved:
-        criterion.load_state_dict(saved)
-    return bool(saved)
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[CenteredModel, Config, dict]:

@@ -15,7 +15,7 @@ MAX_WIDTH = 65536
 
 
 def _f(default, *, low=None, high=None, choices=None, doc=""):
-    """A field with range/choice metadata (checked by `check_values`)."""
+    """A field with range/choice metadata (checked by `trainers.config.coerce`)."""
     meta = {"low": low, "high": high, "choices": choices, "doc": doc}
     if isinstance(default, (list, tuple)):
         return field(default=tuple(default), metadata=meta)

@@ -139,7 +139,8 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
         model.on_epoch_end(epoch, score)
         schedule.after_epoch(watched)
         log.append(epoch, metrics)
-        epochs.set_postfix({"val/mrr": f"{score:.4f}", "best": f"{best:.4f}"})
+        # score is val/mrr, or -train/loss without validation (data.split = "all")
+        epochs.set_postfix({task.metric_key if validated else "-train/loss": f"{score:.4f}", "best": f"{best:.4f}"})
         if callback is not None:
             callback(EpochReport(epoch, metrics, improved))
         if cfg.train.early_stop and stale >= cfg.train.early_stop:

@@ -15,7 +15,7 @@ from trainers.losses import EpochContext, batch_keys
 from trainers.losses.multilabel import draw_fixed_positives
 from trainers.models import ModelContext
 from trainers.registry import Registry
-from trainers.splits import captions_of, kfold_by_image, split_by_hash
+from trainers.splits import captions_and_local_images, captions_of, kfold_by_image, split_by_hash
 
 TASKS: Registry = Registry("task")
 
@@ -95,6 +95,8 @@ class Task:
 
 @TASKS.register("translate")
 class TranslateTask(Task):
+    """Caption embedding -> image embedding; validation ranks val captions against val images."""
+
     @staticmethod
     def val_keys(cfg: Config) -> tuple[str, ...]:
         return tuple(f"val/{k}" for k in metrics.METRIC_KEYS)
@@ -106,8 +108,6 @@ class TranslateTask(Task):
             if len(captions_of(data.cap2img, img)) == 0:
                 raise ConfigError(f"{data.path}: the {cfg.data.split} split leaves the {side} images without "
                                   f"any caption; change data.val_ratio or data.salt, or use more images")
-
-    """Caption embedding -> image embedding; validation ranks val captions against val images."""
 
     def __init__(self, cfg: Config, data: TrainSet, device: torch.device):
         self.cfg, self.device = cfg, device
@@ -127,11 +127,8 @@ class TranslateTask(Task):
                                   torch.bincount(self.img, minlength=len(self.images)).cumsum(0)])
 
     def _captions(self, data: TrainSet, img_idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        caps = captions_of(data.cap2img, img_idx)
-        local = np.full(len(data.image), -1, dtype=np.int64)
-        local[img_idx] = np.arange(len(img_idx))
-        x = torch.as_tensor(data.text[caps], device=self.device)
-        return x, torch.as_tensor(local[data.cap2img[caps]], device=self.device)
+        caps, local = captions_and_local_images(data.cap2img, img_idx)
+        return torch.as_tensor(data.text[caps], device=self.device), torch.as_tensor(local, device=self.device)
 
     def model_context(self) -> ModelContext:
         return ModelContext(self.dim_in, self.dim_out, fit_x=self.x - self.text_mean, fit_y=self.images[self.img])
@@ -191,11 +188,11 @@ class TranslateTask(Task):
 
 @TASKS.register("multilabel")
 class MultiLabelTask(Task):
+    """Image -> embedding where images sharing labels are close; validation is label retrieval among val images."""
+
     @staticmethod
     def val_keys(cfg: Config) -> tuple[str, ...]:
         return ("val/mrr", f"val/recall@{cfg.eval.recall_k}", "val/queries")  # metrics.label_retrieval's keys
-
-    """Image -> embedding where images sharing labels are close; validation is label retrieval among val images."""
 
     def __init__(self, cfg: Config, data: TrainSet, device: torch.device):
         if data.image_labels is None:

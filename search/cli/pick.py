@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
     p.add_argument("study", help="study name")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite under the state directory)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the state directory)")
-    p.add_argument("--top", type=int, default=5, help="candidates: K trials (default 5) of the 2K best (complete or pruned), "
+    p.add_argument("--top", type=int, default=5,
+                   help="candidates: K trials (default 5) of the 2K best (complete or pruned), "
                         "ordered for diversity by a greedy ensemble on the study's val split, then by rank")
     p.add_argument("--method", choices=METHODS, default="greedy",
                    help="greedy: Caruana forward selection with replacement; mean: uniform; weighted: weights "
@@ -55,7 +56,8 @@ def run(args) -> int:
     opts = PickOptions(study=args.study, state_dir=args.state_dir, storage=args.storage,
                        tracking_uri=args.tracking_uri, top=args.top, method=args.method, size=args.size,
                        seeds=args.seeds, selection=args.selection, folds=args.folds, refit=args.refit,
-                       budget=parse_budget(args.budget), data=args.data, test=args.test, out=args.out, register=args.register,
+                       budget=parse_budget(args.budget), data=args.data, test=args.test, out=args.out,
+                       register=args.register,
                        seed=args.seed, device=args.device, progress=not args.quiet and is_terminal())
     result = run_pick(opts)
     table = result.table.copy()

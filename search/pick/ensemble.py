@@ -143,5 +143,5 @@ def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[np.
     return raw / raw.sum()
 
 
-__all__ = ["Half", "split_halves", "l2n", "combine", "half_scorer", "predict_all", "greedy_counts", "method_weights", "METHODS",
-           "HALF_SALT"]
+__all__ = ["Half", "split_halves", "l2n", "combine", "half_scorer", "predict_all", "greedy_counts", "method_weights",
+           "METHODS", "HALF_SALT"]

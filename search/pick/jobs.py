@@ -148,7 +148,8 @@ def run_fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path, devic
                   progress: bool) -> tuple[list[Candidate], list[np.ndarray], dict[str, list[tuple[str, Path]]], float]:
     """Train every candidate on k-1 folds for each fold and predict the held-out fold, candidate by candidate while
     the budget lasts (the first candidate always completes). Returns (the candidates whose folds all finished, their
-    out-of-fold predictions [Nc, Di] each, their (job name, fold checkpoint) lists by name, measured / estimated seconds)."""
+    out-of-fold predictions [Nc, Di] each, their (job name, fold checkpoint) lists by name, measured / estimated
+    seconds)."""
     jobs = fold_jobs(cands, data, n_folds, picks)
     clock.announce(len(jobs))
     kept, oof, models = [], [], {}

@@ -114,7 +114,8 @@ def run_params(r: PickRun) -> dict[str, Any]:
     opts, cands, sel, models, data, test = r.opts, r.cands, r.sel, r.models, r.data, r.test
     return {"method": opts.method, "selection": sel.kind, "top": opts.top, "size": opts.size,
             "folds": sel.details.get("folds", ""), "refit": opts.refit, "models_per_member": _models_per_member(models),
-            "budget_s": sel.details.get("plan", {}).get("budget_s", opts.budget), "seed": opts.seed, "n_candidates": len(cands),
+            "budget_s": sel.details.get("plan", {}).get("budget_s", opts.budget), "seed": opts.seed,
+            "n_candidates": len(cands),
             "n_members": int((sel.weights > 0).sum()), "n_models": len(models), "best_single": sel.best_single,
             "data_fingerprint": data.fingerprint, "test_path": test.path}
 

@@ -27,7 +27,7 @@ class Selection:
     best_single: str
     gain: float  # ensemble - best single on images the selection never saw
     gain_std: float  # spread of that gain (std over folds; nan where not measured)
-    kind: str  # "oof" or "halves"
+    kind: str  # "oof", "halves", or "single" (one candidate: no selection)
     metrics: dict[str, float]  # for the MLflow pick run
     details: dict[str, Any]  # for the manifest
     fold_models: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)  # oof: (job, checkpoint) each

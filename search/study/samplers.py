@@ -27,6 +27,8 @@ PRUNERS.register("asha")(optuna.pruners.SuccessiveHalvingPruner)
 PRUNERS.register("successive_halving")(optuna.pruners.SuccessiveHalvingPruner)
 PRUNERS.register("hyperband")(optuna.pruners.HyperbandPruner)
 PRUNERS.register("none")(optuna.pruners.NopPruner)
+# What a study file that names none gets (Optuna's own defaults: create_study uses TPE and the median pruner).
+DEFAULT = {"sampler": "tpe", "pruner": "median"}
 
 # Settings whose values are callables or objects cannot come from TOML; everything else is a keyword argument.
 _SCALAR = (bool, int, float, str)
@@ -35,7 +37,7 @@ _SCALAR = (bool, int, float, str)
 def check_settings(kind: str, table: dict[str, Any], errors: list[str], where: str) -> None:
     """Append one line per problem with a `[study.sampler]`/`[study.pruner]` table (unknown name or setting)."""
     registry = SAMPLERS if kind == "sampler" else PRUNERS
-    name = table.get("name", "tpe" if kind == "sampler" else "median")
+    name = table.get("name", DEFAULT[kind])
     if name not in registry:
         errors.append(f"{where}: study.{kind}: unknown {kind} '{name}'{closest(str(name), registry.names())}; "
                       f"valid: {', '.join(registry.names())}")
@@ -99,9 +101,9 @@ def build_sampler(table: dict[str, Any], per_worker: bool = False, history: int 
         salt = os.urandom(4).hex() if per_worker else ""
         digest = hashlib.sha256(f"{settings['seed']}:{history}:{salt}".encode()).digest()
         settings["seed"] = int.from_bytes(digest[:4], "big")  # numpy seeds must lie in [0, 2**32)
-    return SAMPLERS.get(table.get("name", "tpe"))(**settings)
+    return SAMPLERS.get(table.get("name", DEFAULT["sampler"]))(**settings)
 
 
 def build_pruner(table: dict[str, Any]) -> optuna.pruners.BasePruner:
     settings = {k: v for k, v in table.items() if k != "name"}
-    return PRUNERS.get(table.get("name", "median"))(**settings)
+    return PRUNERS.get(table.get("name", DEFAULT["pruner"]))(**settings)

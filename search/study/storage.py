@@ -107,7 +107,7 @@ class RetryAndRecord:
 
 
 def is_read_only(url: str) -> bool:
-    """A SQLite URI opened read-only (see state.read_only_storage): nothing may be created or migrated."""
+    """A SQLite URI opened read-only (see search.stores.read_only_storage): nothing may be created or migrated."""
     return is_sqlite(url) and ("mode=ro" in url or "immutable=1" in url)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from search.stores import safe_name
 from search.study.branches import check_branches
-from search.study.samplers import check_settings
+from search.study.samplers import DEFAULT, check_settings
 from search.study.space import Param, active_values, config_key, parse_space
 from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml
 from trainers.demo import default_train_path
@@ -29,8 +29,8 @@ class StudyFile:
     name: str
     objective: str = "val/mrr"
     direction: str = "maximize"
-    sampler: dict[str, Any] = field(default_factory=lambda: {"name": "tpe"})
-    pruner: dict[str, Any] = field(default_factory=lambda: {"name": "median"})
+    sampler: dict[str, Any] = field(default_factory=lambda: {"name": DEFAULT["sampler"]})
+    pruner: dict[str, Any] = field(default_factory=lambda: {"name": DEFAULT["pruner"]})
     n_trials: int = 20
     timeout: float | None = None
     base: Config = field(default_factory=Config)
@@ -84,7 +84,7 @@ def _study_settings(table: dict, path: Path, errors: list[str]) -> dict[str, Any
             errors.append(f"{where}: study.{kind}: expected a name or a table")
             sub = {}
         check_settings(kind, sub, errors, where)
-        out[kind] = sub or {"name": "tpe" if kind == "sampler" else "median"}
+        out[kind] = sub or {"name": DEFAULT[kind]}
     n_trials = table.get("n_trials", 20)
     if not isinstance(n_trials, int) or isinstance(n_trials, bool) or n_trials < 1:
         errors.append(f"{where}: study.n_trials: must be a whole number >= 1, got {n_trials!r}")

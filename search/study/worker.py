@@ -14,7 +14,7 @@ import optuna
 from optuna.trial import TrialState
 
 from search.study.objective import ERROR_ATTR, HALT_ATTR, StudyHalted, TrialRunner
-from search.study.samplers import build_pruner, build_sampler
+from search.study.samplers import DEFAULT, build_pruner, build_sampler
 from search.study.storage import (
     RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url, schema_lock,
 )
@@ -83,8 +83,9 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
         tracker.attach_study(spec.name, attrs[PARENT_ATTR])
     else:
         settings = {"study_file": str(study_file.path), "objective": study_file.objective,
-                    "direction": study_file.direction, "sampler": study_file.sampler.get("name", "tpe"),
-                    "pruner": study_file.pruner.get("name", "median"),
+                    "direction": study_file.direction,
+                    "sampler": study_file.sampler.get("name", DEFAULT["sampler"]),
+                    "pruner": study_file.pruner.get("name", DEFAULT["pruner"]),
                     "n_trials": str(spec.n_trials), "data": spec.data_path, "description": study_file.description}
         study.set_user_attr(PARENT_ATTR, tracker.ensure_study(spec.name, settings))
     if not attrs.get(ENQUEUED_ATTR):
