@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from search.cli.servers import free_port  # noqa: E402
+from search.ui.servers import free_port  # noqa: E402
 
 WINDOW = "1920,1080"
 # MLflow 3 keeps a GenAI/"Model training" switch per browser (localStorage, GenAI by default); this URL parameter

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from search import demo_build
 from trainers import demo
 from trainers.data import load_answers, load_test, load_train
 from trainers.errors import LatentsweepError
@@ -61,14 +62,14 @@ def test_train_shapes_and_card_counts(train, card):
     assert np.isfinite(train.image).all() and np.isfinite(train.text).all()
     assert np.array_equal(np.sort(train.caption_ids), np.arange(1, n_cap + 1))
     counts = np.bincount(train.cap2img, minlength=n_img)
-    assert counts.min() >= demo.MIN_CAPTIONS and counts.mean() >= 5
+    assert counts.min() >= demo_build.MIN_CAPTIONS and counts.mean() >= 5
     assert len(set(train.image_names.tolist())) == n_img
 
 
 def test_captions_of_an_image_are_distinct_translations(train):
     for i in range(0, len(train.image_names), 37):
         texts = train.caption_text[train.cap2img == i].tolist()
-        assert len(set(texts)) == len(texts) >= demo.MIN_CAPTIONS
+        assert len(set(texts)) == len(texts) >= demo_build.MIN_CAPTIONS
 
 
 def test_labels_are_the_directory_levels(train):
@@ -122,7 +123,7 @@ def test_import_is_cheap():
 def test_parse_description(tmp_path):
     p = tmp_path / "x.txt"
     p.write_text("A pelican.\nfr.utf8=Un pélican.\npt_BR.utf8=Um pelicano.\nde.utf8=\n", encoding="utf-8")
-    assert demo.parse_description(p) == {"en": "A pelican.", "fr": "Un pélican.", "pt_BR": "Um pelicano."}
+    assert demo_build.parse_description(p) == {"en": "A pelican.", "fr": "Un pélican.", "pt_BR": "Um pelicano."}
 
 
 def _stamp(root, rel, langs, ext=(".png",), en="A cat."):
@@ -139,21 +140,21 @@ def test_collect_stamps_rules(tmp_path):
     _stamp(tmp_path, "animals/dog", ["fr", "de"])                    # too few captions
     _stamp(tmp_path, "food/pie", ["fr", "de", "es", "it"], ext=())   # description without an image
     (tmp_path / "animals/cats/cat_mirror.png").write_bytes(b"")      # not a stamp: no description
-    stamps, skipped = demo.collect_stamps(tmp_path, ["en", "fr", "de", "es", "it"], 5)
+    stamps, skipped = demo_build.collect_stamps(tmp_path, ["en", "fr", "de", "es", "it"], 5)
     assert [s.name for s in stamps] == ["animals/cats/cat.svg"]
     assert stamps[0].labels == ("animals", "animals/cats") and len(stamps[0].captions) == 5
     assert skipped == {"no_image": 1, "too_few_captions": 1}
     with pytest.raises(LatentsweepError, match="did you mean 'fr'"):
-        demo.collect_stamps(tmp_path, ["en", "fx"], 1)
+        demo_build.collect_stamps(tmp_path, ["en", "fx"], 1)
 
 
 def test_choose_test_is_deterministic_and_whole_galleries():
     names = [f"cat/{i}.png" for i in range(947)]
-    a = demo.choose_test(names, 0.2, seed=0)
-    assert len(a) == 200 and np.array_equal(a, demo.choose_test(names, 0.2, seed=0))
-    assert not np.array_equal(a, demo.choose_test(names, 0.2, seed=1))
+    a = demo_build.choose_test(names, 0.2, seed=0)
+    assert len(a) == 200 and np.array_equal(a, demo_build.choose_test(names, 0.2, seed=0))
+    assert not np.array_equal(a, demo_build.choose_test(names, 0.2, seed=1))
     with pytest.raises(LatentsweepError, match="--test-fraction"):
-        demo.choose_test(names, 1.5, seed=0)
+        demo_build.choose_test(names, 1.5, seed=0)
 
 
 def test_build_demo_names_missing_tool(monkeypatch, tmp_path):
@@ -162,7 +163,7 @@ def test_build_demo_names_missing_tool(monkeypatch, tmp_path):
     parser = argparse.ArgumentParser()
     cmd_demo.add_parser(parser.add_subparsers())
     args = parser.parse_args(["build-demo", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
-    monkeypatch.setattr(demo.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(demo_build.shutil, "which", lambda tool: None)
     with pytest.raises(LatentsweepError, match="apt-get"):
         args.func(args)
     assert not (tmp_path / "w").exists()
@@ -170,4 +171,4 @@ def test_build_demo_names_missing_tool(monkeypatch, tmp_path):
 
 def test_build_demo_rejects_too_few_languages(tmp_path):
     with pytest.raises(LatentsweepError, match="--languages"):
-        demo.build_demo(tmp_path, tmp_path, languages=("en", "fr"), min_captions=5)
+        demo_build.build_demo(tmp_path, tmp_path, languages=("en", "fr"), min_captions=5)

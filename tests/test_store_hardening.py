@@ -11,7 +11,7 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file as study_file
-from search.cli import servers
+from search.ui import servers
 from search.cli.main import main
 from search.study.storage import StorageSettings, dispose, open_storage
 from trainers.synthetic import write_synthetic

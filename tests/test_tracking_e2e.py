@@ -154,7 +154,7 @@ def test_model_loads_and_predicts_without_latentsweep(world, tmp_path):
 
 
 def test_copied_then_moved_state_dir_keeps_commands_and_ui_working(world, tmp_path):
-    from search.cli import servers
+    from search.ui import servers
 
     copy = tmp_path / "copy"
     shutil.copytree(world.state, copy)

@@ -1,4 +1,4 @@
-"""Tests of search.cli.servers and `latentsweep ui`: real MLflow and optuna-dashboard servers on free ports, shutdown."""
+"""Tests of search.ui.servers and `latentsweep ui`: real MLflow and optuna-dashboard servers on free ports, shutdown."""
 import os
 import signal
 import socket
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import default_sigint
-from search.cli import servers
+from search.ui import servers
 from search.cli import ui as cmd_ui
 from search.cli.main import main
 from trainers.errors import LatentsweepError

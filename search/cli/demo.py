@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainers import demo
+from search import demo_build as demo
+from trainers.demo import DEMO_DIR
 from trainers.errors import LatentsweepError
 
 
@@ -17,7 +18,7 @@ def add_parser(data_subparsers) -> argparse.ArgumentParser:
                     "EfficientNet-Lite0 and captions with multilingual-e5-small, and write train.npz, "
                     "test.clean.npz, answers.npz and CARD.md. Needs: " + demo.INSTALL_HINT,
     )
-    p.add_argument("--out", type=Path, default=demo.DEMO_DIR, help="output directory (default: the packaged demo)")
+    p.add_argument("--out", type=Path, default=DEMO_DIR, help="output directory (default: the packaged demo)")
     p.add_argument("--work", type=Path, default=None,
                    help="work directory for the .deb, unpacked stamps and cached encodings "
                         "(default: ~/.cache/latentsweep/demo-build); reused when present")

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 
-from search.cli import servers
+from search.ui import servers
 from search.process import interrupt_on
 from search.stores import add_state_arg, state_dir
 
@@ -70,17 +70,15 @@ def run_ui(args) -> int:
     # `kill` reaches only this process, and its default death would leave them running.
     with interrupt_on(signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         # Ctrl-C while starting: start_ui stops what it started and cli.main reports the interrupt (exit 130).
-        handle = servers.start_ui(root, host=args.host, mlflow_port=args.mlflow_port,
-                                  dashboard_port=args.dashboard_port, storage=args.storage,
-                                  tracking_uri=args.tracking_uri, allowed_hosts=args.allowed_hosts,
-                                  timeout=args.timeout)
-        try:
-            _announce(handle)
-            _serve_until_interrupted(handle)
-        except KeyboardInterrupt:
-            print("\nstopping ...", flush=True)
-        finally:
-            handle.stop()
+        with servers.start_ui(root, host=args.host, mlflow_port=args.mlflow_port,
+                              dashboard_port=args.dashboard_port, storage=args.storage,
+                              tracking_uri=args.tracking_uri, allowed_hosts=args.allowed_hosts,
+                              timeout=args.timeout) as handle:
+            try:
+                _announce(handle)
+                _serve_until_interrupted(handle)
+            except KeyboardInterrupt:
+                print("\nstopping ...", flush=True)
     print("stopped")
     return 0
 

@@ -16,12 +16,13 @@ from search.process import configure_process, interrupt_on
 
 from search.study.objective import StudyHalted, TrialRunner
 from search.study.progress import emit, trial_line
-from search.study.report import study_summary
+from search.study.report import load_existing_study, study_summary
 from search.study.studyfile import load_study_file
 from search.study.worker import (
-    RunSpec, check_halted, counted, cpu_threads, dispose_study, load_or_create, reap,
+    PARENT_ATTR, RunSpec, check_halted, counted, cpu_threads, dispose_study, load_or_create, reap,
     open_tracker, reap_owner, study_dir, worker_id, worker_loop,
 )
+from search.tracking import make_tracker
 from search.tracking.base import Tracker
 from search.tracking.plots import study_figures
 from trainers.data import load_train
@@ -196,3 +197,19 @@ def finish(study: optuna.Study, tracker: Tracker) -> dict:
     except Exception as exc:  # noqa: BLE001 - the study's results are in Optuna either way
         log.warning("could not refresh the study's MLflow parent run: %s", exc)
     return summary
+
+
+def reap_study(name: str, stores) -> list:
+    """Fail the trials of dead workers of study `name` (they are retried) and close their MLflow runs; returns the
+    runs closed. `stores`: a search.study.preflight.StoreSpec whose storage carries the heartbeat/grace rule."""
+    study = load_existing_study(name, stores.storage.url, stores.storage.heartbeat_interval,
+                                stores.storage.grace_period)
+    try:
+        parent = study.user_attrs.get(PARENT_ATTR)
+        if not parent:
+            raise LatentsweepError(f"study '{name}' has no MLflow parent run recorded")
+        tracker = make_tracker(stores.tracking_uri, stores.artifact_root)
+        tracker.attach_study(name, parent, reopen=False)  # reaping never reopens a finished run
+        return reap(study, tracker)
+    finally:
+        dispose_study(study)

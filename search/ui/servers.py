@@ -1,8 +1,8 @@
 """Start, probe and stop the two local UI servers (MLflow tracking UI, optuna-dashboard) as separate process groups."""
 from __future__ import annotations
 
-import atexit
 import json
+import logging
 import os
 import shutil
 import signal
@@ -242,8 +242,10 @@ def ensure_optuna_schema(storage: str) -> None:
 
     try:
         dispose(open_storage(StorageSettings(storage)))
-    except RuntimeError:
-        pass  # tables made by another Optuna version: they exist, and the dashboard skips the version check
+    except RuntimeError as exc:  # tables made by another Optuna version: they exist, and the dashboard skips the check
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        logging.getLogger("latentsweep").warning("optuna-dashboard: the storage's tables were not (re)created (%s); "
+                                                 "the dashboard reads them as they are", first)
 
 
 def dashboard_argv(config: Path, host: str, port: int) -> list[str]:
@@ -281,7 +283,8 @@ def password_to_env(argv: list[str], env: dict[str, str]) -> tuple[list[str], di
 
 @dataclass
 class UiHandle:
-    """The running UI: URLs, the server processes this call started, and stop()."""
+    """The running UI: URLs, the server processes this call started, and stop(); a context manager, so that the
+    caller's `with` stops the servers however it ends (no process-wide exit hook)."""
 
     mlflow_url: str
     dashboard_url: str
@@ -294,7 +297,6 @@ class UiHandle:
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
-        atexit.unregister(self.stop)
 
     def __enter__(self) -> UiHandle:
         return self
@@ -325,7 +327,6 @@ def start_ui(state_dir: Path, host: str = DEFAULT_HOST, mlflow_port: int = DEFAU
     logs = state_dir / "logs"
     handle = UiHandle(mlflow_url=tracking_uri.rstrip("/") if remote_mlflow else url_for(host, mlflow_port),
                       dashboard_url=url_for(host, dashboard_port))
-    atexit.register(handle.stop)  # a crash of the caller must not leave servers behind
     try:
         if not remote_mlflow:
             argv = mlflow_argv(tracking_uri, stores.server_artifact_root, host, mlflow_port, allowed_hosts)

@@ -1,0 +1,143 @@
+"""The pre-flight checks of `study run|create|worker|reap`: everything that can fail is said in one line before
+anything is written to either store (no Optuna study without its MLflow parent run, no empty state directory left)."""
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from search.stores import check_artifact_root, state_dir
+from search.study.storage import (
+    StorageSettings, dispose, open_storage, probe_tracking_store, redact_url, tracking_has_experiment,
+)
+from search.study.studyfile import load_study_file
+from search.study.worker import RunSpec, check_existing
+from search.tracking.base import DB_SCHEMES, default_artifact_root
+from trainers.config import with_values
+from trainers.data import load_train
+from trainers.errors import LatentsweepError, closest
+from trainers.loop import resolve_device
+from trainers.tasks import TASKS, check_split
+from trainers.validate import validate
+
+# Seconds to wait for an http(s) MLflow tracking server's first answer before calling it unreachable.
+TRACKING_PROBE_TIMEOUT_S = 15
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """The stores a command will write: Optuna storage, MLflow tracking URI and artifact root, and the study name
+    (None when the command creates no experiment)."""
+    storage: StorageSettings
+    tracking_uri: str
+    artifact_root: str | None
+    name: str | None = None
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> "StoreSpec":
+        return cls(spec.storage, spec.tracking_uri, spec.artifact_root, spec.name)
+
+
+def check_liveness(heartbeat: int, grace: int) -> None:
+    if heartbeat < 1 or grace <= heartbeat:
+        # a grace period within one beat would declare live trials dead (they would then run twice)
+        raise LatentsweepError(f"--grace ({grace} s) must be longer than --heartbeat ({heartbeat} s), "
+                               f"and --heartbeat at least 1 s")
+
+
+def preflight(spec: RunSpec) -> None:
+    """Fail before any trial, with everything that can be known then: the base config validates on this machine,
+    the data loads and splits, the objective is a logged metric, both stores answer, and a stored study of that
+    name agrees with the file (direction, distributions of its knobs)."""
+    study_file = load_study_file(spec.study_file)
+    validate(study_file.base)
+    resolve_device(study_file.base.train.device)
+    keys = TASKS.get(study_file.base.data.task).val_keys(study_file.base)
+    if study_file.objective not in keys:
+        raise LatentsweepError(f"{study_file.path}: study.objective '{study_file.objective}' is not a metric task "
+                               f"'{study_file.base.data.task}' logs{closest(study_file.objective, keys)}; "
+                               f"valid: {', '.join(keys)}")
+    check_split(with_values(study_file.base, {"data.path": spec.data_path}), load_train(spec.data_path))
+    check_stores(StoreSpec.of(spec))
+    check_existing(study_file, spec)
+
+
+def check_stores(spec: StoreSpec) -> None:
+    """One-line errors, before anything is written to either store (no study without its MLflow parent run).
+
+    The Optuna storage is opened once; an http(s) MLflow server is probed with one short request, because the
+    MLflow client retries an unreachable server for minutes and then ends in a traceback.
+    """
+    if spec.tracking_uri.startswith(("http://", "https://")):
+        probe_tracking_server(spec.tracking_uri)  # first: it writes nothing, while opening SQLite creates the file
+    else:
+        probe_tracking_store(spec.tracking_uri)
+    if spec.artifact_root:
+        check_artifact_root(spec.artifact_root)
+    else:
+        _check_artifact_root_needed(spec)
+    dispose(open_storage(spec.storage))
+
+
+def _check_artifact_root_needed(spec: StoreSpec) -> None:
+    """A database tracking store needs an artifact root to create the study's experiment (else MLflow would use
+    ./mlruns of whichever process creates it): said now, before the Optuna study is created, not after."""
+    url = spec.tracking_uri
+    if url.split(":", 1)[0].split("+")[0] not in DB_SCHEMES or default_artifact_root(url) is not None:
+        return  # not a database, or SQLite: the tracker keeps artifacts beside its file
+    if spec.name is not None and not tracking_has_experiment(url, spec.name):
+        raise LatentsweepError(f"MLflow tracking URI {redact_url(url)} is a database and has no experiment "
+                               f"'{spec.name}' yet: an artifact root is required (--artifact-root)")
+
+
+def probe_tracking_server(uri: str) -> None:
+    """One short request that an MLflow server answers with JSON. Credentials in the URI go in a Basic auth header
+    (urllib cannot open a URL with user:password@); a 401/403 still proves a server answers."""
+    parts = urllib.parse.urlsplit(uri.rstrip("/"))
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    request = urllib.request.Request(bare + "/api/2.0/mlflow/experiments/search?max_results=1")
+    if parts.username is not None:
+        pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        request.add_header("Authorization", "Basic " + base64.b64encode(pair.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=TRACKING_PROBE_TIMEOUT_S) as response:
+            body = response.read(1 << 20)
+    except urllib.error.HTTPError as exc:
+        text = exc.read(200).decode("utf-8", "replace")
+        if exc.code == 403 and "Host header" in text:
+            raise LatentsweepError(f"MLflow tracking server {redact_url(uri)} refused the Host header "
+                                   f"'{parts.hostname}': start it with --allowed-hosts including that name") from None
+        if exc.code in (404, 405):  # MLflow serves this endpoint: whatever answered is something else
+            raise LatentsweepError(f"{redact_url(uri)} answers but is not an MLflow tracking server (HTTP {exc.code} "
+                                   f"for its experiments API)") from None
+        return  # it answered (e.g. 401 without credentials): reachable, and the MLflow client does the rest
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise LatentsweepError(f"MLflow tracking server {redact_url(uri)} is not reachable: {reason}") from None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise LatentsweepError(f"{redact_url(uri)} answers but is not an MLflow tracking server (its experiments API "
+                               f"did not return JSON)")
+
+
+@contextlib.contextmanager
+def no_new_empty_state_dir(arg: str | Path | None):
+    """A command rejected by its checks leaves no empty state directory behind (it was made only to be checked)."""
+    path = state_dir(arg, create=False)
+    existed = path.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            with contextlib.suppress(OSError):  # not empty: a store was opened, keep it
+                (path / ".write-probe").unlink(missing_ok=True)
+                path.rmdir()
+        raise

@@ -1,0 +1,1 @@
+"""Local UI servers (MLflow UI, optuna-dashboard) started and stopped for `latentsweep ui` and the benchmarks."""
