@@ -7,7 +7,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -102,18 +102,20 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     steps = task.steps_per_epoch()
     opt, schedule = build_optimizer(cfg, model, criterion, steps)
     amp = cfg.train.amp and device.type == "cuda"
-    scaler = torch.amp.GradScaler(device.type, enabled=amp)
-    augment, average = BatchAugment(cfg, task.x), build_average(cfg, model)
+    average = build_average(cfg, model)
+    parts = StepParts(cfg, task, model, criterion, opt, schedule, torch.amp.GradScaler(device.type, enabled=amp),
+                      gen, steps, amp, BatchAugment(cfg, task.x), average)
     log = EpochLog(out_dir)
+    # Two different bests: `best` is the selection score (val/mrr, the checkpoint kept), `best_monitored` the
+    # train.monitor value the schedule and early stopping watch (val/loss for MoCo); they differ by design.
     best, best_state, best_epoch, stale = -math.inf, None, -1, 0
     sign = 1.0 if MONITOR_MODES[cfg.train.monitor] == "max" else -1.0  # monitored value as higher-is-better
-    best_watched = -math.inf
+    best_monitored = -math.inf
     epochs = tqdm(range(cfg.train.stop_after or cfg.train.epochs), desc="epochs", disable=not progress, leave=False)
     for epoch in epochs:
         model.on_epoch_start(epoch)
         criterion.on_epoch_start(epoch, task.epoch_context(model))
-        sums = _train_epoch(cfg, task, model, criterion, opt, schedule, scaler, gen, epoch, steps, amp, augment,
-                            average)
+        sums = _train_epoch(parts, epoch)
         average.after_epoch(epoch)
         judged = average.model(model)  # the averaged weights when train.average is on: validated and saved
         metrics = {**sums, **criterion.log_values(), **task.evaluate(judged), "lr": opt.param_groups[0]["lr"]}
@@ -134,8 +136,8 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
                                                      loss_state=criterion.state_dict()),
                                   Path(out_dir) / "best.pt")
         watched = metrics[cfg.train.monitor] if validated else -sign * metrics["train/loss"]
-        stale = 0 if sign * watched > best_watched else stale + 1
-        best_watched = max(best_watched, sign * watched)
+        stale = 0 if sign * watched > best_monitored else stale + 1
+        best_monitored = max(best_monitored, sign * watched)
         model.on_epoch_end(epoch, score)
         schedule.after_epoch(watched)
         log.append(epoch, metrics)
@@ -150,16 +152,33 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, task.val_ranks(model))
 
 
-def _train_epoch(cfg, task, model, criterion, opt, schedule, scaler, gen, epoch, steps, amp, augment,
-                 average) -> dict[str, float]:
+@dataclass(frozen=True)
+class StepParts:
+    """The pluggable parts one training step calls, built once per run by `_fit`."""
+    cfg: Config
+    task: Any
+    model: torch.nn.Module
+    criterion: Criterion
+    opt: torch.optim.Optimizer
+    schedule: Any  # trainers.optim's schedule: after_step() / after_epoch(watched)
+    scaler: torch.amp.GradScaler
+    gen: torch.Generator  # batch order
+    steps: int  # per epoch
+    amp: bool
+    augment: BatchAugment
+    average: Any  # trainers.regularise.WeightAverage
+
+
+def _train_epoch(p: StepParts, epoch: int) -> dict[str, float]:
     """One pass over the training batches; returns the mean of every loss term as train/<term>."""
+    cfg, task, model, criterion, opt, scaler = p.cfg, p.task, p.model, p.criterion, p.opt, p.scaler
     model.train()
     sums: dict[str, torch.Tensor] = {}
     n = 0
-    for i, real in enumerate(task.batches(gen)):
-        criterion.set_progress((epoch + i / steps) / cfg.train.epochs)
-        batch = augment(real)  # the losses train on this one; their after_step gets the real one
-        with torch.autocast(task_device(batch), enabled=amp):
+    for i, real in enumerate(task.batches(p.gen)):
+        criterion.set_progress((epoch + i / p.steps) / cfg.train.epochs)
+        batch = p.augment(real)  # the losses train on this one; their after_step gets the real one
+        with torch.autocast(task_device(batch), enabled=p.amp):
             out = model(batch["x"])
             for extra in ("neg", "pos"):  # the multilabel task's random negatives and fixed positives
                 if f"{extra}_x" in batch:
@@ -172,8 +191,8 @@ def _train_epoch(cfg, task, model, criterion, opt, schedule, scaler, gen, epoch,
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         scaler.step(opt)
         scaler.update()
-        schedule.after_step()
-        average.after_step()
+        p.schedule.after_step()
+        p.average.after_step()
         criterion.after_step(out, real)
         # Sum on the device: no host sync per step (the .item() happens once per epoch).
         for k, v in {"loss": loss.detach(), **terms}.items():

@@ -46,7 +46,8 @@ def validate(cfg: Config) -> None:
 
 
 def validate_losses(cfg: Config) -> None:
-    """The loss config: at least one loss on; each active loss's declared needs (slots, task) met; queue slices."""
+    """The loss config: at least one loss on; each active loss's declared needs (slots, task) met, and its own
+    check of its section (`Loss.check`)."""
     active = active_losses(cfg)
     if not active:
         raise ConfigError(f"loss: no loss has a positive weight (set one of loss.<name>.weight > 0; "
@@ -58,10 +59,8 @@ def validate_losses(cfg: Config) -> None:
         need = LOSSES.get(name).min_slots
         if cfg.slots.k < need:
             raise ConfigError(f"loss.{name}.weight > 0 needs slots.k >= {need} (got {cfg.slots.k})")
-    q = cfg.loss.queue_infonce
-    if q.slice_mode == "stepwise" and q.slice_start == 0 and q.slice_epochs > 0:
-        raise ConfigError("loss.queue_infonce.slice_mode = 'stepwise' doubles loss.queue_infonce.slice_start, "
-                          "which must then be > 0")
+    for name in active:
+        LOSSES.get(name).check(getattr(cfg.loss, name))
     for name in active:
         task = LOSSES.get(name).task
         if task != cfg.data.task:

@@ -45,6 +45,7 @@ class Loss(nn.Module):
       task: the data.task whose batches it reads ("translate": paired image embeddings; "multilabel": labels).
       min_slots: the slots.k it needs (0: no slot head).
       batch_keys(cfg_term): extra batch entries the task must supply for that config.
+      check(cfg_term): its own check of values that only make sense together (trainers.validate calls it).
     Hooks (called by the criterion): `on_epoch_start(epoch, ctx)` before each epoch, `after_step(out, batch)` after
     each optimiser step with the real (un-augmented) batch. The base keeps `epoch` for losses with a schedule.
     """
@@ -62,6 +63,10 @@ class Loss(nn.Module):
     def batch_keys(cls, cfg: Any) -> frozenset[str]:
         """Extra batch entries (e.g. "neg_x") this loss reads under config section `cfg`; none by default."""
         return frozenset()
+
+    @classmethod
+    def check(cls, cfg: Any) -> None:
+        """Raise a ConfigError for values of its section that only make sense together; nothing by default."""
 
     def forward(self, out: dict, batch: dict, temperature: Callable[[], torch.Tensor] | None = None
                 ) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from trainers.config import QueueInfoNCECfg
+from trainers.errors import ConfigError
 from trainers.losses.base import EpochContext, Loss, masked_ce, register_loss, same_image, unit
 
 # Queue rows at least this cosine-similar to a caption's own image are treated as that image (a copy enqueued in an
@@ -48,6 +49,12 @@ class QueueInfoNCE(Loss):
     own image; the loss is then 0 while the queue is still empty."""
 
     cfg: QueueInfoNCECfg
+
+    @classmethod
+    def check(cls, cfg: QueueInfoNCECfg) -> None:
+        if cfg.slice_mode == "stepwise" and cfg.slice_start == 0 and cfg.slice_epochs > 0:
+            raise ConfigError("loss.queue_infonce.slice_mode = 'stepwise' doubles loss.queue_infonce.slice_start, "
+                              "which must then be > 0")
 
     def __init__(self, cfg: QueueInfoNCECfg, dim_out: int):
         super().__init__(cfg, dim_out)
