@@ -70,15 +70,17 @@ def run_ui(args) -> int:
     # `kill` reaches only this process, and its default death would leave them running.
     with interrupt_on(signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         # Ctrl-C while starting: start_ui stops what it started and cli.main reports the interrupt (exit 130).
-        with servers.start_ui(root, host=args.host, mlflow_port=args.mlflow_port,
-                              dashboard_port=args.dashboard_port, storage=args.storage,
-                              tracking_uri=args.tracking_uri, allowed_hosts=args.allowed_hosts,
-                              timeout=args.timeout) as handle:
-            try:
-                _announce(handle)
-                _serve_until_interrupted(handle)
-            except KeyboardInterrupt:
-                print("\nstopping ...", flush=True)
+        handle = servers.start_ui(root, host=args.host, mlflow_port=args.mlflow_port,
+                                  dashboard_port=args.dashboard_port, storage=args.storage,
+                                  tracking_uri=args.tracking_uri, allowed_hosts=args.allowed_hosts,
+                                  timeout=args.timeout)
+        try:
+            _announce(handle)
+            _serve_until_interrupted(handle)
+        except KeyboardInterrupt:
+            print("\nstopping ...", flush=True)
+        finally:
+            handle.stop()  # however the command ends (no process-wide exit hook)
     print("stopped")
     return 0
 
