@@ -1,15 +1,21 @@
-"""The platform against a careful hand-written script, end to end on one dataset, scored through its answer key.
+"""The platform's defaults against a careful hand-written script, on image-disjoint holdouts of the labelled data.
 
-Each run, in a fresh state directory: `latentsweep study run STUDY --timeout T_STUDY`, then `latentsweep pick` with
-its defaults (its default budget; `--pick-seconds` passes --budget instead); next to it the reference script
-(benchmarks/reference_script.py: one MLP, multi-positive InfoNCE, all images, 3 seeds). Rows per run:
-  * platform: the submission of study + pick (out-of-fold selection, fold models bagged with refits on every image);
-  * reference: the hand-written script;
-  * best single refit: the pick's best single member alone, its submission models (fold models and refits) averaged;
-  * no refit: the same selection made from the trials' checkpoints (`pick --no-refit`; the fold jobs are reused).
-Runs differ by the study's sampler seed. Prints a markdown table (mean and spread over runs) and writes JSON.
+For each holdout seed S (`latentsweep data holdout TRAIN --seed S`: 20% of the images, every caption of each, scored
+like the leaderboard), in a fresh state directory:
+  * platform: `latentsweep run studies/full.toml --time T` with its defaults (search, then the default pick);
+  * reference: benchmarks/reference_script.py (one MLP, multi-positive InfoNCE, all images, 3 seeds);
+  * best trial refit: the study's best trial alone, refit on every labelled image (one seed);
+  * old pick: `pick --selection oof` (fold models bagged with refits, the previous default) on the same study with the
+    same budget the new pick had;
+  * split F: the same study cut at F x T (the trials finished by then, as an Optuna study of their own), then the
+    default pick with the (1 - F) x T left: the search/pick split at a fixed ratio, paired with the default run;
+  * job kinds: test MRR of the first member's first refit, plus one more seed, plus the second member's first refit,
+    and the first member's fold models (old pick), with the seconds each took.
+Every submission's per-caption reciprocal ranks are kept (results.npz), so differences are pooled over all holdouts'
+captions with paired bootstrap intervals (`--report` prints them again from the saved results).
 
-    python benchmarks/end_to_end.py [--runs 2] [--study-seconds 600] [--pick-seconds S] [--study studies/full.toml]
+    python benchmarks/end_to_end.py --work DIR [--seeds 0 1 2 3 4] [--time 600] [--splits 0.5 0.7]
+    python benchmarks/end_to_end.py --work DIR --report
 """
 from __future__ import annotations
 
@@ -18,148 +24,213 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import optuna
-from optuna.trial import TrialState
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from search.pick import ensemble  # noqa: E402
 from trainers.checkpoint import load_model  # noqa: E402
-from trainers.data import load_test  # noqa: E402
-from trainers.demo import default_answers_path, default_test_path, default_train_path  # noqa: E402
-from trainers.submission import score_submission, write_submission  # noqa: E402
+from trainers.data import load_answers, load_test  # noqa: E402
+from trainers.demo import default_train_path  # noqa: E402
+from trainers.metrics import GALLERY_SIZE, ranks  # noqa: E402
+from trainers.submission import read_submission  # noqa: E402
 from trainers.tasks import predict  # noqa: E402
 
 CLI = [sys.executable, "-m", "search"]
+STUDY = "full"
+BOOT = 10_000  # bootstrap resamples of the pooled captions
 
 
 def sh(argv: list[str], log: Path) -> float:
     """Run a command with its output appended to `log`; returns its wall time; raises on a non-zero exit."""
     start = time.monotonic()
     with open(log, "a") as fh:
-        fh.write(f"\n$ {' '.join(argv)}\n")
+        fh.write(f"\n$ {' '.join(map(str, argv))}\n")
         fh.flush()
-        subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, check=True, cwd=ROOT)
+        subprocess.run([str(a) for a in argv], stdout=fh, stderr=subprocess.STDOUT, check=True, cwd=ROOT)
     return time.monotonic() - start
 
 
-def seeded_study(study: Path, seed: int, out: Path) -> Path:
-    """A copy of the study file whose sampler seed is `seed` (the runs must not replay one another), with its sibling
-    study files beside it (enqueued recipes are found relative to the file)."""
-    for sibling in study.parent.glob("*.toml"):
-        (out.parent / sibling.name).write_text(sibling.read_text())
-    text = study.read_text()
-    text, n = re.subn(r"(sampler\s*=\s*\{[^}]*seed\s*=\s*)\d+", rf"\g<1>{seed}", text, count=1)
-    if n != 1:
-        raise SystemExit(f"{study}: no sampler seed to vary")
-    out.write_text(text)
-    return out
+def reciprocal_ranks(pred: np.ndarray, answers: Path) -> np.ndarray:
+    """[N] 1/rank of each test caption (id order) against its leaderboard chunk's images, as `submission score`."""
+    ids, image = load_answers(answers)
+    truth = np.asarray(image, np.float32)[np.argsort(ids, kind="stable")]
+    out = []
+    for start in range(0, len(truth), GALLERY_SIZE):
+        rows = slice(start, start + GALLERY_SIZE)
+        out.append(1.0 / ranks(pred[rows], truth[rows], np.arange(len(truth[rows]))))
+    return np.concatenate(out)
 
 
-def members_submission(manifest: dict, member: str, test, out: Path) -> Path:
-    """The submission of one member's refit models (its seeds averaged), from the pick's manifest."""
-    ckpts = [m["checkpoint"] for m in manifest["submission_models"] if m["member"] == member]
-    import torch
+def submission_rr(csv: Path, answers: Path) -> np.ndarray:
+    ids, emb = read_submission(csv)
+    return reciprocal_ranks(emb[np.argsort(ids, kind="stable")], answers)
 
+
+def models_rr(ckpts: list[str], weights: list[float], test, answers: Path) -> np.ndarray:
+    """Reciprocal ranks of the weighted ensemble of checkpoints on the test file."""
     x = torch.as_tensor(test.embeddings)
     preds = [predict(load_model(c)[0], x).numpy() for c in ckpts]
-    write_submission(out, test.ids, ensemble.combine(preds, np.full(len(preds), 1 / len(preds))))
+    pred = ensemble.combine(preds, np.asarray(weights) / np.sum(weights))
+    return reciprocal_ranks(pred[np.argsort(test.ids, kind="stable")], answers)
+
+
+def truncate(storage: str, seconds: float, name: str) -> None:
+    """A copy of study STUDY holding only the trials finished within `seconds` of its first trial's start."""
+    study = optuna.load_study(study_name=STUDY, storage=storage)
+    start = min(t.datetime_start for t in study.trials if t.datetime_start)
+    kept = [t for t in study.trials if t.state.is_finished() and t.datetime_complete
+            and (t.datetime_complete - start).total_seconds() <= seconds]
+    copy = optuna.create_study(study_name=name, storage=storage, direction=study.direction, load_if_exists=True)
+    copy.add_trials(kept)
+
+
+def job_seconds(log: Path) -> dict[str, float]:
+    """{job name: seconds trained} from the pick's progress lines."""
+    found = re.findall(r"job \d+/\d+ (\S+): trained \d+ epochs in (\d+) s", log.read_text())
+    return {name: float(s) for name, s in found}
+
+
+def job_kinds(manifest: dict, old: dict, seconds: dict, test, answers: Path) -> dict:
+    """Test reciprocal ranks (and training seconds) of the pieces a pick buys, from its cached models."""
+    models = manifest["submission_models"]
+    members = sorted(manifest["weights"], key=lambda m: -manifest["weights"][m])
+    refits = {m: [x for x in models if x["member"] == m and x["origin"] == "refit"] for m in members}
+    out: dict = {}
+    first = refits[members[0]]
+    if first:
+        out["one_refit"] = (models_rr([first[0]["checkpoint"]], [1], test, answers), seconds.get(first[0]["name"]))
+    if len(first) > 1:
+        out["plus_seed"] = (models_rr([m["checkpoint"] for m in first[:2]], [1, 1], test, answers),
+                            seconds.get(first[1]["name"]))
+    if len(members) > 1 and refits[members[1]] and first:
+        second = refits[members[1]][0]
+        w = [manifest["weights"][members[0]], manifest["weights"][members[1]]]
+        out["plus_member"] = (models_rr([first[0]["checkpoint"], second["checkpoint"]], w, test, answers),
+                              seconds.get(second["name"]))
+    folds = [m for m in old.get("submission_models", []) if m["member"] == members[0] and m["origin"] == "fold"]
+    if folds:
+        out["fold_models"] = (models_rr([m["checkpoint"] for m in folds], [1] * len(folds), test, answers),
+                              sum(seconds.get(m["name"], 0.0) for m in folds))
     return out
 
 
-def one_run(seed: int, args, work: Path) -> dict:
-    log = work / "log.txt"
-    state = work / "state"
-    study_file = seeded_study(args.study, seed, work / args.study.name)
-    name = re.search(r'name\s*=\s*"([^"]+)"', study_file.read_text()).group(1)
-    row: dict = {"seed": seed}
-    if args.reuse and (state / "optuna.db").is_file():  # re-pick a finished run's study (e.g. after a picker change)
-        row["study_s"] = None
-    else:
-        row["study_s"] = sh([*CLI, "study", "run", str(study_file), "--state-dir", str(state), "--timeout",
-                             str(args.study_seconds), "--quiet", "--data", str(args.data)], log)
-    budget = [] if args.pick_seconds is None else ["--budget", str(args.pick_seconds)]
-    row["pick_s"] = sh([*CLI, "pick", name, "--state-dir", str(state), *budget,
-                        "--test", str(args.test), "--out", str(work / "platform.csv"), "--quiet"], log)
+def best_trial_refit(state: Path, data: Path, answers: Path, test, log: Path) -> np.ndarray:
+    """The study's best trial refit alone on every labelled image (seed as in its config)."""
+    from search.pick.candidates import make_candidate, top_trials
+    from search.pick.jobs import refit_jobs, run_job
+    from trainers.data import load_train
+
+    study = optuna.load_study(study_name=STUDY, storage=f"sqlite:///{state / 'optuna.db'}")
+    best = top_trials(study, 1)[0]
+    ckpt = state / best.user_attrs.get("checkpoint", f"{best.user_attrs['out_dir']}/best.pt")
+    cand = make_candidate(f"trial-{best.number}", best.number, ckpt, "local", None, "cpu")
+    train = load_train(data)
+    job = refit_jobs([cand], 1, train, state / "picks" / STUDY)[0]
+    path, seconds = run_job(job, train, False)
+    with open(log, "a") as fh:
+        fh.write(f"best trial {best.number} refit: {'reused' if seconds is None else f'{seconds:.0f} s'}\n")
+    return models_rr([str(path)], [1], test, answers)
+
+
+def one_holdout(seed: int, args, work: Path) -> dict:
+    """Every submission of one holdout; saves work/results.npz (reciprocal ranks) and returns the timings."""
+    log, state, h = work / "log.txt", work / "state", work / "holdout"
+    sh([*CLI, "data", "holdout", args.data, "--seed", seed, "--out", h], log)
+    data, test_path, answers = h / "train.npz", h / "test.clean.npz", h / "answers.npz"
+    test = load_test(test_path)
+    common = ["--state-dir", state, "--test", test_path, "--quiet"]
+    row = {"seed": seed, "run_s": sh([*CLI, "run", args.study, "--time", args.time, "--data", data,
+                                      "--out", work / "platform.csv", *common], log)}
+    pick_budget = float(re.findall(r"the pick gets the (\d+) s left", log.read_text())[-1])
+    rr = {"platform": submission_rr(work / "platform.csv", answers)}
+    row["reference_s"] = sh([sys.executable, ROOT / "benchmarks" / "reference_script.py", data, test_path,
+                             work / "reference.csv"], log)
+    rr["reference"] = submission_rr(work / "reference.csv", answers)
+    rr["best_trial_refit"] = best_trial_refit(state, data, answers, test, log)
+    row["old_pick_s"] = sh([*CLI, "pick", STUDY, "--selection", "oof", "--budget", pick_budget, "--data", data,
+                            "--out", work / "old.csv", *common], log)
+    rr["old_pick"] = submission_rr(work / "old.csv", answers)
+    for frac in args.splits:
+        name = f"{STUDY}-split{int(frac * 100)}"
+        truncate(f"sqlite:///{state / 'optuna.db'}", frac * args.seconds, name)
+        sh([*CLI, "pick", name, "--budget", (1 - frac) * args.seconds, "--data", data,
+            "--out", work / f"{name}.csv", *common], log)
+        rr[f"split{int(frac * 100)}"] = submission_rr(work / f"{name}.csv", answers)
     manifest = json.loads((work / "platform.manifest.json").read_text())
-    row["pick_budget_s"] = manifest["options"]["budget"]
-    sh([*CLI, "pick", name, "--state-dir", str(state), "--no-refit", *budget,
-        "--test", str(args.test), "--out", str(work / "norefit.csv"), "--quiet"], log)
-    test = load_test(args.test)
-    members_submission(manifest, manifest["best_single"], test, work / "single.csv")
-    if args.reuse and (work / "reference.csv").is_file():
-        row["reference_s"] = None
-    else:
-        row["reference_s"] = sh([sys.executable, str(ROOT / "benchmarks" / "reference_script.py"), str(args.data),
-                                 str(args.test), str(work / "reference.csv")], log)
-    study = optuna.load_study(study_name=name, storage=f"sqlite:///{state / 'optuna.db'}")
-    row["trials"] = {s.name: sum(t.state == s for t in study.trials) for s in TrialState if s.is_finished()}
-    for key in ("platform", "reference", "single", "norefit"):
-        row[key] = score_submission(work / f"{key}.csv", args.answers)["mrr"]
-    row["members"] = manifest["weights"]
-    row["nested_gain"] = [manifest.get("gain_mrr"), manifest.get("gain_mrr_std")]
+    old = json.loads((work / "old.manifest.json").read_text())
+    kinds = job_kinds(manifest, old, job_seconds(log), test, answers)
+    row["job_seconds"] = {k: v[1] for k, v in kinds.items()}
+    rr.update({f"kind_{k}": v[0] for k, v in kinds.items()})
+    row["members"], row["gain"] = manifest["weights"], [manifest["gain_mrr"], manifest["gain_mrr_std"]]
+    row["trials"] = sum(1 for _ in optuna.load_study(study_name=STUDY, storage=f"sqlite:///{state / 'optuna.db'}"
+                                                      ).get_trials(deepcopy=False))
+    np.savez(work / "results.npz", **rr)
+    (work / "row.json").write_text(json.dumps(row, indent=2))
     return row
 
 
-def table(rows: list[dict]) -> str:
-    labels = {"platform": "study + pick (oof selection, refit)", "reference": "reference script",
-              "single": "best single member, refit", "norefit": "study + pick --no-refit"}
-    lines = ["| submission | " + " | ".join(f"run {i + 1}" for i in range(len(rows))) + " | mean | spread |",
-             "|---|" + "---|" * (len(rows) + 2)]
-    for key, label in labels.items():
-        values = np.array([r[key] for r in rows])
-        lines.append(f"| {label} | " + " | ".join(f"{v:.4f}" for v in values)
-                     + f" | {values.mean():.4f} | {values.max() - values.min():.4f} |")
-    diff = np.array([r["platform"] - r["reference"] for r in rows])
-    lines.append(f"| platform - reference | " + " | ".join(f"{v:+.4f}" for v in diff)
-                 + f" | {diff.mean():+.4f} | {diff.max() - diff.min():.4f} |")
-    gap = np.array([r["platform"] - r["single"] for r in rows])
-    lines.append(f"| platform - best single refit | " + " | ".join(f"{v:+.4f}" for v in gap)
-                 + f" | {gap.mean():+.4f} | {gap.max() - gap.min():.4f} |")
-    timed = [r for r in rows if r.get("study_s") and r.get("reference_s")]
-    for key, label in (("study_s", "study wall time (s)"), ("pick_s", "pick wall time (s), default budget"),
-                       ("reference_s", "reference script wall time (s)")):
-        values = np.array([r[key] for r in timed])
-        if len(values):
-            lines.append(f"| {label} | " + " | ".join(f"{v:.0f}" for v in values) + f" | {values.mean():.0f} | |")
-    ratio = np.array([(r["study_s"] + r["pick_s"]) / r["reference_s"] for r in timed])
-    if len(ratio):
-        lines.append("| platform time / reference time | " + " | ".join(f"{v:.1f}x" for v in ratio)
-                     + f" | {ratio.mean():.1f}x | |")
+def paired(a: np.ndarray, b: np.ndarray, rng) -> str:
+    """Mean of a - b over the pooled captions with its 95% paired bootstrap interval."""
+    d = a - b
+    boots = d[rng.integers(0, len(d), (BOOT, len(d)))].mean(1)
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    return f"{d.mean():+.4f} [{lo:+.4f}, {hi:+.4f}]"
+
+
+def report(work: Path) -> str:
+    runs = sorted(work.glob("holdout-*/results.npz"))
+    res = [dict(np.load(r)) for r in runs]
+    rows = [json.loads((r.parent / "row.json").read_text()) for r in runs]
+    rng = np.random.default_rng(0)
+    keys = [k for k in res[0] if all(k in r for r in res)]
+    pooled = {k: np.concatenate([r[k] for r in res]) for k in keys}
+    lines = [f"{len(res)} holdouts, {len(pooled['platform'])} test captions pooled", "",
+             "| submission | " + " | ".join(f"holdout {r['seed']}" for r in rows) + " | pooled |",
+             "|---|" + "---|" * (len(rows) + 1)]
+    for k in keys:
+        lines.append(f"| {k} | " + " | ".join(f"{r[k].mean():.4f}" for r in res) + f" | {pooled[k].mean():.4f} |")
+    lines += ["", "| difference (pooled, 95% paired bootstrap) | |", "|---|---|"]
+    for a, b in [("platform", "reference"), ("platform", "best_trial_refit"), ("platform", "old_pick"),
+                 *[("platform", k) for k in keys if k.startswith("split")],
+                 ("kind_plus_seed", "kind_one_refit"), ("kind_plus_member", "kind_one_refit"),
+                 ("kind_fold_models", "kind_one_refit")]:
+        if a in pooled and b in pooled:
+            lines.append(f"| {a} - {b} | {paired(pooled[a], pooled[b], rng)} |")
+    lines += ["", "| timings | " + " | ".join(f"holdout {r['seed']}" for r in rows) + " |",
+              "|---|" + "---|" * len(rows)]
+    for k in ("run_s", "reference_s", "old_pick_s", "trials"):
+        lines.append(f"| {k} | " + " | ".join(f"{r.get(k, float('nan')):.0f}" for r in rows) + " |")
+    for k in ("one_refit", "plus_seed", "plus_member", "fold_models"):
+        lines.append(f"| job seconds: {k} | " + " | ".join(str(r["job_seconds"].get(k)) for r in rows) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--work", type=Path, required=True, help="runs and results go here")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="holdout seeds")
+    p.add_argument("--time", default="600", help="latentsweep run --time (default 600 s)")
+    p.add_argument("--splits", type=float, nargs="*", default=[0.5, 0.7], help="fixed search fractions to compare")
     p.add_argument("--study", type=Path, default=ROOT / "studies" / "full.toml")
-    p.add_argument("--study-seconds", type=float, default=600)
-    p.add_argument("--pick-seconds", type=float, default=None, help="pick --budget (default: the pick's default)")
     p.add_argument("--data", type=Path, default=default_train_path())
-    p.add_argument("--test", type=Path, default=default_test_path())
-    p.add_argument("--answers", type=Path, default=default_answers_path())
-    p.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temporary directory)")
-    p.add_argument("--json", type=Path, default=None, help="write the rows here")
-    p.add_argument("--runs-from", type=int, default=1, help="number of the first run (its sampler seed is one less)")
-    p.add_argument("--reuse", action="store_true",
-                   help="keep a run's finished study and reference submission; redo the picks")
+    p.add_argument("--report", action="store_true", help="only print the report of the saved results")
     args = p.parse_args(argv)
-    work = args.work or Path(tempfile.mkdtemp(prefix="latentsweep-e2e-"))
-    rows = []
-    for i in range(args.runs_from - 1, args.runs_from - 1 + args.runs):
-        run_dir = work / f"run-{i + 1}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        rows.append(one_run(i, args, run_dir))
-        print(json.dumps(rows[-1]), flush=True)
-    print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    args.seconds = float(args.time)
+    if not args.report:
+        for seed in args.seeds:
+            work = args.work / f"holdout-{seed}"
+            if (work / "results.npz").is_file():
+                continue
+            work.mkdir(parents=True, exist_ok=True)
+            print(json.dumps(one_holdout(seed, args, work)), flush=True)
+    print(report(args.work))
     return 0
 
 

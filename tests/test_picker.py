@@ -292,8 +292,8 @@ def test_errors_exit_2_with_one_line_and_leave_no_files(world, tmp_path, capsys)
 @pytest.fixture(scope="module")
 def oof_pick(world):
     out = world.root / "oof" / "submission.csv"
-    code = main(["pick", STUDY, "--state-dir", str(world.state), "--top", "3", "--folds", "3", "--seeds", "2",
-                 "--budget", "none", "--out", str(out), "--quiet"])
+    code = main(["pick", STUDY, "--state-dir", str(world.state), "--selection", "oof", "--top", "3", "--folds", "3",
+                 "--seeds", "2", "--budget", "none", "--out", str(out), "--quiet"])
     assert code == 0
     return out, json.loads(out.with_name("submission.manifest.json").read_text())
 
@@ -352,15 +352,15 @@ def test_refits_are_nested_mlflow_runs_with_checkpoints(world, oof_pick):
 @pytest.mark.slow
 def test_rerun_reuses_finished_jobs_and_budget_drops_are_reported(world, oof_pick, capsys):
     out = world.root / "oof2" / "submission.csv"
-    assert main(["pick", STUDY, "--state-dir", str(world.state), "--top", "3", "--folds", "3", "--seeds", "2",
-                 "--out", str(out), "--quiet"]) == 0
+    assert main(["pick", STUDY, "--state-dir", str(world.state), "--selection", "oof", "--top", "3", "--folds", "3",
+                 "--seeds", "2", "--out", str(out), "--quiet"]) == 0
     err = capsys.readouterr().err
     assert "trained" not in err and err.count("reused") >= 3 * 3  # every fold job and refit came from disk
     assert np.allclose(read_submission(out)[1], read_submission(oof_pick[0])[1], atol=1e-6)
     tight = world.root / "oof3" / "submission.csv"
     # a tiny budget with a fresh fold count (nothing to reuse) must shrink the plan and say so
-    assert main(["pick", STUDY, "--state-dir", str(world.state), "--top", "3", "--folds", "4", "--seeds", "3",
-                 "--budget", "0.001", "--out", str(tight), "--quiet"]) == 0
+    assert main(["pick", STUDY, "--state-dir", str(world.state), "--selection", "oof", "--top", "3", "--folds", "4",
+                 "--seeds", "3", "--budget", "0.001", "--out", str(tight), "--quiet"]) == 0
     err = capsys.readouterr().err
     assert "budget 0 s" in err and "folds 4 -> 3" in err
     manifest = json.loads(tight.with_name("submission.manifest.json").read_text())

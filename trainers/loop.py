@@ -5,6 +5,7 @@ import contextlib
 import copy
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -15,6 +16,7 @@ from tqdm.auto import tqdm
 
 from trainers.checkpoint import CenteredModel, atomic_torch_save, checkpoint_payload
 from trainers.config import Config
+from trainers.cost import Timing, mean_epoch
 from trainers.data import TrainSet
 from trainers.errors import LatentsweepError
 from trainers.losses import Criterion
@@ -22,7 +24,8 @@ from trainers.models import build_model
 from trainers.optim import MONITOR_MODES, build_optimizer
 from trainers.records import EpochLog
 from trainers.regularise import BatchAugment, build_average
-from trainers.tasks import TASKS
+from trainers.splits import captions_of
+from trainers.tasks import TASKS, split_images
 from trainers.validate import DEVICE_NAME, validate
 
 
@@ -30,11 +33,16 @@ class TrainingDiverged(LatentsweepError):
     """The loss became NaN/Inf: the configuration is unstable (a study marks such a trial failed)."""
 
 
+class DeadlineReached(Exception):
+    """The run's deadline passed before its first epoch ended: there is no model to keep (not a config error)."""
+
+
 @dataclass(frozen=True)
 class EpochReport:
     epoch: int  # 0-based
     metrics: dict[str, float]  # train/* terms, val/* metrics, lr
     improved: bool  # val/mrr is the best so far
+    timing: Timing | None = None  # the run's measured seconds so far (start-up, per-epoch training and validation)
 
 
 @dataclass
@@ -45,6 +53,8 @@ class TrainResult:
     model: CenteredModel = field(repr=False)
     checkpoint: Path | None = None
     val_ranks: np.ndarray | None = field(default=None, repr=False)  # [Nval] exact ranks of the best model
+    timing: Timing | None = None
+    stopped_at_deadline: bool = False  # the deadline ended the run early; best_epoch is the best finished epoch
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,18 +93,24 @@ def torch_threads(threads: int):
 
 
 def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None] | None = None,
-          out_dir: str | Path | None = None, progress: bool = False) -> TrainResult:
+          out_dir: str | Path | None = None, progress: bool = False,
+          deadline: Callable[[], float | None] | None = None) -> TrainResult:
     """Train `cfg` on `data`; keep the best epoch by val/mrr; `callback` sees every epoch (and may raise to stop).
-    Runs with cfg.train.threads torch threads (when > 0), restored on return."""
+    Runs with cfg.train.threads torch threads (when > 0), restored on return.
+
+    `deadline()` (a time.time() value, or None for none): read before every step, so the caller may move it while
+    the run goes on (a one-budget run re-estimates it after each epoch); when it passes, the run stops there and
+    returns its best finished epoch (`stopped_at_deadline`), or raises DeadlineReached when no epoch has finished."""
     validate(cfg)
     device = resolve_device(cfg.train.device)
     with torch_threads(cfg.train.threads):
-        return _fit(cfg, data, device, callback, out_dir, progress)
+        return _fit(cfg, data, device, callback, out_dir, progress, deadline)
 
 
 def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[EpochReport], None] | None,
-         out_dir: str | Path | None, progress: bool) -> TrainResult:
+         out_dir: str | Path | None, progress: bool, deadline: Callable[[], float | None] | None) -> TrainResult:
     """The body of `train`, under its thread count."""
+    started = time.monotonic()
     gen = seed_everything(cfg.train.seed)
     task = TASKS.get(cfg.data.task)(cfg, data, device)
     model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
@@ -104,24 +120,35 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     amp = cfg.train.amp and device.type == "cuda"
     average = build_average(cfg, model)
     parts = StepParts(cfg, task, model, criterion, opt, schedule, torch.amp.GradScaler(device.type, enabled=amp),
-                      gen, steps, amp, BatchAugment(cfg, task.x), average)
+                      gen, steps, amp, BatchAugment(cfg, task.x), average, deadline)
     log = EpochLog(out_dir)
     # Two different bests: `best` is the selection score (val/mrr, the checkpoint kept), `best_monitored` the
     # train.monitor value the schedule and early stopping watch (val/loss for MoCo); they differ by design.
     best, best_state, best_epoch, stale = -math.inf, None, -1, 0
     sign = 1.0 if MONITOR_MODES[cfg.train.monitor] == "max" else -1.0  # monitored value as higher-is-better
     best_monitored = -math.inf
+    clock = _RunClock(started, _train_size(cfg, data), criterion.cost_per_image)
+    stopped = False
     epochs = tqdm(range(cfg.train.stop_after or cfg.train.epochs), desc="epochs", disable=not progress, leave=False)
     for epoch in epochs:
         model.on_epoch_start(epoch)
         criterion.on_epoch_start(epoch, task.epoch_context(model))
-        sums = _train_epoch(parts, epoch)
+        clock.epoch_start()
+        try:
+            sums = _train_epoch(parts, epoch)
+        except _PastDeadline:
+            if best_epoch < 0:
+                raise DeadlineReached(f"the deadline passed during epoch {epoch}, before any epoch ended") from None
+            stopped = True
+            break
         average.after_epoch(epoch)
+        clock.trained()
         judged = average.model(model)  # the averaged weights when train.average is on: validated and saved
         metrics = {**sums, **criterion.log_values(), **task.evaluate(judged), "lr": opt.param_groups[0]["lr"]}
         validated = task.metric_key in metrics  # False with data.split = "all" (nothing held out)
         if cfg.train.monitor == "val/loss" and validated:
             metrics["val/loss"] = _val_loss(task, judged, criterion)
+        clock.evaluated()
         # Without validation every epoch counts as the best (the last one is kept), and the schedule and early
         # stopping watch the training loss instead.
         score = metrics.get(task.metric_key, -metrics["train/loss"])
@@ -144,12 +171,53 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
         # score is val/mrr, or -train/loss without validation (data.split = "all")
         epochs.set_postfix({task.metric_key if validated else "-train/loss": f"{score:.4f}", "best": f"{best:.4f}"})
         if callback is not None:
-            callback(EpochReport(epoch, metrics, improved))
+            callback(EpochReport(epoch, metrics, improved, clock.timing()))
         if cfg.train.early_stop and stale >= cfg.train.early_stop:
             break
     model.load_state_dict(best_state)
     ckpt = Path(out_dir) / "best.pt" if out_dir is not None else None
-    return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, task.val_ranks(model))
+    return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, task.val_ranks(model),
+                       clock.timing(), stopped)
+
+
+def _train_size(cfg: Config, data: TrainSet) -> tuple[int, int]:
+    """(captions, images) the run trains on: the sizes its measured seconds are per."""
+    train_img, _ = split_images(cfg, data)
+    return len(captions_of(data.cap2img, train_img)), len(train_img)
+
+
+class _PastDeadline(Exception):
+    """Raised between two steps when the run's deadline has passed (caught by _fit)."""
+
+
+class _RunClock:
+    """The run's seconds by part (start-up, training and validation of each epoch): trainers.cost.Timing."""
+
+    def __init__(self, started: float, size: tuple[int, int], per_image: bool):
+        self.started, self.size, self.per_image = started, size, per_image
+        self.setup: float | None = None
+        self.train: list[float] = []
+        self.eval: list[float] = []
+        self.mark = started
+
+    def epoch_start(self) -> None:
+        now = time.monotonic()
+        if self.setup is None:
+            self.setup = now - self.started
+        self.mark = now
+
+    def trained(self) -> None:
+        now = time.monotonic()
+        self.train.append(now - self.mark)
+        self.mark = now
+
+    def evaluated(self) -> None:
+        now = time.monotonic()
+        self.eval.append(now - self.mark)
+        self.mark = now
+
+    def timing(self) -> Timing:
+        return Timing(self.setup or 0.0, mean_epoch(self.train), mean_epoch(self.eval), *self.size, self.per_image)
 
 
 @dataclass(frozen=True)
@@ -167,6 +235,7 @@ class StepParts:
     amp: bool
     augment: BatchAugment
     average: Any  # trainers.regularise.WeightAverage
+    deadline: Callable[[], float | None] | None = None  # time.time() after which no step starts
 
 
 def _train_epoch(p: StepParts, epoch: int) -> dict[str, float]:
@@ -176,6 +245,9 @@ def _train_epoch(p: StepParts, epoch: int) -> dict[str, float]:
     sums: dict[str, torch.Tensor] = {}
     n = 0
     for i, real in enumerate(task.batches(p.gen)):
+        end = p.deadline() if p.deadline is not None else None
+        if end is not None and time.time() >= end:
+            raise _PastDeadline
         criterion.set_progress((epoch + i / p.steps) / cfg.train.epochs)
         batch = p.augment(real)  # the losses train on this one; their after_step gets the real one
         with torch.autocast(task_device(batch), enabled=p.amp):

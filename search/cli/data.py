@@ -1,4 +1,5 @@
-"""`latentsweep data ...`: `data check` validates a challenge npz and prints a summary; `data build-demo` rebuilds the demo."""
+"""`latentsweep data ...`: `data check` validates a challenge npz and prints a summary; `data holdout` writes a local
+leaderboard (an image-disjoint holdout in the challenge format); `data build-demo` rebuilds the demo."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import numpy as np
 
 from search.cli.demo import add_parser as add_build_demo
 from trainers.data import describe_npz, load_answers, load_test, load_train
+from trainers.holdout import write_holdout
 
 # Rows per step when computing norms, so no full-size temporary is made (einsum needs none, slicing keeps it small).
 NORM_CHUNK = 8192
@@ -19,6 +21,13 @@ def add_parser(subparsers) -> None:
     check = sub.add_parser("check", help="validate a train / test / answers npz file and print a summary")
     check.add_argument("path", help="train.npz, test.clean.npz or answers.npz")
     check.set_defaults(func=run_check)
+    holdout = sub.add_parser("holdout", help="hold out a fraction of a train file's images (with all their captions) "
+                                             "as a local leaderboard: train.npz, test.clean.npz, answers.npz")
+    holdout.add_argument("path", help="a labelled train.npz")
+    holdout.add_argument("--fraction", type=float, default=0.2, help="fraction of the images held out (default 0.2)")
+    holdout.add_argument("--seed", type=int, default=0, help="which images: MD5(seed:name) order (default 0)")
+    holdout.add_argument("--out", required=True, help="output directory (created)")
+    holdout.set_defaults(func=run_holdout)
     add_build_demo(sub)
 
 
@@ -68,6 +77,16 @@ def _answers_lines(path: str) -> list[str]:
     ids, image = load_answers(path)
     return [f"captions: {len(ids)}, ids {ids.min()}..{ids.max()}, image dim {image.shape[1]}",
             _norm_line("image", image)]
+
+
+def run_holdout(args) -> int:
+    h = write_holdout(load_train(args.path), args.fraction, args.seed, args.out)
+    print(f"train:   {h.files[0]} ({h.train_images} images, {h.train_captions} captions)")
+    print(f"test:    {h.files[1]} ({h.test_captions} captions of {h.test_images} held-out images, "
+          f"{h.galleries} galleries)")
+    print(f"answers: {h.files[2]}")
+    print(f"score a submission: latentsweep submission score SUBMISSION.csv --answers {h.files[2]}")
+    return 0
 
 
 def run_check(args) -> int:

@@ -6,13 +6,13 @@ import sys
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
-from search.cli import data, pick, study, submission, train, ui
+from search.cli import data, pick, run, study, submission, train, ui
 from search.process import configure_process
 from search.study.objective import StudyHalted
 from trainers.errors import LatentsweepError
 
 # Each module exposes add_parser(subparsers); the handler it sets as `func` returns an exit code.
-COMMAND_MODULES = (data, submission, train, study, pick, ui)
+COMMAND_MODULES = (data, submission, train, study, pick, run, ui)
 
 
 class OneLineParser(argparse.ArgumentParser):

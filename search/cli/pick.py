@@ -3,8 +3,9 @@ from __future__ import annotations
 
 
 from search.pick.ensemble import METHODS
-from search.pick.options import parse_budget
+from search.pick.options import SELECTIONS, parse_budget
 from search.pick.picker import PickOptions, run_pick
+from search.pick.selection import WHERE
 from search.stores import add_state_arg, safe_name
 from search.study.progress import is_terminal
 
@@ -15,18 +16,22 @@ def add_parser(sub) -> None:
     p.add_argument("study", help="study name")
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite under the state directory)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: sqlite under the state directory)")
-    p.add_argument("--top", type=int, default=5,
-                   help="candidates: K trials (default 5) of the 2K best (complete or pruned), "
-                        "ordered for diversity by a greedy ensemble on the study's val split, then by rank")
-    p.add_argument("--method", choices=METHODS, default="greedy",
+    p.add_argument("--top", type=int, default=PickOptions.top,
+                   help=f"candidates: the 2K best trials (complete or pruned; default K={PickOptions.top}); val "
+                        "selection chooses among all of them, oof keeps K ordered for diversity by a greedy ensemble "
+                        "on the study's val split")
+    p.add_argument("--method", choices=METHODS, default=PickOptions.method,
                    help="greedy: Caruana forward selection with replacement; mean: uniform; weighted: weights "
                         "proportional to each member's select-half MRR (default greedy)")
-    p.add_argument("--size", type=int, default=10, help="greedy: at most this many picks (default 10)")
-    p.add_argument("--selection", choices=("oof", "halves"), default="oof",
-                   help="oof: retrain each candidate on k-1 image folds and choose the ensemble on out-of-fold "
-                        "predictions of every labelled image, with a nested-fold gain (default); halves: choose on "
-                        "one half of the study's val split, report on the other")
-    p.add_argument("--folds", type=int, default=5, help="oof: number of image folds (default 5)")
+    p.add_argument("--size", type=int, default=PickOptions.size, help="greedy: at most this many picks (default 10)")
+    p.add_argument("--selection", choices=SELECTIONS, default=PickOptions.selection,
+                   help="val (default): choose on the trials' own checkpoints' predictions of the study's val split "
+                        "(no training), the gain cross-fitted over folds of its images, and spend the budget on "
+                        "refits; oof: retrain each candidate on k-1 image folds and choose on out-of-fold "
+                        "predictions of every labelled image (fold models bagged into the submission; for trials "
+                        "that do not share a val split); halves: choose on one half of the val split, report on the "
+                        "other")
+    p.add_argument("--folds", type=int, default=PickOptions.folds, help="oof: number of image folds (default 5)")
     p.add_argument("--no-refit", dest="refit", action="store_false",
                    help="make the submission from the trials' checkpoints instead of refitting the chosen members "
                         "on every labelled image")
@@ -44,8 +49,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="submission CSV (default: STATE_DIR/picks/<study>/submission.csv); the manifest "
                                  "(<name>.manifest.json) and report table (<name>.report.csv) go beside it")
     p.add_argument("--register", metavar="NAME", help="register the ensemble in the MLflow Model Registry as NAME")
-    p.add_argument("--seed", type=int, default=0, help="seed of the leaderboard galleries' shuffle (default 0)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    p.add_argument("--seed", type=int, default=PickOptions.seed,
+                   help="seed of the leaderboard galleries' shuffle (default 0)")
+    p.add_argument("--device", default=PickOptions.device, help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_state_arg(p)
     p.set_defaults(func=run)
@@ -59,12 +65,16 @@ def run(args) -> int:
                        budget=parse_budget(args.budget), data=args.data, test=args.test, out=args.out,
                        register=args.register,
                        seed=args.seed, device=args.device, progress=not args.quiet and is_terminal())
-    result = run_pick(opts)
+    print_result(run_pick(opts))
+    return 0
+
+
+def print_result(result) -> None:
+    """The pick's report table, its gain and where everything went, on stdout."""
     table = result.table.copy()
     table["weight"] = table["weight"].map(lambda w: "" if w is None or w != w else f"{w:.3f}")
     print(table.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4f}"))
-    where = {"oof": "nested folds: each fold scored by a selection made on the other folds",
-             "halves": "report half, never seen by selection"}.get(result.selection)
+    where = WHERE.get(result.selection)
     if where:
         spread = f" +/- {result.gain_std:.4f} (std over folds)" if result.gain_std == result.gain_std else ""
         print(f"gain ensemble - best single ({where}): {result.gain:+.4f}{spread} MRR")
@@ -72,4 +82,3 @@ def run(args) -> int:
     print(f"MLflow run {result.run_id}; pyfunc model {result.model_uri}"
           + (f"; registered {result.registered['name']} v{result.registered['version']}" if result.registered
              else ""))
-    return 0

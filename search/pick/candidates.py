@@ -13,11 +13,13 @@ from optuna.trial import TrialState
 
 from search.pick.options import PickOptions
 from search.pick.plan import note
+from search.study.objective import TIMING_ATTR
 from search.study.studyfile import resolve_data_path
 from search.tracking.base import Tracker
 from search.tracking.paths import resolve_in_state
 from trainers.checkpoint import load_model
 from trainers.config import Config, dump_toml
+from trainers.cost import Timing
 from trainers.data import check_text_dim
 from trainers.demo import default_test_path, default_train_path
 from trainers.errors import DataError, LatentsweepError
@@ -40,6 +42,7 @@ class Candidate:
     best_epoch: int = 0  # 0-based epoch of the checkpoint (the trial's best)
     seconds: float | None = None  # the trial's wall time, for the budget plan (None: unknown)
     epochs_run: int = 1  # epochs the trial trained (pruned or early-stopped trials stop before train.epochs)
+    timing: Timing | None = None  # the trial's measured start-up and per-epoch seconds (None: not recorded)
 
     @property
     def config_sha256(self) -> str:
@@ -109,6 +112,7 @@ def load_candidates(study, k: int, tracker: Tracker, download_dir: Path, device,
             if t.datetime_start and t.datetime_complete:
                 cand.seconds = (t.datetime_complete - t.datetime_start).total_seconds()
             cand.epochs_run = max(len(t.intermediate_values), cand.best_epoch + 1)
+            cand.timing = Timing.from_attrs(t.user_attrs.get(TIMING_ATTR))
             out.append(cand)
     if not out:
         raise LatentsweepError(f"study '{study.study_name}': none of the top {k} complete trials has a checkpoint")

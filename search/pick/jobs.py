@@ -20,7 +20,7 @@ import torch
 
 from search.pick.candidates import Candidate, make_candidate
 from search.pick.ensemble import predict_all
-from search.pick.plan import Clock, note
+from search.pick.plan import Clock, describe_job, note
 from trainers.checkpoint import load_model
 from trainers.config import Config, dump_toml, with_values
 from trainers.data import TrainSet
@@ -60,7 +60,7 @@ class Job:
     cfg: Config
     images: np.ndarray | None  # training images; None = every labelled image
     run_dir: Path
-    cost: float  # estimated seconds; 0 when a finished identical job can be reused
+    cost: float | None  # estimated seconds (0: a finished identical job is reused; None: nothing measured)
 
 
 def replay_config(cfg: Config, best_epoch: int, seed: int | None = None) -> Config:
@@ -80,21 +80,13 @@ def is_done(run_dir: Path, stamp: dict) -> bool:
     return done.is_file() and (run_dir / "best.pt").is_file() and json.loads(done.read_text()) == stamp
 
 
-def make_job(name: str, member: str, cfg: Config, data: TrainSet, images, run_dir: Path,
-             seconds_per_caption_epoch: float) -> Job:
-    fingerprint = subset_fingerprint(data, images)
+def make_job(name: str, member: str, cfg: Config, cand: Candidate, data: TrainSet, images, run_dir: Path) -> Job:
+    """A job replaying `cand`'s config `cfg` on `images` (None: every image), its cost estimated from the trial."""
+    if is_done(run_dir, done_stamp(cfg, subset_fingerprint(data, images))):
+        return Job(name, member, cfg, images, run_dir, 0.0)
+    n_img = len(data.image) if images is None else len(images)
     n_caps = len(data.cap2img) if images is None else len(captions_of(data.cap2img, images))
-    cost = 0.0 if is_done(run_dir, done_stamp(cfg, fingerprint)) else (
-        seconds_per_caption_epoch * n_caps * (cfg.train.stop_after or cfg.train.epochs))
-    return Job(name, member, cfg, images, run_dir, cost)
-
-
-def describe(job: Job, seconds: float | None) -> str:
-    """What a finished job did, for the pick's progress line."""
-    if seconds is None:
-        return f"reused {job.run_dir}"
-    epochs = job.cfg.train.stop_after or job.cfg.train.epochs
-    return f"trained {epochs} epochs in {seconds:.0f} s (estimated {job.cost:.0f} s)"
+    return Job(name, member, cfg, images, run_dir, job_cost(cand, data, n_caps, n_img, cfg.train.stop_after))
 
 
 def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | None]:
@@ -116,19 +108,24 @@ def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | Non
     return ckpt, time.monotonic() - start
 
 
-def job_cost(cand: Candidate, data) -> float:
-    """Estimated seconds per caption per epoch of `cand`'s config, from its trial's wall time on its train split."""
+def job_cost(cand: Candidate, data, captions: int, images: int, epochs: int) -> float | None:
+    """Estimated seconds of `cand`'s config trained `epochs` epochs without validation on `captions` captions of
+    `images` images: from the trial's measured start-up and per-epoch seconds (trainers.cost), else from its wall time
+    per caption-epoch (trials recorded before timings: validation and logging included, so it overestimates), else
+    None (nothing measured)."""
+    if cand.timing is not None:
+        return cand.timing.estimate(captions, images, epochs)
     if cand.seconds is None:
-        return 0.0
+        return None
     train_img, _ = split_images(cand.cfg, data)
-    return cand.seconds / max(cand.epochs_run, 1) / max(len(captions_of(data.cap2img, train_img)), 1)
+    per_caption_epoch = cand.seconds / max(cand.epochs_run, 1) / max(len(captions_of(data.cap2img, train_img)), 1)
+    return per_caption_epoch * captions * epochs
 
 
 def fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path) -> list[Job]:
     fold_of = fold_assignment(data.image_names, n_folds)
-    return [make_job(f"{c.name}/fold-{f + 1}-of-{n_folds}", c.name, replay_config(c.cfg, c.best_epoch),
-                           data, np.flatnonzero(fold_of != f), picks / "runs" / f"{c.name}-fold-{f + 1}-of-{n_folds}",
-                           job_cost(c, data))
+    return [make_job(f"{c.name}/fold-{f + 1}-of-{n_folds}", c.name, replay_config(c.cfg, c.best_epoch), c,
+                     data, np.flatnonzero(fold_of != f), picks / "runs" / f"{c.name}-fold-{f + 1}-of-{n_folds}")
             for c in cands for f in range(n_folds)]
 
 
@@ -138,46 +135,37 @@ def refit_jobs(cands: list[Candidate], seeds: int, data, picks: Path, seed_offse
     for c in cands:
         for s in range(seed_offset, seed_offset + seeds):
             seed = c.cfg.train.seed + s
-            jobs.append(make_job(f"{c.name}/refit-seed-{seed}", c.name,
-                                       replay_config(c.cfg, c.best_epoch, seed), data, None,
-                                       picks / "runs" / f"{c.name}-refit-seed-{seed}", job_cost(c, data)))
+            jobs.append(make_job(f"{c.name}/refit-seed-{seed}", c.name, replay_config(c.cfg, c.best_epoch, seed), c,
+                                 data, None, picks / "runs" / f"{c.name}-refit-seed-{seed}"))
     return jobs
 
 
 def run_fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path, device, clock: Clock,
-                  progress: bool) -> tuple[list[Candidate], list[np.ndarray], dict[str, list[tuple[str, Path]]], float]:
-    """Train every candidate on k-1 folds for each fold and predict the held-out fold, candidate by candidate while
-    the budget lasts (the first candidate always completes). Returns (the candidates whose folds all finished, their
-    out-of-fold predictions [Nc, Di] each, their (job name, fold checkpoint) lists by name, measured / estimated
-    seconds)."""
+                  progress: bool) -> tuple[list[Candidate], list[np.ndarray], dict[str, list[tuple[str, Path]]]]:
+    """Train every candidate on k-1 folds for each fold and predict the held-out fold, candidate by candidate, each
+    job started only while the clock admits it. Returns (the candidates whose folds all finished, their out-of-fold
+    predictions [Nc, Di] each, their (job name, fold checkpoint) lists by name)."""
     jobs = fold_jobs(cands, data, n_folds, picks)
     clock.announce(len(jobs))
     kept, oof, models = [], [], {}
-    spent = estimated = 0.0
-    left = sum(j.cost for j in jobs)
     for cand in cands:
         mine = [j for j in jobs if j.member == cand.name]
         pred, ckpts = np.zeros((len(data.cap2img), cand.dims[1]), np.float32), []
         for job in mine:
-            if kept and clock.spent():
+            if not clock.admits(job.cost):
                 break
-            ckpt, seconds = run_job(job, data, progress)
-            left -= job.cost
-            if seconds is not None:
-                spent, estimated = spent + seconds, estimated + job.cost
-            factor = spent / estimated if spent and estimated else 1.0
-            clock.report(job.name, describe(job, seconds), factor * left)
+            ckpt = clock.run(job, lambda j=job: run_job(j, data, progress), jobs)
             held = captions_of(data.cap2img, np.setdiff1d(np.arange(len(data.image)), job.images))
             pred[held] = predict_all([load_model(ckpt, device)[0]], data.text[held], device)[0]
             ckpts.append((job.name, ckpt))
         if len(ckpts) < len(mine):
-            note(f"budget spent: {cand.name} and the candidates after it leave the selection (their finished "
-                       "fold jobs are kept for the next pick)")
+            note(f"budget: {cand.name} and the candidates after it leave the selection (their finished fold jobs are "
+                 "kept for the next pick)")
             break
         kept.append(cand)
         oof.append(pred)
         models[cand.name] = ckpts
-    return kept, oof, models, (spent / estimated if spent and estimated else 1.0)
+    return kept, oof, models
 
 
 @dataclass
@@ -194,42 +182,52 @@ class SubmissionModel:
 
 
 def refit_members(chosen: list[tuple[Candidate, float]], fold_models: dict[str, list[tuple[str, Path]]],
-                  seeds: int, cost_factor: float, data, picks: Path, device, clock: Clock,
+                  seeds: int, data, picks: Path, device, clock: Clock,
                   progress: bool) -> tuple[list[SubmissionModel], list[str]]:
-    """The models of the submission: each chosen (member, weight)'s fold models bagged in with its refits on every
-    labelled image, seed 1 of every member, then seed 2, ... up to `seeds` while the budget holds one more (job costs
-    scaled by cost_factor, what the fold jobs really took against their estimates). A member's weight is shared
-    equally by its models. Without fold models, the first refit always runs (one model is needed)."""
+    """The models of the submission: each chosen (member, weight)'s fold models (oof selection) bagged in with its
+    refits on every labelled image: seed 1 of every member by weight, then seed 2, ... up to `seeds`, each refit
+    started only while the clock admits its estimate. A member's weight is shared equally by its models; a member
+    left without any model (the budget ran out first) leaves the submission."""
+    chosen = sorted(chosen, key=lambda cw: -cw[1])
     queue = [job for s in range(seeds) for job in refit_jobs([c for c, _ in chosen], 1, data, picks, seed_offset=s)]
     clock.announce(len(queue))
     made = {c.name: [(name, ckpt, "fold", None) for name, ckpt in fold_models.get(c.name, [])] for c, _ in chosen}
     notes: list[str] = []
-    left = cost_factor * sum(j.cost for j in queue)
     for i, job in enumerate(queue):
-        first = not any(made.values())
-        if not first and clock.budget is not None and cost_factor * job.cost > clock.left():
+        clock.models = sum(map(len, made.values())) + 1
+        if not clock.admits(job.cost):
             notes.append(f"budget: {clock.left():.0f} s left, so {i} of {len(queue)} refits run")
             break
-        ckpt, seconds = run_job(job, data, progress)
-        left -= cost_factor * job.cost
-        clock.report(job.name, describe(job, seconds), left)
+        ckpt = clock.run(job, lambda j=job: run_job(j, data, progress), queue)
         made[job.member].append((job.name, ckpt, "refit", job))
-    out = [SubmissionModel(name, c.name, ckpt, w / len(made[c.name]), origin, job, load_model(ckpt, device)[0])
-           for c, w in chosen for name, ckpt, origin, job in made[c.name]]
+    kept = [(c, w) for c, w in chosen if made[c.name]]
+    total = sum(w for _, w in kept)
+    out = [SubmissionModel(name, c.name, ckpt, w / total / len(made[c.name]), origin, job, load_model(ckpt, device)[0])
+           for c, w in kept for name, ckpt, origin, job in made[c.name]]
     return out, notes
 
 
-def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, device,
+def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, device, clock: Clock,
                     progress: bool) -> list[Candidate]:
     """Retrain the best min(K, SEED_CONFIGS) configs with train.seed = original + 1..seeds on their own split (not a
-    replay: --selection halves scores them on the study's val split), reusing finished identical runs."""
-    todo = [(c, Job(f"trial-{c.trial}/seed-{c.cfg.train.seed + s}", c.name,
-                    with_values(c.cfg, {"train.seed": c.cfg.train.seed + s}), None,
-                    picks / "seeds" / f"trial-{c.trial}-seed-{c.cfg.train.seed + s}", 0.0))
-            for c in cands[:SEED_CONFIGS] for s in range(1, seeds + 1)]
+    replay: --selection halves scores them on the study's val split), reusing finished identical runs; each re-run
+    started only while the clock admits its estimate (the trial's epochs, validation included)."""
+    todo = []
+    for c in cands[:SEED_CONFIGS]:
+        for s in range(1, seeds + 1):
+            cfg = with_values(c.cfg, {"train.seed": c.cfg.train.seed + s})
+            run_dir = picks / "seeds" / f"trial-{c.trial}-seed-{c.cfg.train.seed + s}"
+            train_img, _ = split_images(c.cfg, data)
+            cost = 0.0 if is_done(run_dir, done_stamp(cfg, data.fingerprint)) else (
+                c.timing.estimate(len(captions_of(data.cap2img, train_img)), len(train_img), c.epochs_run, True)
+                if c.timing is not None else c.seconds)
+            todo.append((c, Job(f"trial-{c.trial}/seed-{c.cfg.train.seed + s}", c.name, cfg, None, run_dir, cost)))
+    clock.announce(len(todo))
     out = []
-    for i, (base, job) in enumerate(todo, start=1):
-        ckpt, seconds = run_job(job, data, progress)
-        note(f"seed re-run {i}/{len(todo)}: {job.name}: {describe(job, seconds)}")
+    for base, job in todo:
+        if not clock.admits(job.cost):
+            note(f"budget: {clock.left():.0f} s left, so {len(out)} of {len(todo)} seed re-runs run")
+            break
+        ckpt = clock.run(job, lambda j=job: run_job(j, data, progress), [j for _, j in todo])
         out.append(make_candidate(job.name, base.trial, ckpt, "retrained", None, device))
     return out

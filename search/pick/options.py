@@ -11,7 +11,7 @@ from trainers.errors import LatentsweepError
 
 # Refit seeds per chosen member by default: averaging 3 seeds was worth about +0.015 MRR on challenge-format data.
 REFIT_SEEDS = 3
-SELECTIONS = ("oof", "halves")
+SELECTIONS = ("val", "oof", "halves")
 AUTO = "auto"  # --budget default: derived from the study's wall time (search.pick.plan.default_budget)
 # Out-of-fold selection screens this many times --top trials (ordered for diversity on the study's val split, from
 # their checkpoints: no training) before the plan keeps --top of them.
@@ -29,7 +29,8 @@ class PickOptions:
     size: int = 10
     seeds: int | None = None  # refit: seeds per chosen member (default 3); --no-refit --selection halves: extra
     # seed re-runs of the best configs as candidates (default 0, the behaviour before refits existed)
-    selection: str = "oof"  # "oof": k-fold out-of-fold on every labelled image; "halves": halves of the val split
+    selection: str = "val"  # "val": cross-fitted on the trials' val predictions (no training); "oof": k-fold
+    # out-of-fold on every labelled image (fold jobs); "halves": halves of the val split
     folds: int = 5
     refit: bool = True
     budget: float | str | None = AUTO  # seconds for the whole pick; None = no limit; AUTO = from the study's time
@@ -114,8 +115,8 @@ def check_options(opts: PickOptions) -> None:
 
 
 def pool_size(opts: PickOptions) -> int:
-    """How many of the study's best trials to load: --top, or POOL_FACTOR x --top for out-of-fold selection."""
-    return opts.top * POOL_FACTOR if opts.selection == "oof" else opts.top
+    """How many of the study's best trials to load: --top, or POOL_FACTOR x --top for val and out-of-fold selection."""
+    return opts.top * POOL_FACTOR if opts.selection in ("val", "oof") else opts.top
 
 
 def parse_budget(text: str) -> float | str | None:

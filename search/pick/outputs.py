@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from search.pick.pyfunc_model import ModelCard, log_ensemble, model_name
+from search.pick.selection import WHERE
 from search.study.worker import PARENT_ATTR
 from search.tracking.base import (
     NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker, redact_url, source_tags,
@@ -39,9 +40,9 @@ class PickResult:
     table: pd.DataFrame
     weights: dict[str, float]  # members with weight > 0
     best_single: str
-    gain: float  # ensemble - best single on images the selection never saw (nested folds, or the report half)
-    gain_std: float  # spread of the gain over the nested folds (nan for halves)
-    selection: str  # "oof", "halves" or "single"
+    gain: float  # ensemble - best single, measured as search.pick.selection.WHERE says for its selection
+    gain_std: float  # spread of the gain over the folds (nan for halves)
+    selection: str  # "val", "oof", "halves" or "single"
     run_id: str
     model_uri: str
     tracking_uri: str
@@ -130,8 +131,8 @@ def _gain_metrics(sel) -> dict[str, float]:
 def describe(study_name: str, method: str, sel, models, dims: tuple[int, int]) -> str:
     """The pick run's and the model's description: members, weights, the honest gain and what made the submission."""
     members = ", ".join(f"{name} {w:.2f}" for name, w in zip(sel.table["name"], sel.weights) if w > 0)
-    where = {"oof": "nested folds", "halves": "report half"}.get(sel.kind)
-    gain = (f" Gain over the best single member ({sel.best_single}) on data the selection never saw ({where}): "
+    where = WHERE.get(sel.kind)
+    gain = (f" Gain over the best single member ({sel.best_single}), {where}: "
             f"{sel.gain:+.4f}" + (f" +/- {sel.gain_std:.4f} (std over folds)." if sel.gain_std == sel.gain_std
                                   else ".")) if where else ""
     if sel.details.get("ensemble_used") is False:
@@ -145,13 +146,15 @@ def describe(study_name: str, method: str, sel, models, dims: tuple[int, int]) -
 def _figure(opts, sel):
     """Weights and per-member MRR on data the selection never saw (or out-of-fold); None for a single member."""
     table = sel.table.set_index("role")
-    column = {"oof": "oof_mrr", "halves": "report_mrr"}.get(sel.kind)
+    column = {"val": "oof_mrr", "oof": "oof_mrr", "halves": "report_mrr"}.get(sel.kind)
     if column is None:
         return None
     members = sel.table[sel.table["role"] == "member"]
-    ens_col = "nested_mrr" if sel.kind == "oof" else "report_mrr"
-    where = ("members: out-of-fold MRR; lines: nested folds (selection made on the other folds)" if sel.kind == "oof"
-             else "MRR on the report half (never seen by selection)")
+    ens_col = "report_mrr" if sel.kind == "halves" else "nested_mrr"
+    where = {"val": "members: MRR per fold of the val split's images; lines: cross-fitted (selection made on the "
+                    "other folds)",
+             "oof": "members: out-of-fold MRR; lines: nested folds (selection made on the other folds)",
+             "halves": "MRR on the report half (never seen by selection)"}[sel.kind]
     return ensemble_figure(list(members["name"]), sel.weights, list(members[column]),
                            float(table.loc["ensemble", ens_col]), float(table.loc["best_single", ens_col]),
                            f"{opts.study}: {opts.method} ensemble", where)

@@ -20,13 +20,13 @@ import pandas as pd
 from search.pick import ensemble
 from search.pick import plan as plan_mod
 from search.pick.candidates import (
-    Candidate, check_agreement, check_data, check_test, load_candidates, resolve_data,
+    SPLIT_KEYS, Candidate, check_agreement, check_data, check_test, load_candidates, resolve_data,
 )
 from search.pick.jobs import SubmissionModel, fold_jobs, refit_jobs, refit_members, seed_candidates
 from search.pick.options import AUTO, Paths, PickOptions, check_options, pool_size, resolve_paths
 from search.pick.outputs import PickResult, PickRun, write_outputs
 from search.pick.plan import Clock, note
-from search.pick.selection import Selection, screen, select_halves, select_oof
+from search.pick.selection import Selection, screen, select_halves, select_oof, select_val
 from search.study.report import load_existing_study
 from search.study.storage import probe_tracking_store
 from search.tracking import make_tracker
@@ -36,15 +36,29 @@ from trainers.loop import resolve_device
 
 def choose(opts: PickOptions, pool: list[Candidate], data, paths: Paths, device,
            clock: Clock) -> tuple[list[Candidate], Selection]:
-    """(the candidates kept, the selection) by --selection: out-of-fold over a pool ordered for diversity and planned
-    to fit the budget (a single candidate needs no selection), or halves of the study's val split."""
+    """(the candidates kept, the selection) by --selection: on the trials' own val predictions (val, no training),
+    halves of the study's val split, or out-of-fold over fold jobs planned to fit the budget."""
     if opts.selection == "halves":
         check_agreement(pool, same_split=True)
         cands = list(pool[:opts.top])
         if opts.seeds and not opts.refit:
-            cands += seed_candidates(cands, opts.seeds, data, paths.picks, device, opts.progress)
+            cands += seed_candidates(cands, opts.seeds, data, paths.picks, device, clock, opts.progress)
             check_agreement(cands, same_split=True)
         return cands, select_halves(cands, data, opts.method, opts.size, opts.seed, device)
+    if opts.selection == "val":
+        check_agreement(pool, same_split=False)
+        if shares_val_split(pool):
+            note(f"candidates: the {len(pool)} best trials, selected on their own checkpoints' predictions of the "
+                 "study's val split (no training)")
+            return pool, select_val(pool, data, opts, device)
+        note("candidates: the trials do not share one val split, so they are selected out-of-fold (fold models)")
+    return choose_oof(opts, pool, data, paths, device, clock)
+
+
+def choose_oof(opts: PickOptions, pool: list[Candidate], data, paths: Paths, device,
+               clock: Clock) -> tuple[list[Candidate], Selection]:
+    """Out-of-fold selection over a pool ordered for diversity and planned to fit the budget; a single candidate (or
+    a budget that holds no candidate's folds) needs no selection."""
     check_agreement(pool, same_split=False)
     ordered, how = screen(pool, data, device, opts.size, opts.seed)
     note(f"candidates: {len(pool)} best trials, ordered {how}")
@@ -52,23 +66,57 @@ def choose(opts: PickOptions, pool: list[Candidate], data, paths: Paths, device,
     def cost(top: int, folds: int, seeds: int) -> float:
         chosen = ordered[:top]
         refits = refit_jobs(chosen[:1], 1 if folds else seeds, data, paths.picks) if opts.refit else []
-        return sum(j.cost for j in (fold_jobs(chosen, data, folds, paths.picks) if folds else []) + refits)
+        jobs = (fold_jobs(chosen, data, folds, paths.picks) if folds else []) + refits
+        return sum(clock.expect(j.cost) for j in jobs) + clock.export_reserve()
 
     p = plan_mod.plan(cost, min(opts.top, len(ordered)), opts.folds, opts.refit_seeds, clock.left())
     for line in p.notes:
         note(line)
     budget = f" (budget {clock.budget:.0f} s)" if clock.budget is not None else ""
     note(f"plan: {p.describe()}{budget}")
-    cands = ordered[:p.top]
-    if p.folds == 0:
+    cands, sel = (ordered[:p.top], None) if p.folds == 0 else select_oof(ordered[:p.top], data, p.folds, opts,
+                                                                         paths.picks, device, clock)
+    if sel is None:
+        cands = ordered[:1]
         table = pd.DataFrame([{"role": "member", "name": cands[0].name, "weight": 1.0, "study_value": cands[0].value}])
         sel = Selection(np.ones(1), table, cands[0].name, 0.0, float("nan"), "single", {}, {})
-    else:
-        cands, sel = select_oof(cands, data, p.folds, opts, paths.picks, device, clock)
     sel.details["notes"] = p.notes + sel.details.get("notes", [])
     sel.details["plan"] = {"top": p.top, "folds": p.folds, "seeds": p.seeds, "estimate_s": p.estimate,
                            "budget_s": clock.budget, "candidates_order": how}
     return cands, sel
+
+
+def shares_val_split(cands: list[Candidate]) -> bool:
+    """Whether every candidate validated on the same images (so their checkpoints' val predictions compare)."""
+    ref = cands[0].cfg.data
+    return ref.split != "all" and all(getattr(c.cfg.data, k) == getattr(ref, k) for c in cands for k in SPLIT_KEYS)
+
+
+def refit_plan(chosen: list[tuple[Candidate, float]], seeds: int, data, paths: Paths, clock: Clock) -> None:
+    """Print what the refits will be and their estimate before any of them starts."""
+    jobs = refit_jobs([c for c, _ in chosen], seeds, data, paths.picks)
+    clock.models = len(jobs)
+    estimate = sum(clock.expect(j.cost) for j in jobs) + clock.export_reserve()
+    budget = f"; budget {clock.left():.0f} s left" if clock.budget is not None else ""
+    note(f"plan: refit {len(chosen)} member(s) on every labelled image, seed 1 of each then more up to {seeds} "
+         f"seed(s) while the budget lasts: {len(jobs)} jobs and the export, estimated {estimate:.0f} s{budget}")
+
+
+def submission_models(opts: PickOptions, cands: list[Candidate], sel: Selection, data, paths: Paths, device,
+                      clock: Clock) -> tuple[list[SubmissionModel], list[str]]:
+    """The models of the submission: the chosen members' refits (and fold models) while the budget lasts, or their
+    trials' own checkpoints (--no-refit, or when not even one refit fits)."""
+    chosen = [(c, float(w)) for c, w in zip(cands, sel.weights) if w > 0]
+    if opts.refit:
+        refit_plan(chosen, opts.refit_seeds, data, paths, clock)
+        models, notes = refit_members(chosen, sel.fold_models, opts.refit_seeds, data, paths.picks, device, clock,
+                                      opts.progress)
+        if models:
+            return models, notes
+        notes.append("budget: no refit fits, so the submission is made of the trials' own checkpoints")
+    else:
+        notes = []
+    return [SubmissionModel(c.name, c.name, c.checkpoint, w, c.origin, model=c.model) for c, w in chosen], notes
 
 
 def pick_budget(opts: PickOptions, study) -> float | None:
@@ -98,14 +146,7 @@ def run_pick(opts: PickOptions) -> PickResult:
         data = load_train(data_path)
         check_data(pool, data)
         cands, sel = choose(opts, pool, data, paths, device, clock)
-        chosen = [(c, float(w)) for c, w in zip(cands, sel.weights) if w > 0]
-        if opts.refit:
-            models, notes = refit_members(chosen, sel.fold_models, opts.refit_seeds,
-                                          sel.details.get("cost_factor", 1.0), data, paths.picks, device, clock,
-                                          opts.progress)
-        else:  # --no-refit: the trials' own checkpoints
-            models, notes = [SubmissionModel(c.name, c.name, c.checkpoint, w, c.origin, model=c.model)
-                             for c, w in chosen], []
+        models, notes = submission_models(opts, cands, sel, data, paths, device, clock)
         for line in notes:
             note(line)
         sel.details.setdefault("notes", []).extend(notes)

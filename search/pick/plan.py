@@ -89,14 +89,27 @@ def note(message: str) -> None:
     print(f"latentsweep: {message}", file=sys.stderr)
 
 
+# The export after the last job (the submission's predictions, the pyfunc model with every checkpoint, the MLflow
+# run and its files): measured on the demo data on 2 cores at about EXPORT_FIXED_S plus EXPORT_PER_MODEL_S per model
+# in the submission; the clock keeps that much of the budget free when it admits a job.
+EXPORT_FIXED_S, EXPORT_PER_MODEL_S = 10.0, 1.0
+# A measured/estimated ratio outside these bounds says more about one odd job than about the estimates: clipped.
+FACTOR_BOUNDS = (0.25, 4.0)
+
+
 class Clock:
-    """The pick's budget clock: whether a job may still start, and one line per finished job."""
+    """The pick's budget clock. A job starts only when its estimate (scaled by what the jobs so far really took
+    against their estimates) fits in what is left of the budget after the export's reserve, so a pick overruns its
+    budget by at most the error of one job's estimate; and one line per finished job."""
 
     def __init__(self, budget: float | None, started: float | None = None):
         self.budget = budget
         self.started = time.monotonic() if started is None else started
         self.done = 0
         self.total = 0  # jobs announced so far (fold jobs, then refits as they are planned)
+        self.models = 1  # models the submission will export (the export's reserve grows with them)
+        self.trained: list[tuple[float, float | None]] = []  # (seconds, estimate) of each job trained here
+        self.finished: set[str] = set()
 
     @property
     def elapsed(self) -> float:
@@ -109,8 +122,47 @@ class Clock:
     def spent(self) -> bool:
         return self.budget is not None and self.elapsed >= self.budget
 
+    def export_reserve(self) -> float:
+        return EXPORT_FIXED_S + EXPORT_PER_MODEL_S * self.models
+
+    @property
+    def factor(self) -> float:
+        """Measured / estimated seconds over the jobs trained so far (1 before any)."""
+        pairs = [(s, e) for s, e in self.trained if e]
+        if not pairs:
+            return 1.0
+        ratio = sum(s for s, _ in pairs) / sum(e for _, e in pairs)
+        return min(max(ratio, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
+
+    def expect(self, cost: float | None) -> float:
+        """Expected seconds of a job estimated at `cost`: scaled by the factor; without an estimate, the mean of
+        the jobs trained so far (0 before any: the first job of unknown cost is what teaches the clock)."""
+        if cost is not None:
+            return cost * self.factor
+        seconds = [s for s, _ in self.trained]
+        return sum(seconds) / len(seconds) if seconds else 0.0
+
+    def admits(self, cost: float | None) -> bool:
+        """Whether a job estimated at `cost` seconds may start: a reused job (cost 0) always, otherwise only while
+        its expected seconds fit in the budget left after the export's reserve."""
+        if self.budget is None or cost == 0.0:
+            return True
+        left = self.budget - self.elapsed - self.export_reserve()
+        return left > 0 and self.expect(cost) <= left
+
     def announce(self, jobs: int) -> None:
         self.total += jobs
+
+    def run(self, job, train: Callable[[], tuple], queue: list):
+        """Run `train()` -> (checkpoint, seconds or None when reused) for `job`; record it and report one line with
+        the expected seconds of the jobs of `queue` not yet run. Returns the checkpoint."""
+        ckpt, seconds = train()
+        if seconds is not None:
+            self.trained.append((seconds, job.cost))
+        self.finished.add(job.name)
+        remaining = sum(self.expect(j.cost) for j in queue if j.name not in self.finished)
+        self.report(job.name, describe_job(job, seconds), remaining)
+        return ckpt
 
     def report(self, name: str, what: str, remaining_estimate: float) -> None:
         """After a job: 'job i/n NAME: WHAT; elapsed, about N s left of the plan'."""
@@ -120,4 +172,13 @@ class Clock:
              f"about {max(remaining_estimate, 0.0):.0f} s of planned work left")
 
 
-__all__ = ["Clock", "Plan", "default_budget", "note", "plan", "study_wall_seconds"]
+def describe_job(job, seconds: float | None) -> str:
+    """What a finished job did, for the pick's progress line."""
+    if seconds is None:
+        return f"reused {job.run_dir}"
+    epochs = job.cfg.train.stop_after or job.cfg.train.epochs
+    estimated = "no estimate" if job.cost is None else f"estimated {job.cost:.0f} s"
+    return f"trained {epochs} epochs in {seconds:.0f} s ({estimated})"
+
+
+__all__ = ["Clock", "Plan", "default_budget", "describe_job", "note", "plan", "study_wall_seconds"]

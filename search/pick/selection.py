@@ -16,7 +16,7 @@ from search.pick.candidates import SPLIT_KEYS, Candidate
 from search.pick.ensemble import predict_all
 from search.pick.options import PickOptions
 from search.pick.plan import Clock, note
-from trainers.splits import fold_assignment
+from trainers.splits import captions_and_local_images, fold_assignment
 from trainers.tasks import split_images
 
 
@@ -27,7 +27,7 @@ class Selection:
     best_single: str
     gain: float  # ensemble - best single on images the selection never saw
     gain_std: float  # spread of that gain (std over folds; nan where not measured)
-    kind: str  # "oof", "halves", or "single" (one candidate: no selection)
+    kind: str  # "val", "oof", "halves", or "single" (one candidate: no selection)
     metrics: dict[str, float]  # for the MLflow pick run
     details: dict[str, Any]  # for the manifest
     fold_models: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)  # oof: (job, checkpoint) each
@@ -106,13 +106,49 @@ def submitted_weights(res: oof_mod.OofSelection, names: list[str]) -> tuple[np.n
         f"({res.gain_std:.4f}); the submission is the best single member, {names[res.best_single]}"]
 
 
+# Folds of the study's val images for the cross-fitted selection: weights on 4/5, scored on the other 1/5.
+VAL_FOLDS = 5
+# What each selection's gain figure is measured on (said in the CLI, the MLflow run's description and the figure).
+WHERE = {
+    "val": "cross-fitted on the study's val split: each fifth of its images scored by a selection made on the other "
+           "four (the trials' epochs were also chosen on that split, so members and ensemble are optimistic alike)",
+    "oof": "nested folds of every labelled image: each fold scored by a selection made on the other folds",
+    "halves": "the report half of the study's val split, never seen by the selection",
+}
+
+
+def select_val(cands: list[Candidate], data, opts: PickOptions, device) -> Selection:
+    """Ensemble selection on the trials' own checkpoints' predictions of the study's shared val split, at no training
+    cost: greedy (or --method) weights on every val image, and the gain cross-fitted over VAL_FOLDS image folds."""
+    _, val_img = split_images(cands[0].cfg, data)
+    caps, local = captions_and_local_images(data.cap2img, val_img)
+    preds = predict_all([c.model for c in cands], data.text[caps], device)  # [Nval_caps, Di] each
+    folds = oof_mod.Folds(fold_assignment(data.image_names[val_img], min(VAL_FOLDS, len(val_img))), local)
+    res = oof_mod.nested_select(preds, folds, data.image[val_img], opts.method, opts.size, opts.seed)
+    return _crossfit_selection(cands, res, opts, "val", {"val_folds": folds.n, "val_images": len(val_img),
+                                                         "val_captions": len(caps)})
+
+
 def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, picks: Path, device,
-               clock: Clock) -> tuple[list[Candidate], Selection]:
-    """Out-of-fold selection over the candidates whose fold jobs fit the budget: (those candidates, the selection)."""
-    cands, oof, fold_models, cost_factor = jobs.run_fold_jobs(cands, data, n_folds, picks, device, clock, opts.progress)
+               clock: Clock) -> tuple[list[Candidate], Selection | None]:
+    """Out-of-fold selection over the candidates whose fold jobs fit the budget: (those candidates, the selection);
+    no selection (None) when not even the first candidate's folds fit."""
+    cands, oof, fold_models = jobs.run_fold_jobs(cands, data, n_folds, picks, device, clock, opts.progress)
+    if not cands:
+        return [], None
     fold_of = fold_assignment(data.image_names, n_folds)
     folds = oof_mod.Folds(fold_of, np.asarray(data.cap2img, np.int64))
     res = oof_mod.nested_select(oof, folds, data.image, opts.method, opts.size, opts.seed)
+    sel = _crossfit_selection(cands, res, opts, "oof", {"folds": n_folds, "images": len(data.image),
+                                                        "captions": len(data.cap2img)})
+    sel.fold_models = fold_models
+    return cands, sel
+
+
+def _crossfit_selection(cands: list[Candidate], res: oof_mod.OofSelection, opts: PickOptions, kind: str,
+                        facts: dict[str, Any]) -> Selection:
+    """The Selection of a cross-fitted choice (val folds or out-of-fold): the submitted weights (or the best single
+    member when the gain is inside its spread), its table, metrics and manifest details."""
     weights, notes = submitted_weights(res, [c.name for c in cands])
     for line in notes:
         note(line)
@@ -130,15 +166,12 @@ def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, pi
                "nested/best_single_mrr": float(res.fold_best.mean()), "oof/ensemble_mrr": res.ensemble_mrr,
                "oof/mean_mrr": res.mean_mrr, **{f"member/{c.name}/oof_mrr": float(m)
                                                 for c, m in zip(cands, res.member_mrr)}}
-    details = {"folds": n_folds, "images": len(data.image), "captions": len(data.cap2img),
-               # measured / estimated seconds of the fold jobs: the refit plan scales its estimates by it
-               "cost_factor": cost_factor,
+    details = {**facts, "measured_on": WHERE[kind],
                "nested": {"gain_mrr": res.gain, "gain_mrr_std": res.gain_std,
                           "fold_gains": res.fold_gains.tolist(), "fold_ensemble_mrr": res.fold_ensemble.tolist(),
                           "fold_best_single_mrr": res.fold_best.tolist()},
                "oof": {"ensemble_mrr": res.ensemble_mrr, "mean_mrr": res.mean_mrr,
                        "best_single_mrr": float(res.member_mrr[res.best_single])},
                "ensemble_used": res.gain_is_real, "notes": notes}
-    sel = Selection(weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_std, "oof",
-                    metrics, details, fold_models)
-    return cands, sel
+    return Selection(weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_std, kind,
+                     metrics, details)

@@ -22,12 +22,16 @@ from trainers.config import dump_toml, flatten, with_values
 from trainers.data import TrainSet
 from trainers.errors import LatentsweepError
 from trainers.io import atomic_write
-from trainers.loop import EpochReport, train
+from trainers.loop import DeadlineReached, EpochReport, train
 
 log = logging.getLogger("latentsweep")
 ERROR_ATTR = "latentsweep.error"  # set on trials that failed by themselves (not retried; they count in the budget)
 # A study user attr, set when a bug stopped a worker: the other workers stop before claiming their next trial.
 HALT_ATTR = "latentsweep.halted"
+# Trial user attrs: the run's measured seconds (trainers.cost.Timing as a dict), what the pick plans its jobs and a
+# one-budget run its split with; and, on a trial the deadline cut short, where it stopped.
+TIMING_ATTR = "timing"
+DEADLINE_ATTR = "latentsweep.stopped_at_deadline"
 # What a configuration can do to a trial: a user-facing error (a bad value found at run time, divergence is a
 # TrainingDiverged) or running out of memory. Anything else raised by train() is a bug in our code: it stops the
 # study loudly instead of failing every trial in turn and burning the budget.
@@ -58,14 +62,29 @@ class TrialRunner:
         self.base_values = flatten(study_file.base)
         self.open_run: str | None = None  # the MLflow run of the trial in progress, until it is closed
         self.bug: str | None = None  # the traceback of a bug raised by train() in the trial in progress
+        # A one-budget run's search end (time.time()), re-estimated after every epoch (search.study.budget)
+        self.search_end: float | None = None
+
+    def search_end_now(self, study: optuna.Study) -> float | None:
+        """Re-estimate when the search must end (None outside a one-budget run)."""
+        budget = self.spec.budget
+        self.search_end = None if budget is None else budget.search_end(study, len(self.data.cap2img),
+                                                                        len(self.data.image))
+        return self.search_end
 
     def run(self, trial: optuna.Trial) -> tuple[TrialState, float | None]:
+        """Run the trial; in a one-budget run its training stops at the search's end, keeping its best epoch."""
         cfg, out, run_id = self._start(trial)
         try:
             result = train(cfg, self.data, callback=functools.partial(self._report, trial, run_id, {}), out_dir=out,
-                           progress=self.spec.progress)
+                           progress=self.spec.progress, deadline=lambda: self.search_end)
         except optuna.TrialPruned as exc:
             self.tracker.set_tags(run_id, {NOTE_TAG: f"Pruned by the study's pruner ({exc})."})
+            self._close(run_id, out, "PRUNED")
+            return TrialState.PRUNED, None
+        except DeadlineReached as exc:  # the budget's end, before any epoch ended: nothing to keep, not a failure
+            trial.set_user_attr(DEADLINE_ATTR, str(exc))
+            self.tracker.set_tags(run_id, {NOTE_TAG: f"Stopped at the run's deadline: {exc}."})
             self._close(run_id, out, "PRUNED")
             return TrialState.PRUNED, None
         except KeyboardInterrupt:
@@ -83,6 +102,15 @@ class TrialRunner:
             self.bug = traceback.format_exc()
             raise
         value = float(result.best_metrics[self.study_file.objective])
+        if result.stopped_at_deadline:
+            # Cut short by the budget, its best finished epoch kept: pruned (Optuna's "stopped early"), and pick
+            # still finds its best epoch's checkpoint and value.
+            trial.set_user_attr(DEADLINE_ATTR, f"stopped after epoch {len(result.history) - 1}")
+            self.tracker.set_tags(run_id, {NOTE_TAG: f"Stopped at the run's deadline after epoch "
+                                                     f"{len(result.history) - 1}; best epoch {result.best_epoch} "
+                                                     f"({self.study_file.objective} {value:.4f}) kept in best.pt."})
+            self._close(run_id, out, "PRUNED")
+            return TrialState.PRUNED, None
         trial.set_user_attr("best_epoch", result.best_epoch)
         trial.set_user_attr("checkpoint", relative_to_state(result.checkpoint, self.spec.state_dir))
         self.tracker.set_tags(run_id, {NOTE_TAG: f"Complete: {self.study_file.objective} {value:.4f} at epoch "
@@ -163,6 +191,10 @@ class TrialRunner:
         try:
             self.tracker.log_epoch(run_id, {**report.metrics, **best}, report.epoch)
             trial.report(report.metrics[self.study_file.objective], report.epoch)
+            if report.timing is not None:
+                trial.set_user_attr(TIMING_ATTR, report.timing.as_attrs())
+            if self.spec.budget is not None:  # this epoch measured more: the pick's reserve may have changed
+                self.search_end_now(trial.study)
         except Exception as exc:  # a store that failed is neither the config's fault nor a bug: stop, retry later
             reason = (str(exc).strip().splitlines() or [""])[0][:300]
             raise StoreFailed(f"trial {trial.number}: cannot record epoch {report.epoch} "

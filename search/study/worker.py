@@ -13,6 +13,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
+from search.study.budget import SearchBudget
 from search.study.objective import ERROR_ATTR, HALT_ATTR, StudyHalted, TrialRunner
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
 from search.study.storage import (
@@ -52,6 +53,7 @@ class RunSpec:
     threads: int = 0
     progress: bool = True  # tqdm bars (a terminal and no --quiet); the per-trial lines are printed regardless
     verbose: bool = False  # one line per epoch when there are no bars
+    budget: SearchBudget | None = None  # a one-budget run's clock: trials stop where the pick's reserve begins
 
 
 def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True,
@@ -259,6 +261,9 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
     poll = min(WAIT_POLL_S, storage_of(study).get_heartbeat_interval() or WAIT_POLL_S)
     while spec.timeout is None or time.monotonic() - start < spec.timeout:
         check_halted(study)
+        end = runner.search_end_now(study)
+        if end is not None and time.time() >= end:
+            break
         trial = claim_trial(study, spec.n_trials)
         try:
             close_dead_runs(study, runner.tracker)  # the claim may have failed dead workers' trials

@@ -30,6 +30,7 @@ class AllImagesInfoNCE(Loss):
     when symmetric) at temperature(); label_smoothing spread over the kept columns (masked_ce)."""
 
     cfg: AllImagesInfoNCECfg
+    cost_per_image = True  # one [batch x images] product per step
 
     @classmethod
     def batch_keys(cls, cfg: AllImagesInfoNCECfg) -> frozenset[str]:

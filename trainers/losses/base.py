@@ -53,6 +53,7 @@ class Loss(nn.Module):
     name: ClassVar[str] = ""  # the registry name, = its `LossCfg` field (set by register_loss)
     task: ClassVar[str] = "translate"
     min_slots: ClassVar[int] = 0
+    cost_per_image: ClassVar[bool] = False  # a step's cost grows with the training images (trainers.cost)
 
     def __init__(self, cfg: Any, dim_out: int):
         super().__init__()

@@ -45,6 +45,11 @@ class Criterion(nn.Module):
         self.out_norm = cfg.model.out_norm
         self.register_load_state_dict_pre_hook(_rename_legacy_keys)
 
+    @property
+    def cost_per_image(self) -> bool:
+        """Whether a step's cost grows with the number of training images (an active loss over every image)."""
+        return any(loss.cost_per_image for loss in self.losses.values())
+
     def forward(self, out: dict, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         total: torch.Tensor | None = None
         logged: dict[str, torch.Tensor] = {}

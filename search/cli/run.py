@@ -1,0 +1,60 @@
+"""`latentsweep run STUDY.toml --time 30m`: search and pick within one wall-clock budget, ending with the submission,
+the MLflow runs and the registered model."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from search.cli.pick import print_result
+from search.cli.study import make_spec
+from search.cli.study_inspect import liveness_args, stores_args
+from search.pick.onebudget import parse_duration, run_one_budget
+from search.pick.picker import PickOptions
+from search.stores import safe_name
+from search.study.preflight import no_new_empty_state_dir, preflight
+from search.study.storage import redact_url
+from trainers.errors import LatentsweepError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="search and pick within one time budget: the submission, MLflow runs and a "
+                                   "registered model at the end")
+    p.add_argument("study", help="study TOML file")
+    p.add_argument("--time", required=True, help="the whole job's wall-clock budget: 30m, 1h30m, 900s or 900")
+    p.add_argument("--data", help="train npz (default: the study's data.path, else the bundled demo)")
+    p.add_argument("--test", help="test.clean.npz (default: the demo test for the demo data, else the one beside "
+                                  "--data)")
+    p.add_argument("--out", help="submission CSV (default: STATE_DIR/picks/<study>/submission.csv)")
+    p.add_argument("--register", metavar="NAME", help="Model Registry name (default: the study's name)")
+    p.add_argument("--name", help="study name (default: the file's study.name)")
+    p.add_argument("--n-trials", type=int, help="the search also ends after this many finished trials (default: the "
+                                                "file's n_trials)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes on this machine (default 1)")
+    p.add_argument("--device", default=PickOptions.device, help="the pick's device: auto | cpu | cuda | cuda:N")
+    stores_args(p)
+    liveness_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bars (the one line per trial and job stays)")
+    p.add_argument("--verbose", action="store_true", help="also one line per epoch when stderr is not a terminal")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    started = time.time()
+    total = parse_duration(args.time)
+    if args.workers < 1:
+        raise LatentsweepError(f"--workers must be >= 1, got {args.workers}")
+    args.timeout = None  # the budget is the bound
+    with no_new_empty_state_dir(args.state_dir):
+        spec = make_spec(args)
+        preflight(spec)
+    print(f"study '{spec.name}': storage {redact_url(spec.storage.url)}, tracking {redact_url(spec.tracking_uri)}",
+          file=sys.stderr)
+    pick = PickOptions(study=safe_name(spec.name), state_dir=spec.state_dir, storage=spec.storage.url,
+                       tracking_uri=spec.tracking_uri, data=spec.data_path, test=args.test, out=args.out,
+                       register=args.register or spec.name, device=args.device, progress=spec.progress)
+    summary, result = run_one_budget(spec, total, pick, args.workers, started)
+    print(json.dumps({"study": spec.name, **summary}, default=str))
+    print_result(result)
+    print(f"wall time {time.time() - started:.0f} s of {total:.0f} s")
+    return 0

@@ -1,0 +1,46 @@
+"""What a training job costs in seconds: measured by the loop (start-up, training and validation per epoch), and
+extrapolated from one job to another of the same config on other data sizes (a refit on every image, a fold model)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds measured in one training run, each part on its own because each scales differently: start-up is
+    paid once (data on the device, model, optimiser), training grows with the captions (and with the images for a
+    loss over every image), validation is paid only by jobs that hold images out."""
+    setup_s: float  # from train() to the first batch
+    train_s: float  # mean seconds per training epoch
+    eval_s: float  # mean seconds per epoch of validation (0 without a val split)
+    captions: int  # training captions of that run
+    images: int  # training images of that run
+    per_image: bool  # a step's cost grows with the number of training images (loss.all_images_infonce)
+
+    def as_attrs(self) -> dict:
+        """A JSON-able dict (Optuna user attrs, manifests)."""
+        return asdict(self)
+
+    @classmethod
+    def from_attrs(cls, attrs) -> "Timing | None":
+        """The Timing stored by as_attrs, or None for anything else (trials written before timings existed)."""
+        names = {f.name for f in fields(cls)}
+        if not isinstance(attrs, dict) or set(attrs) != names:
+            return None
+        return cls(**attrs)
+
+    def estimate(self, captions: int, images: int, epochs: int, validate: bool = False) -> float:
+        """Estimated seconds of the same config trained `epochs` epochs on `captions` captions of `images` images."""
+        scale = captions / max(self.captions, 1)
+        if self.per_image:  # [batch x images] logits per step: the cost per caption grows with the images
+            scale *= images / max(self.images, 1)
+        return self.setup_s + epochs * (self.train_s * scale + (self.eval_s if validate else 0.0))
+
+
+def mean_epoch(seconds: list[float]) -> float:
+    """Mean of per-epoch seconds without the first epoch when there are more (it pays one-off warm-up costs)."""
+    kept = seconds[1:] if len(seconds) > 1 else seconds
+    return sum(kept) / len(kept) if kept else 0.0
+
+
+__all__ = ["Timing", "mean_epoch"]
