@@ -47,8 +47,11 @@ STUDY = "full"
 BOOT = 10_000  # bootstrap resamples of the pooled captions
 
 
-def sh(argv: list[str], log: Path) -> float:
-    """Run a command with its output appended to `log`; returns its wall time; raises on a non-zero exit."""
+def sh(argv: list[str], log: Path, makes: Path | None = None) -> float | None:
+    """Run a command with its output appended to `log`; returns its wall time; raises on a non-zero exit. When the
+    file `makes` exists already (an earlier, interrupted benchmark made it), nothing runs and None is returned."""
+    if makes is not None and makes.is_file():
+        return None
     start = time.monotonic()
     with open(log, "a") as fh:
         fh.write(f"\n$ {' '.join(map(str, argv))}\n")
@@ -142,26 +145,27 @@ def best_trial_refit(state: Path, data: Path, answers: Path, test, log: Path) ->
 def one_holdout(seed: int, args, work: Path) -> dict:
     """Every submission of one holdout; saves work/results.npz (reciprocal ranks) and returns the timings."""
     log, state, h = work / "log.txt", work / "state", work / "holdout"
-    sh([*CLI, "data", "holdout", args.data, "--seed", seed, "--out", h], log)
+    sh([*CLI, "data", "holdout", args.data, "--seed", seed, "--out", h], log, h / "answers.npz")
     data, test_path, answers = h / "train.npz", h / "test.clean.npz", h / "answers.npz"
     test = load_test(test_path)
     common = ["--state-dir", state, "--test", test_path, "--quiet"]
     row = {"seed": seed, "run_s": sh([*CLI, "run", args.study, "--time", args.time, "--data", data,
-                                      "--out", work / "platform.csv", *common], log)}
+                                      "--out", work / "platform.csv", *common], log, work / "platform.csv")}
     pick_budget = float(re.findall(r"the pick gets the (\d+) s left", log.read_text())[-1])
     rr = {"platform": submission_rr(work / "platform.csv", answers)}
     row["reference_s"] = sh([sys.executable, ROOT / "benchmarks" / "reference_script.py", data, test_path,
-                             work / "reference.csv"], log)
+                             work / "reference.csv"], log, work / "reference.csv")
     rr["reference"] = submission_rr(work / "reference.csv", answers)
     rr["best_trial_refit"] = best_trial_refit(state, data, answers, test, log)
     row["old_pick_s"] = sh([*CLI, "pick", STUDY, "--selection", "oof", "--budget", pick_budget, "--data", data,
-                            "--out", work / "old.csv", *common], log)
+                            "--out", work / "old.csv", *common], log, work / "old.csv")
     rr["old_pick"] = submission_rr(work / "old.csv", answers)
     for frac in args.splits:
         name = f"{STUDY}-split{int(frac * 100)}"
-        truncate(f"sqlite:///{state / 'optuna.db'}", frac * args.seconds, name)
+        if not (work / f"{name}.csv").is_file():
+            truncate(f"sqlite:///{state / 'optuna.db'}", frac * args.seconds, name)
         sh([*CLI, "pick", name, "--budget", (1 - frac) * args.seconds, "--data", data,
-            "--out", work / f"{name}.csv", *common], log)
+            "--out", work / f"{name}.csv", *common], log, work / f"{name}.csv")
         rr[f"split{int(frac * 100)}"] = submission_rr(work / f"{name}.csv", answers)
     manifest = json.loads((work / "platform.manifest.json").read_text())
     old = json.loads((work / "old.manifest.json").read_text())
@@ -206,7 +210,7 @@ def report(work: Path) -> str:
     lines += ["", "| timings | " + " | ".join(f"holdout {r['seed']}" for r in rows) + " |",
               "|---|" + "---|" * len(rows)]
     for k in ("run_s", "reference_s", "old_pick_s", "trials"):
-        lines.append(f"| {k} | " + " | ".join(f"{r.get(k, float('nan')):.0f}" for r in rows) + " |")
+        lines.append(f"| {k} | " + " | ".join(f"{r[k]:.0f}" if r.get(k) is not None else "-" for r in rows) + " |")
     for k in ("one_refit", "plus_seed", "plus_member", "fold_models"):
         lines.append(f"| job seconds: {k} | " + " | ".join(str(r["job_seconds"].get(k)) for r in rows) + " |")
     return "\n".join(lines)

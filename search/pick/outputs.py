@@ -18,15 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import optuna
 import pandas as pd
 
+from search.pick.candidates import Candidate
+from search.pick.jobs import SubmissionModel
+from search.pick.options import Paths, PickOptions
 from search.pick.pyfunc_model import ModelCard, log_ensemble, model_name
-from search.pick.selection import WHERE
+from search.pick.selection import WHERE, Selection
 from search.study.worker import PARENT_ATTR
 from search.tracking.base import (
     NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker, redact_url, source_tags,
 )
 from search.tracking.plots import ensemble_figure
+from trainers.data import TestSet, TrainSet
 from trainers.submission import check_submission, write_submission
 
 PICK_ROLE = "pick"
@@ -53,15 +58,16 @@ class PickResult:
 class PickRun:
     """Everything a finished pick writes out: its options and paths, the study, the candidates kept, the selection,
     the models of the submission (search.pick.jobs.SubmissionModel), the data and test files and the submission."""
-    opts: Any
-    paths: Any
-    study: Any
-    cands: list
-    sel: Any
-    models: list
-    data: Any
-    test: Any
+    opts: PickOptions
+    paths: Paths
+    study: optuna.Study
+    cands: list[Candidate]
+    sel: Selection
+    models: list[SubmissionModel]
+    data: TrainSet
+    test: TestSet
     test_pred: np.ndarray  # [N_test, Di] the submission's rows
+    budget: float | None  # the seconds the pick had (None: no bound)
 
 
 def _make_dirs(directory: Path) -> list[Path]:
@@ -115,7 +121,7 @@ def run_params(r: PickRun) -> dict[str, Any]:
     opts, cands, sel, models, data, test = r.opts, r.cands, r.sel, r.models, r.data, r.test
     return {"method": opts.method, "selection": sel.kind, "top": opts.top, "size": opts.size,
             "folds": sel.details.get("folds", ""), "refit": opts.refit, "models_per_member": _models_per_member(models),
-            "budget_s": sel.details.get("plan", {}).get("budget_s", opts.budget), "seed": opts.seed,
+            "budget_s": r.budget, "seed": opts.seed,
             "n_candidates": len(cands),
             "n_members": int((sel.weights > 0).sum()), "n_models": len(models), "best_single": sel.best_single,
             "data_fingerprint": data.fingerprint, "test_path": test.path}
@@ -135,7 +141,7 @@ def describe(study_name: str, method: str, sel, models, dims: tuple[int, int]) -
     gain = (f" Gain over the best single member ({sel.best_single}), {where}: "
             f"{sel.gain:+.4f}" + (f" +/- {sel.gain_std:.4f} (std over folds)." if sel.gain_std == sel.gain_std
                                   else ".")) if where else ""
-    if sel.details.get("ensemble_used") is False:
+    if sel.ensemble_used is False:
         gain += " That is within its spread, so the submission is the best single member."
     origins = sorted({m.origin for m in models})
     return (f"Ensemble ({method}, {sel.kind} selection) of study {study_name}: {members}.{gain} Made of "
@@ -188,13 +194,16 @@ def manifest(r: PickRun, run: dict[str, Any]) -> dict[str, Any]:
         "study": study.study_name, "direction": study.direction.name.lower(), "method": opts.method,
         "selection": sel.kind,
         "options": {"top": opts.top, "size": opts.size, "seeds": opts.seeds, "seed": opts.seed, "folds": opts.folds,
-                    "refit": opts.refit, "budget": sel.details.get("plan", {}).get("budget_s", opts.budget)},
+                    "refit": opts.refit, "budget": r.budget},
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "members": members,
         "weights": {c.name: float(w) for c, w in zip(cands, sel.weights) if w > 0},
         "best_single": sel.best_single,
         "gain_mrr": sel.gain, "gain_mrr_std": None if sel.gain_std != sel.gain_std else sel.gain_std,
         **sel.details,
+        "notes": sel.notes, "ensemble_used": sel.ensemble_used,
+        "plan": None if sel.plan is None else {"top": sel.plan.top, "folds": sel.plan.folds, "seeds": sel.plan.seeds,
+                                               "estimate_s": sel.plan.estimate},
         "submission_models": made_by,
         "data": {"path": str(data.path), "fingerprint": data.fingerprint},
         "test": {"path": str(test.path), "fingerprint": test.fingerprint, "rows": int(len(test.ids))},

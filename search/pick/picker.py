@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import optuna
 import pandas as pd
 
 from search.pick import ensemble
@@ -30,7 +32,8 @@ from search.pick.selection import Selection, screen, select_halves, select_oof, 
 from search.study.report import load_existing_study
 from search.study.storage import probe_tracking_store
 from search.tracking import make_tracker
-from trainers.data import load_test, load_train
+from search.tracking.base import Tracker
+from trainers.data import TestSet, TrainSet, load_test, load_train
 from trainers.loop import resolve_device
 
 
@@ -80,9 +83,9 @@ def choose_oof(opts: PickOptions, pool: list[Candidate], data, paths: Paths, dev
         cands = ordered[:1]
         table = pd.DataFrame([{"role": "member", "name": cands[0].name, "weight": 1.0, "study_value": cands[0].value}])
         sel = Selection(np.ones(1), table, cands[0].name, 0.0, float("nan"), "single", {}, {})
-    sel.details["notes"] = p.notes + sel.details.get("notes", [])
-    sel.details["plan"] = {"top": p.top, "folds": p.folds, "seeds": p.seeds, "estimate_s": p.estimate,
-                           "budget_s": clock.budget, "candidates_order": how}
+    sel.notes[:0] = p.notes
+    sel.plan = p
+    sel.details["candidates_order"] = how
     return cands, sel
 
 
@@ -128,31 +131,72 @@ def pick_budget(opts: PickOptions, study) -> float | None:
     return budget
 
 
+@dataclass
+class PickInputs:
+    """What every pick step reads: resolved paths, the study, its tracker, the candidate pool, train and test data."""
+    paths: Paths
+    study: optuna.Study
+    tracker: Tracker
+    pool: list[Candidate]
+    data: TrainSet
+    test: TestSet
+
+
+def load_inputs(opts: PickOptions, downloads: Path, device) -> PickInputs:
+    """Resolve and check everything a pick needs, in seconds, before any training (the run is written last, so its
+    tracking store is probed first)."""
+    paths = resolve_paths(opts)
+    probe_tracking_store(paths.tracking_uri)
+    study = load_existing_study(opts.study, paths.storage)
+    tracker = make_tracker(paths.tracking_uri, paths.artifact_root)
+    pool = load_candidates(study, pool_size(opts), tracker, downloads, device, paths.root)
+    data_path, test_path = resolve_data(opts, pool)
+    test = load_test(test_path)
+    check_test(pool, test)
+    data = load_train(data_path)
+    check_data(pool, data)
+    return PickInputs(paths, study, tracker, pool, data, test)
+
+
+def estimate_pick(opts: PickOptions) -> float | None:
+    """Seconds the pick would take on the study as it stands (loading, selection, refits and export), found without
+    training; None when its selection would train fold models (then only the pick itself can tell)."""
+    started = time.monotonic()
+    check_options(opts)
+    device = resolve_device(opts.device)
+    with tempfile.TemporaryDirectory(prefix="latentsweep-pick-") as downloads:
+        inp = load_inputs(opts, Path(downloads), device)
+        if opts.selection != "val" or not shares_val_split(inp.pool):
+            return None
+        sel = select_val(inp.pool, inp.data, opts, device)
+        chosen = [c for c, w in zip(inp.pool, sel.weights) if w > 0]
+        jobs = refit_jobs(chosen, opts.refit_seeds, inp.data, inp.paths.picks) if opts.refit else []
+        clock = Clock(None)
+        clock.models = max(len(jobs), len(chosen))
+        return time.monotonic() - started + sum(clock.expect(j.cost) for j in jobs) + clock.export_reserve()
+
+
 def run_pick(opts: PickOptions) -> PickResult:
     """The whole pick; returns search.pick.outputs.PickResult. Cheap checks come before any training."""
     started = time.monotonic()
     check_options(opts)
-    paths = resolve_paths(opts)
-    probe_tracking_store(paths.tracking_uri)  # in seconds, before any training: the run is written last
-    study = load_existing_study(opts.study, paths.storage)
     device = resolve_device(opts.device)
-    clock = Clock(pick_budget(opts, study), started)
     with tempfile.TemporaryDirectory(prefix="latentsweep-pick-") as downloads:
-        tracker = make_tracker(paths.tracking_uri, paths.artifact_root)
-        pool = load_candidates(study, pool_size(opts), tracker, Path(downloads), device, paths.root)
-        data_path, test_path = resolve_data(opts, pool)
-        test = load_test(test_path)
-        check_test(pool, test)
-        data = load_train(data_path)
-        check_data(pool, data)
-        cands, sel = choose(opts, pool, data, paths, device, clock)
+        inp = load_inputs(opts, Path(downloads), device)
+        paths, data, test = inp.paths, inp.data, inp.test
+        clock = Clock(pick_budget(opts, inp.study), started)
+        cands, sel = choose(opts, inp.pool, data, paths, device, clock)
         models, notes = submission_models(opts, cands, sel, data, paths, device, clock)
         for line in notes:
             note(line)
-        sel.details.setdefault("notes", []).extend(notes)
+        sel.notes.extend(notes)
         made = pd.DataFrame([{"role": "submission_model", "name": m.name, "weight": m.weight, "origin": m.origin}
                              for m in models])
         sel.table = pd.concat([sel.table, made], ignore_index=True)
         test_pred = ensemble.combine(ensemble.predict_all([m.model for m in models], test.embeddings, device),
                                      [m.weight for m in models])
-        return write_outputs(tracker, PickRun(opts, paths, study, cands, sel, models, data, test, test_pred))
+        result = write_outputs(inp.tracker, PickRun(opts, paths, inp.study, cands, sel, models, data, test, test_pred,
+                                                    clock.budget))
+    budget = f" of its {clock.budget:.0f} s budget" if clock.budget is not None else ""
+    note(f"pick done in {clock.elapsed:.0f} s{budget}: {len(models)} model(s) in the submission")
+    return result

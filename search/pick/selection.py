@@ -15,7 +15,7 @@ from search.pick import oof as oof_mod
 from search.pick.candidates import SPLIT_KEYS, Candidate
 from search.pick.ensemble import predict_all
 from search.pick.options import PickOptions
-from search.pick.plan import Clock, note
+from search.pick.plan import Clock, Plan, note
 from trainers.splits import captions_and_local_images, fold_assignment
 from trainers.tasks import split_images
 
@@ -29,8 +29,11 @@ class Selection:
     gain_std: float  # spread of that gain (std over folds; nan where not measured)
     kind: str  # "val", "oof", "halves", or "single" (one candidate: no selection)
     metrics: dict[str, float]  # for the MLflow pick run
-    details: dict[str, Any]  # for the manifest
+    details: dict[str, Any]  # facts for the manifest only (nothing downstream reads them)
     fold_models: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)  # oof: (job, checkpoint) each
+    notes: list[str] = field(default_factory=list)  # what the pick gave up or changed, in the order it happened
+    ensemble_used: bool | None = None  # False: the gain was inside its spread, the best single member is submitted
+    plan: Plan | None = None  # oof: the fold plan that fitted the budget
 
 
 def select_halves(cands: list[Candidate], data, method: str, size: int, seed: int, device) -> Selection:
@@ -172,6 +175,6 @@ def _crossfit_selection(cands: list[Candidate], res: oof_mod.OofSelection, opts:
                           "fold_best_single_mrr": res.fold_best.tolist()},
                "oof": {"ensemble_mrr": res.ensemble_mrr, "mean_mrr": res.mean_mrr,
                        "best_single_mrr": float(res.member_mrr[res.best_single])},
-               "ensemble_used": res.gain_is_real, "notes": notes}
+               }
     return Selection(weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_std, kind,
-                     metrics, details)
+                     metrics, details, notes=notes, ensemble_used=res.gain_is_real)

@@ -31,7 +31,7 @@ class SearchBudget:
     """The whole job's wall-clock budget: it started at `start` (time.time()) and has `total` seconds."""
     start: float
     total: float
-
+    reserve_s: float | None = None  # a reserve fixed by the caller (the pick's own estimate) instead of the rule
     @property
     def end(self) -> float:
         return self.start + self.total
@@ -41,6 +41,8 @@ class SearchBudget:
         (`captions`, `images`), plus PICK_FIXED_S, within RESERVE_MIN/MAX_FRACTION of the total. When not even one
         refit fits in the largest reserve (a loss whose cost grows with the images, at challenge size), the pick
         will submit the trials' own checkpoints, so it keeps only the smallest reserve and the search the rest."""
+        if self.reserve_s is not None:
+            return self.reserve_s
         costs = refit_costs(study, captions, images)
         low, high = RESERVE_MIN_FRACTION * self.total, RESERVE_MAX_FRACTION * self.total
         if not costs:

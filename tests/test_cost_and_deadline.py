@@ -1,0 +1,90 @@
+"""What a job costs (trainers.cost), the deadline of a training run, and the search/pick split of a one-budget run."""
+from __future__ import annotations
+
+import time
+
+import optuna
+import pytest
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState, create_trial
+
+from search.pick.onebudget import parse_duration
+from search.study.budget import (
+    PICK_FIXED_S, RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, SearchBudget,
+)
+from search.study.objective import TIMING_ATTR
+from test_loop import data, small_cfg  # noqa: F401 - the module's data fixture, by name
+from trainers.cost import Timing, mean_epoch
+from trainers.errors import LatentsweepError
+from trainers.loop import DeadlineReached, train
+
+
+def test_estimate_scales_training_by_captions_and_by_images_only_for_a_per_image_loss():
+    t = Timing(setup_s=2.0, train_s=10.0, eval_s=3.0, captions=800, images=200, per_image=False)
+    assert t.estimate(1000, 250, epochs=4) == pytest.approx(2.0 + 4 * 10.0 * 1000 / 800)
+    assert t.estimate(1000, 250, epochs=4, validate=True) == pytest.approx(2.0 + 4 * (12.5 + 3.0))
+    wide = Timing(2.0, 10.0, 3.0, 800, 200, per_image=True)
+    assert wide.estimate(1000, 250, epochs=4) == pytest.approx(2.0 + 4 * 10.0 * (1000 / 800) * (250 / 200))
+
+
+def test_timing_round_trips_through_attrs_and_rejects_anything_else():
+    t = Timing(1.5, 2.5, 0.5, 10, 3, True)
+    assert Timing.from_attrs(t.as_attrs()) == t
+    for bad in (None, "x", {}, {**t.as_attrs(), "extra": 1}, {k: v for k, v in t.as_attrs().items() if k != "eval_s"}):
+        assert Timing.from_attrs(bad) is None
+    assert mean_epoch([9.0, 1.0, 3.0]) == 2.0 and mean_epoch([4.0]) == 4.0 and mean_epoch([]) == 0.0
+
+
+def test_a_training_run_measures_its_parts(data):  # noqa: F811
+    result = train(small_cfg(**{"train.epochs": 3}), data)
+    t = result.timing
+    assert t.setup_s > 0 and t.train_s > 0 and t.eval_s > 0
+    assert t.images < len(data.image) and t.captions < len(data.cap2img)  # the training side of the split
+    assert not result.stopped_at_deadline
+
+
+def test_the_deadline_stops_training_keeping_the_best_finished_epoch(data, tmp_path):  # noqa: F811
+    cfg = small_cfg(**{"train.epochs": 50, "train.early_stop": 0})
+    ends = {"at": None}
+
+    def after_epoch(report) -> None:
+        if report.epoch == 2:  # from now on the deadline has passed: the next step must not start
+            ends["at"] = time.time()
+
+    result = train(cfg, data, callback=after_epoch, out_dir=tmp_path, deadline=lambda: ends["at"])
+    assert result.stopped_at_deadline and len(result.history) == 3 and result.best_epoch <= 2
+    assert (tmp_path / "best.pt").is_file()
+    with pytest.raises(DeadlineReached):
+        train(cfg, data, deadline=lambda: time.time() - 1)
+
+
+def _study_with(refit_seconds: list[float], images: int = 100) -> optuna.Study:
+    """A study whose trials each measured a refit of `seconds` on `images` images x 4 captions (1 epoch)."""
+    study = optuna.create_study(direction="maximize")
+    for i, seconds in enumerate(refit_seconds):
+        timing = Timing(0.0, seconds, 0.0, 4 * images, images, False)
+        study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.5 + i / 100, params={"x": 0.1},
+                                     distributions={"x": FloatDistribution(0, 1)}, intermediate_values={0: 0.5},
+                                     user_attrs={TIMING_ATTR: timing.as_attrs()}))
+    return study
+
+
+def test_the_pick_reserve_follows_the_measured_refit_cost_within_its_bounds():
+    budget = SearchBudget(start=time.time(), total=1000.0)
+    assert budget.reserve(_study_with([]), 400, 100) == RESERVE_MAX_FRACTION * 1000  # nothing measured yet
+    assert budget.reserve(_study_with([1.0]), 400, 100) == RESERVE_MIN_FRACTION * 1000  # cheap refits
+    assert budget.reserve(_study_with([20.0, 20.0]), 400, 100) == pytest.approx(RESERVE_REFITS * 20 + PICK_FIXED_S)
+    # one refit does not even fit the largest reserve: the pick will submit checkpoints, the search gets the rest
+    assert budget.reserve(_study_with([900.0]), 400, 100) == max(PICK_FIXED_S, RESERVE_MIN_FRACTION * 1000)
+    assert budget.search_end(_study_with([1.0]), 400, 100) == pytest.approx(budget.end - 100.0)
+
+
+@pytest.mark.parametrize("text,seconds", [("30m", 1800), ("1h30m", 5400), ("90s", 90), ("600", 600), ("1.5h", 5400)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "soon", "10x", "-5m", "5", "30s"])
+def test_bad_durations_are_one_line_errors(text):
+    with pytest.raises(LatentsweepError, match="--time"):
+        parse_duration(text)
