@@ -58,7 +58,7 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
     budget = SearchBudget(time.time() if started is None else started, total)
     note(describe_split(total))
     summary = run_study(replace(spec, timeout=None, budget=budget), workers=workers)
-    need = estimate_pick(pick)
+    need = estimate_pick(pick, budget.left())
     spare = budget.left() - need * PICK_MARGIN if need is not None else 0.0
     if spare >= MIN_MORE_SEARCH_S:  # the reserve was a rule of thumb; the pick's own plan is known now
         note(f"the pick's plan needs about {need:.0f} s of the {budget.left():.0f} s left: the search goes on for "

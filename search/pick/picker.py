@@ -158,9 +158,10 @@ def load_inputs(opts: PickOptions, downloads: Path, device) -> PickInputs:
     return PickInputs(paths, study, tracker, pool, data, test)
 
 
-def estimate_pick(opts: PickOptions) -> float | None:
-    """Seconds the pick would take on the study as it stands (loading, selection, refits and export), found without
-    training; None when its selection would train fold models (then only the pick itself can tell)."""
+def estimate_pick(opts: PickOptions, budget: float | None) -> float | None:
+    """Seconds the pick would take on the study as it stands within `budget` seconds (loading, selection, the refits
+    its clock would admit, export), found without training; None when its selection would train fold models (then
+    only the pick itself can tell)."""
     started = time.monotonic()
     check_options(opts)
     device = resolve_device(opts.device)
@@ -170,10 +171,16 @@ def estimate_pick(opts: PickOptions) -> float | None:
             return None
         sel = select_val(inp.pool, inp.data, opts, device)
         chosen = [c for c, w in zip(inp.pool, sel.weights) if w > 0]
-        jobs = refit_jobs(chosen, opts.refit_seeds, inp.data, inp.paths.picks) if opts.refit else []
-        clock = Clock(None)
-        clock.models = max(len(jobs), len(chosen))
-        return time.monotonic() - started + sum(clock.expect(j.cost) for j in jobs) + clock.export_reserve()
+        queue = [job for s in range(opts.refit_seeds)
+                 for job in refit_jobs(chosen, 1, inp.data, inp.paths.picks, seed_offset=s)] if opts.refit else []
+        clock, spent, admitted = Clock(None), time.monotonic() - started, 0
+        for job in queue:  # the jobs the pick's clock would admit, in the pick's order
+            clock.models = admitted + 1
+            if budget is not None and spent + clock.expect(job.cost) + clock.export_reserve() > budget:
+                break
+            spent, admitted = spent + clock.expect(job.cost), admitted + 1
+        clock.models = admitted or len(chosen)  # no refit admitted: the trials' own checkpoints are exported
+        return spent + clock.export_reserve()
 
 
 def run_pick(opts: PickOptions) -> PickResult:
