@@ -57,10 +57,11 @@ def targets(state: Path, study: str) -> tuple[str, str, int]:
     from search.tracking.paths import relocate_mlflow
 
     relocate_mlflow(state)
-    loaded = optuna.load_study(study_name=study, storage=f"sqlite:///{state / 'optuna.db'}")
+    storage = optuna.storages.RDBStorage(f"sqlite:///{state / 'optuna.db'}")
+    loaded = optuna.load_study(study_name=study, storage=storage)
     client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
     exp = client.get_experiment_by_name(study)
-    return exp.experiment_id, loaded.best_trial.user_attrs["mlflow_run_id"], loaded._study_id
+    return exp.experiment_id, loaded.best_trial.user_attrs["mlflow_run_id"], storage.get_study_id_from_name(study)
 
 
 def start_ui(state: Path, mlflow_port: int, dash_port: int) -> subprocess.Popen:

@@ -6,7 +6,6 @@ Every model maps x [B, dim_in] to {"pred": [B, dim_out] (L2-normalised iff cfg.m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -22,15 +21,37 @@ from trainers.registry import Registry
 MODELS: Registry[Callable[[Config, "ModelContext"], nn.Module]] = Registry("model")
 
 
-@dataclass
 class ModelContext:
-    """What a builder may look at besides the config. fit_x/fit_y may be None when weights come from a checkpoint
-    (closed-form fits and anchor picks are then skipped and left to `load_state_dict`)."""
+    """What a builder may look at besides the config: the dims, and the fit pairs that only the closed-form geometry
+    fit and the relative model's anchors read: fit_x [N, dim_in] train-split inputs and fit_y [N, dim_out] paired raw
+    (unnormalised) image embeddings, on the training device. A task passes `fit`, which builds the pairs on first
+    read: at challenge size they are 0.5 + 0.7 GB that every other model would hold for nothing. Neither is given
+    when weights come from a checkpoint (fits and anchor picks are skipped and left to `load_state_dict`)."""
 
-    dim_in: int
-    dim_out: int
-    fit_x: torch.Tensor | None = None  # [N, dim_in] train-split inputs, on the training device
-    fit_y: torch.Tensor | None = None  # [N, dim_out] paired raw (unnormalised) image embeddings
+    def __init__(self, dim_in: int, dim_out: int, fit_x: torch.Tensor | None = None,
+                 fit_y: torch.Tensor | None = None, *, fit: Callable[[], tuple] | None = None,
+                 device: torch.device | None = None):
+        self.dim_in, self.dim_out = dim_in, dim_out
+        self._pairs = (fit_x, fit_y) if fit_x is not None else None
+        self._fit = fit
+        self.device = fit_x.device if fit_x is not None else device  # where build_model puts the model
+
+    @property
+    def has_fit(self) -> bool:
+        return self._pairs is not None or self._fit is not None
+
+    def _built(self) -> tuple:
+        if self._pairs is None and self._fit is not None:
+            self._pairs, self._fit = self._fit(), None
+        return self._pairs or (None, None)
+
+    @property
+    def fit_x(self) -> torch.Tensor | None:
+        return self._built()[0]
+
+    @property
+    def fit_y(self) -> torch.Tensor | None:
+        return self._built()[1]
 
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh}
@@ -239,7 +260,7 @@ class GeometryAdapter(Translator):
         init_linears(self.adapter, cfg.model.init)
         nn.init.zeros_(self.adapter[-1].weight)
         nn.init.zeros_(self.adapter[-1].bias)
-        if ctx.fit_x is not None:
+        if ctx.has_fit:
             W, b = lookup(GEOMETRY_FITS, "geometry.init", cfg.geometry.init)(ctx.fit_x, ctx.fit_y, cfg.geometry)
             with torch.no_grad():
                 self.base.weight.copy_(W.T)
@@ -291,7 +312,7 @@ class RelativeTranslator(Translator):
         super().__init__(cfg.model.out_norm)
         n = cfg.model.n_anchors
         text, image = torch.zeros(n, ctx.dim_in), torch.zeros(n, ctx.dim_out)
-        if ctx.fit_x is not None:
+        if ctx.has_fit:
             if n > ctx.fit_x.shape[0]:
                 raise ConfigError(f"model.n_anchors: {n} anchors requested but only {ctx.fit_x.shape[0]} training rows")
             idx = torch.randperm(ctx.fit_x.shape[0], generator=torch.Generator().manual_seed(cfg.train.seed))[:n]
@@ -362,9 +383,9 @@ class WithSlots(nn.Module):
 
 
 def build_model(cfg: Config, ctx: ModelContext) -> nn.Module:
-    """cfg.model.kind from MODELS, wrapped with the slot head when cfg.slots.k > 0, on fit_x's device (if given)."""
+    """cfg.model.kind from MODELS, wrapped with the slot head when cfg.slots.k > 0, on ctx.device (if given)."""
     model = MODELS.get(cfg.model.kind)(cfg, ctx)
     if cfg.slots.k > 0:
         head = init_linears(SlotHead(ctx.dim_in, ctx.dim_out, cfg.slots.k, cfg.slots.hidden), cfg.model.init)
         model = WithSlots(model, head)
-    return model if ctx.fit_x is None else model.to(ctx.fit_x.device)
+    return model if ctx.device is None else model.to(ctx.device)

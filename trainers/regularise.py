@@ -16,6 +16,7 @@ from torch import nn
 
 from trainers.config import Config
 from trainers.registry import Registry
+from trainers.rows import Rows, column_stat
 
 WEIGHT_AVERAGES: Registry = Registry("weight average (train.average)")
 
@@ -43,12 +44,12 @@ class BatchAugment:
     near-constant coordinate is not swamped by noise sized for the others.
     """
 
-    def __init__(self, cfg: Config, train_x: torch.Tensor):
+    def __init__(self, cfg: Config, train_x: torch.Tensor | Rows):
         aug, seed = cfg.augment, cfg.train.seed
         self.alpha, self.noise_std = aug.mixup_alpha, aug.noise_std
         self.rng = np.random.default_rng(seed)  # lambda draws
         self.gen = torch.Generator(device=train_x.device).manual_seed(seed)  # pairings and noise, on the device
-        self.sigma = train_x.float().std(dim=0) if self.noise_std > 0 else None  # [Dt]
+        self.sigma = column_stat(train_x, lambda x: x.float().std(dim=0)) if self.noise_std > 0 else None  # [Dt]
 
     @property
     def active(self) -> bool:
@@ -113,7 +114,9 @@ class _Averaged(WeightAverage):
     @torch.no_grad()
     def _blend(self, weight: float) -> None:
         """avg <- avg + weight * (live - avg) for every floating entry of the state dict; copy the others."""
-        torch._foreach_lerp_(self.floats[0], self.floats[1], weight)  # one fused op (as torch.optim.swa_utils)
+        # One fused op over every tensor. Underscored but it is what torch.optim.swa_utils itself calls (no public
+        # multi-tensor lerp exists); tests/test_torch_api.py checks that the installed torch still has it.
+        torch._foreach_lerp_(self.floats[0], self.floats[1], weight)
         for a, b in self.others:
             a.copy_(b)
         self.n += 1

@@ -15,6 +15,7 @@ from trainers.losses import EpochContext, batch_keys
 from trainers.losses.multilabel import draw_fixed_positives
 from trainers.models import ModelContext
 from trainers.registry import Registry
+from trainers.rows import Rows
 from trainers.splits import captions_and_local_images, captions_of, kfold_by_image, split_by_hash
 
 TASKS: Registry = Registry("task")
@@ -112,13 +113,21 @@ class TranslateTask(Task):
     def __init__(self, cfg: Config, data: TrainSet, device: torch.device):
         self.cfg, self.device = cfg, device
         train_img, val_img = split_images(cfg, data)
-        self.x, self.img = self._captions(data, train_img)  # [N, Dt], [N] local train image index
-        self.images = torch.as_tensor(data.image[train_img], device=device)  # [Ni, Di] raw
-        self.images_n = F.normalize(self.images, dim=1)
+        # The training captions stay where they are: all captions [Nc, Dt] (on the CPU the loaded array itself, no
+        # copy) and the training ones' rows [N]; a batch gathers its rows. A copy was 0.46 GB at challenge size.
+        text = torch.as_tensor(data.text, device=device)
+        caps, local = captions_and_local_images(data.cap2img, train_img)
+        self.x = Rows(text, torch.as_tensor(caps, device=device))  # [N, Dt]
+        self.img = torch.as_tensor(local, device=device)  # [N] local train image index
+        # Raw images likewise ([Ni, Di] rows of the loaded [Ni_all, Di]); the normalised ones are read by every batch
+        # and by the all-images bank, so they are held (normalised from a transient copy: bit-identical to before).
+        self.images = Rows(torch.as_tensor(data.image, device=device), torch.as_tensor(train_img, device=device))
+        self.images_n = F.normalize(self.images.materialize(), dim=1)
         self.val_x, self.val_img = self._captions(data, val_img)
         self.val_images = torch.as_tensor(data.image[val_img], device=device)
         self.dim_in, self.dim_out = data.text.shape[1], data.image.shape[1]
-        self.text_mean = self.x.mean(0) if cfg.data.center_text else torch.zeros(self.dim_in, device=device)
+        self.text_mean = (self.x.column_stat(lambda x: x.mean(0)) if cfg.data.center_text
+                          else torch.zeros(self.dim_in, device=device))
         # The exact all-images loss reads the whole split's images each batch (a reference, no copy).
         self.bank = "bank" in batch_keys(cfg)
         order = torch.argsort(self.img, stable=True)  # CSR of captions by image, for image sampling
@@ -131,7 +140,12 @@ class TranslateTask(Task):
         return torch.as_tensor(data.text[caps], device=self.device), torch.as_tensor(local, device=self.device)
 
     def model_context(self) -> ModelContext:
-        return ModelContext(self.dim_in, self.dim_out, fit_x=self.x - self.text_mean, fit_y=self.images[self.img])
+        return ModelContext(self.dim_in, self.dim_out, fit=self._fit_pairs, device=self.device)
+
+    def _fit_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(centred training captions [N, Dt], each caption's raw image [N, Di]): built only for the models that
+        read them (geometry, relative), 1.2 GB at challenge size."""
+        return self.x.materialize().sub_(self.text_mean), self.images[self.img]
 
     def epoch_context(self, model: torch.nn.Module) -> EpochContext:
         return EpochContext(embed_train=lambda: predict(model, self.x), n_targets=len(self.images))
