@@ -148,7 +148,13 @@ class TranslateTask(Task):
             img = self.img[idx]
             # image_idx: each caption's training image, which augmentation leaves alone (img may be remapped)
             batch = {"x": self.x[idx], "y": self.images[img], "y_n": self.images_n[img], "img": img, "image_idx": img}
-            yield batch | ({"bank": self.images_n, "bank_idx": img} if self.bank else {})
+            yield batch | ({"bank": self._bank(self.images), "bank_idx": img} if self.bank else {})
+
+    def _bank(self, images: torch.Tensor) -> torch.Tensor:
+        """The all-images bank [Ni, Di] at the losses' target scale (loss.targets): unit, or raw as the data."""
+        if self.cfg.loss.targets == "raw":
+            return images
+        return self.images_n if images is self.images else F.normalize(images, dim=1)
 
     def _caption_order(self, generator: torch.Generator) -> torch.Tensor:
         return torch.randperm(len(self.x), generator=generator).to(self.device)
@@ -164,7 +170,7 @@ class TranslateTask(Task):
 
     def val_batches(self) -> Iterator[dict]:
         b = self.cfg.train.batch_size
-        bank = F.normalize(self.val_images, dim=1) if self.bank else None  # the val images are the val loss's bank
+        bank = self._bank(self.val_images) if self.bank else None  # the val images are the val loss's bank
         for start in range(0, len(self.val_x), b):
             img = self.val_img[start : start + b]
             y = self.val_images[img]

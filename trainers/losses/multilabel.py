@@ -109,8 +109,8 @@ class MultiLabelTriplet(Loss):
 
     task = "multilabel"
 
-    def __init__(self, cfg, dim_out: int):
-        super().__init__(cfg, dim_out)
+    def __init__(self, cfg, dim_out: int, targets: str = "unit"):
+        super().__init__(cfg, dim_out, targets)  # no image targets: items vs items (validate refuses "raw")
         self.bank: torch.Tensor | None = None
         self.bank_labels: torch.Tensor | None = None
 
