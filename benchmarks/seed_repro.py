@@ -12,6 +12,8 @@ top-k index lists the notebook passes (reciprocal rank of the true image, 0 past
 Lines patched at run time, and why:
   * `RUN_ID = 3` -> `RUN_ID = <seed>`: the notebook's own seed knob (SEED = 42 + RUN_ID; its ensemble cell lists
     seeds 0-5), so 3 seeds run.
+  * with --epochs N only, `EPOCHS = 24` -> `EPOCHS = N` (its cosine schedule spans EPOCHS), and the recipe runs with
+    `--epochs N` too: both sides on the same shortened schedule, for machines where 24 epochs x 9 runs is too long.
 Cells run: the 6 code cells up to and including training (imports and constants, image split, models, losses,
 evaluation, training loop). Not run: the three cells after training (re-evaluation of the last epoch's model,
 retrieval pictures, test submission of the ensemble); they do not change the best checkpoint. The notebook writes its
@@ -24,7 +26,8 @@ checkpoint. Both select the best epoch by that figure (the notebook's rule; the 
 leaderboard val/mrr, so its per-epoch metrics.csv is read instead). Demo test MRR of each best checkpoint is printed
 too, as a second, held-out figure.
 
-    python benchmarks/seed_repro.py [--seeds 0,1,2] [--epochs 24] [--variant studies/vsepp_slots_unit.toml]
+    python benchmarks/seed_repro.py [--seeds 0,1,2] [--epochs N] [--threads 1] [--sides seed,recipe,variant]
+    python benchmarks/seed_repro.py --summarise A.log B.log     # the report of two processes' rows
 
 Prints one JSON line per run, then mean +/- std (sample std, n-1) of each side and the difference in std units:
 |mean_seed - mean_recipe| / sqrt((std_seed^2 + std_recipe^2) / 2).
@@ -142,9 +145,10 @@ def test_mrr(predict_fn, test_path: Path, answers_path: Path) -> float:
     return metrics.leaderboard_from_ordered(pred, np.stack([truth[i] for i in test.ids[order]]))["mrr"]
 
 
-def run_seed_code(seed_file: Path, seed: int, epochs: int | None, train_path: Path, test_path: Path,
+def run_seed_code(seed_file: Path, seed: int, epochs: int | None, threads: int, train_path: Path, test_path: Path,
                   answers_path: Path) -> dict:
     """Execute the notebook's training cells (RUN_ID = seed) in a scratch directory; score each epoch's checkpoint."""
+    torch.set_num_threads(threads)
     cells = code_cells(seed_file.read_text(encoding="utf-8"))[:TRAINING_CELLS]
     assert RUN_ID_LINE.search(cells[0]), "the notebook's RUN_ID line moved"
     cells[0] = RUN_ID_LINE.sub(f"RUN_ID = {seed}", cells[0])
@@ -188,14 +192,15 @@ def _score_notebook_run(ns: dict, scratch: Path, log: str, seed: int, test_path:
             "val_images": int(ns["IMG_VAL_MASK"].sum()), "train_captions": len(ns["X_train"])}
 
 
-def run_recipe(study: Path, seed: int, epochs: int | None, train_path: Path, test_path: Path,
+def run_recipe(study: Path, seed: int, epochs: int | None, threads: int, train_path: Path, test_path: Path,
                answers_path: Path) -> dict:
     """`latentsweep train STUDY --seed S` as a user runs it; best epoch by val/mrr_global from its metrics.csv."""
     from trainers.checkpoint import load_model
 
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "search", "train", str(study), "--data", str(train_path), "--seed", str(seed),
-               "--quiet", "--out", out] + (["--epochs", str(epochs)] if epochs else [])
+               "--quiet", "--out", out, "--set", f"train.threads={threads}"]
+        cmd += ["--epochs", str(epochs)] if epochs else []
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, cwd=ROOT)
         import csv
@@ -224,21 +229,35 @@ def main(argv: list[str] | None = None) -> int:
                         help="a second recipe to run beside them ('' = none)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed-file", default=str(SEED_FILE), help="the STM notebook (seed 000)")
+    parser.add_argument("--sides", default="seed,recipe,variant",
+                        help="which to run here (two processes can share the work; --summarise joins their logs)")
+    parser.add_argument("--summarise", nargs="+", metavar="LOG", help="only print the report of these logs' rows")
     args = parser.parse_args(argv)
+    if args.summarise:
+        rows = [json.loads(line) for log in args.summarise for line in open(log) if line.startswith("{")]
+        sides: dict[str, list[dict]] = {}
+        for row in rows:
+            sides.setdefault(row["side"], []).append(row)
+        report(sides, Path(args.recipe).stem)
+        return 0
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TQDM_DISABLE", "1")
     paths = default_train_path(), default_test_path(), default_answers_path()
     seeds = [int(s) for s in args.seeds.split(",")]
     check_same_split(Path(args.recipe), paths[0])
-    recipes = [Path(args.recipe)] + ([Path(args.variant)] if args.variant else [])
+    wanted = set(args.sides.split(","))
+    recipes = [Path(p) for side, p in (("recipe", args.recipe), ("variant", args.variant)) if p and side in wanted]
     sides: dict[str, list[dict]] = {}
-    for seed in seeds:
-        rows = [run_seed_code(Path(args.seed_file), seed, args.epochs, *paths)]
-        rows += [run_recipe(study, seed, args.epochs, *paths) for study in recipes]
-        for row in rows:
+    for runs in ([lambda s=s: run_seed_code(Path(args.seed_file), s, args.epochs, args.threads, *paths)
+                  for s in seeds] if "seed" in wanted else [],
+                 *[[lambda s=s, study=study: run_recipe(study, s, args.epochs, args.threads, *paths)
+                    for s in seeds] for study in recipes]):
+        for run in runs:
+            row = run()
             sides.setdefault(row["side"], []).append(row)
             print(json.dumps(row), flush=True)
-    report(sides, Path(args.recipe).stem)
+    if "seed code" in sides:
+        report(sides, Path(args.recipe).stem)
     return 0
 
 

@@ -1,8 +1,8 @@
 """The queue InfoNCE loss ("queue_infonce") and its FIFO queue of earlier batches' image embeddings (MoCo style).
 
-The loss owns its queue: buffers `queue` [Q, D] float32 (image targets at the loss.targets scale), `queue_img` [Q] long (each row's training image, -1 when
-unknown), `queue_ptr` (long scalar, next write row) and `queue_count` (long scalar, valid rows, <= Q), filled by its
-own `after_step` and moved by `.to(device)` with the criterion. They
+The loss owns its queue: buffers `queue` [Q, D] float32 (image targets at the loss.targets scale), `queue_img` [Q]
+long (each row's training image, -1 when unknown), `queue_ptr` (long scalar, next write row) and `queue_count` (long
+scalar, valid rows, <= Q), filled by its own `after_step` and moved by `.to(device)` with the criterion. They
 are NON-persistent buffers, so neither `state_dict()` nor a checkpoint holds them: a 65,536 x 1536 queue is 400 MB
 per trial checkpoint, and the queue is rebuilt in the first epoch (the warm-up epochs are enqueue-only anyway).
 The queue only exists while the loss is on (the criterion builds active losses only). Before the first epoch a
@@ -106,8 +106,8 @@ class QueueInfoNCE(Loss):
 
     @torch.no_grad()
     def enqueue(self, y_n: torch.Tensor, image_idx: torch.Tensor | None = None) -> None:
-        """Append a batch of image embeddings [B, D] (unit, or raw for raw targets) and their training images [B] (None: unknown, -1)
-        (FIFO, wrap-around; a batch > Q keeps its newest Q)."""
+        """Append a batch of image embeddings [B, D] (unit, or raw for raw targets) and their training images [B]
+        (None: unknown, -1) (FIFO, wrap-around; a batch > Q keeps its newest Q)."""
         size = self.queue.shape[0]
         if size == 0 or y_n.shape[0] == 0:
             return
