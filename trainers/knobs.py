@@ -132,7 +132,11 @@ class MultiLabelTripletCfg:
     positives: str = _f("all", choices=("all", "any", "fixed"),
                         doc="hardest in-batch item sharing all labels (else one) or any label; fixed = one random "
                             "positive per anchor drawn once before training (the multi-label seed)")
-    negatives: str = _f("batch_hard", choices=("batch_hard", "global_hard", "random"))
+    negatives: str = _f("batch_hard", choices=("batch_hard", "global_hard", "step_hard", "random"),
+                        doc="hardest in-batch item sharing no label; global_hard: hardest over a bank of every "
+                            "training item embedded at each epoch start (detached); step_hard: hardest over every "
+                            "training item embedded by the live model at each step, then embedded with gradient "
+                            "(the multi-label seed); random: a random item sharing no label")
 
 
 @dataclass(frozen=True)
