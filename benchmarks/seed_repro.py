@@ -276,12 +276,13 @@ def check_same_split(recipe: Path, train_path: Path) -> None:
 
 def report(sides: dict[str, list[dict]], recipe: str) -> None:
     ref_mean, ref_std = summary(sides["seed code"], "val/mrr_global")
-    print("\n| side | val MRR (global, best epoch), mean +/- std | demo test MRR, mean | runs |")
-    print("|---|---|---|---|")
+    print("\n| side | val MRR (global, best epoch), mean +/- std | demo test MRR, mean +/- std | best epochs | runs |")
+    print("|---|---|---|---|---|")
     for name, rows in sides.items():
         mean, std = summary(rows, "val/mrr_global")
-        test_key = next(k for k in rows[0] if k.startswith("test/mrr"))
-        print(f"| {name} | {mean:.4f} +/- {std:.4f} | {summary(rows, test_key)[0]:.4f} | {len(rows)} |")
+        test_mean, test_std = summary(rows, next(k for k in rows[0] if k.startswith("test/mrr")))
+        epochs = ", ".join(str(r["best_epoch"]) for r in rows)
+        print(f"| {name} | {mean:.4f} +/- {std:.4f} | {test_mean:.4f} +/- {test_std:.4f} | {epochs} | {len(rows)} |")
     for name, rows in sides.items():
         if name == "seed code":
             continue
