@@ -222,7 +222,7 @@ def test_huge_lr_sgd_with_mse_diverges(data, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- tasks
 
-@pytest.mark.parametrize("negatives", ["batch_hard", "global_hard", "random"])
+@pytest.mark.parametrize("negatives", ["batch_hard", "global_hard", "step_hard", "random"])
 def test_multilabel_task_reports_label_metrics(data, negatives):
     cfg = small_cfg(**{"data.task": "multilabel", "loss.infonce.weight": 0.0, "loss.multilabel_triplet.weight": 1.0,
                        "loss.multilabel_triplet.negatives": negatives, "model.out_dim": 16, "eval.recall_k": 5,
@@ -233,6 +233,34 @@ def test_multilabel_task_reports_label_metrics(data, negatives):
         assert 0.0 < row["val/mrr"] <= 1.0
         assert 0.0 <= row["val/recall@5"] <= 1.0
     assert result.val_ranks is None
+
+
+def _hardest_negative_rows(task, model, anchors: torch.Tensor) -> torch.Tensor:
+    """Brute force, as the multi-label seed: per anchor, the training item sharing no label that is most similar
+    under the model now."""
+    emb = predict(model, task.x)
+    rows = []
+    for a in anchors.tolist():
+        best = max((j for j in range(len(task.x)) if not bool((task.labels[a] & task.labels[j]).any())),
+                   key=lambda j: float(emb[a] @ emb[j]))
+        rows.append(best)
+    return torch.tensor(rows)
+
+
+def test_multilabel_step_hard_mines_every_step_with_the_live_model(data):
+    cfg = small_cfg(**{"data.task": "multilabel", "loss.infonce.weight": 0.0, "loss.multilabel_triplet.weight": 1.0,
+                       "loss.multilabel_triplet.negatives": "step_hard", "model.out_dim": 16, "model.kind": "linear",
+                       "model.bias": False})
+    task = TASKS.get("multilabel")(cfg, data, torch.device("cpu"))
+    model = build_model(cfg, task.model_context())
+    task.epoch_context(model)
+    batches = task.batches(torch.Generator().manual_seed(0))
+    for _ in range(2):  # the second batch after new weights: mined with them, not with the epoch's first ones
+        batch = next(batches)
+        assert torch.equal(batch["neg_x"], task.x[_hardest_negative_rows(task, model, batch["img"])])
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(torch.randn_like(param))
 
 
 def test_multilabel_fixed_positives_are_drawn_once(data):

@@ -132,7 +132,11 @@ class MultiLabelTripletCfg:
     positives: str = _f("all", choices=("all", "any", "fixed"),
                         doc="hardest in-batch item sharing all labels (else one) or any label; fixed = one random "
                             "positive per anchor drawn once before training (the multi-label seed)")
-    negatives: str = _f("batch_hard", choices=("batch_hard", "global_hard", "random"))
+    negatives: str = _f("batch_hard", choices=("batch_hard", "global_hard", "step_hard", "random"),
+                        doc="hardest in-batch item sharing no label; global_hard: hardest over a bank of every "
+                            "training item embedded at each epoch start (detached); step_hard: hardest over every "
+                            "training item embedded by the live model at each step, then embedded with gradient "
+                            "(the multi-label seed); random: a random item sharing no label")
 
 
 @dataclass(frozen=True)
@@ -161,8 +165,23 @@ class AllImagesInfoNCECfg:
                                    "positives (as multipos_infonce)")
 
 
+# The scale of the image targets every translation loss compares predictions with (loss.targets).
+TARGET_SCALES = ("unit", "raw")
+
+
 @dataclass(frozen=True)
 class LossCfg:
+    """One section per registered loss (same names), plus `targets`: the image-target scale they all read.
+
+    targets = "unit": each image embedding L2-normalised (cosine similarities; the default, and every recipe but
+    the seeds that ran on raw embeddings). "raw": as the data file gives it, so a similarity pred_unit . y is
+    |y| x cosine and a margin or a temperature acts on that scale (the VSE++ + slots notebook trains so: its margin
+    0.2 and slot tau 0.09 act on targets of norm ~26 on the challenge data, ~16 on the demo). Distance losses
+    (moment, mse) compare the model's raw output with the target at that scale. Retrieval metrics are cosine and
+    do not depend on it."""
+
+    targets: str = _f("unit", choices=TARGET_SCALES, doc="image targets of every loss: unit (L2-normalised) or raw "
+                                                          "(as the data gives them); see LossCfg")
     triplet: TripletCfg = field(default_factory=TripletCfg)
     slot_triplet: SlotTripletCfg = field(default_factory=SlotTripletCfg)
     slot_infonce: SlotInfoNCECfg = field(default_factory=SlotInfoNCECfg)

@@ -162,7 +162,13 @@ class TranslateTask(Task):
             img = self.img[idx]
             # image_idx: each caption's training image, which augmentation leaves alone (img may be remapped)
             batch = {"x": self.x[idx], "y": self.images[img], "y_n": self.images_n[img], "img": img, "image_idx": img}
-            yield batch | ({"bank": self.images_n, "bank_idx": img} if self.bank else {})
+            yield batch | ({"bank": self._bank(self.images), "bank_idx": img} if self.bank else {})
+
+    def _bank(self, images: torch.Tensor) -> torch.Tensor:
+        """The all-images bank [Ni, Di] at the losses' target scale (loss.targets): unit, or raw as the data."""
+        if self.cfg.loss.targets == "raw":
+            return images
+        return self.images_n if images is self.images else F.normalize(images, dim=1)
 
     def _caption_order(self, generator: torch.Generator) -> torch.Tensor:
         return torch.randperm(len(self.x), generator=generator).to(self.device)
@@ -178,7 +184,7 @@ class TranslateTask(Task):
 
     def val_batches(self) -> Iterator[dict]:
         b = self.cfg.train.batch_size
-        bank = F.normalize(self.val_images, dim=1) if self.bank else None  # the val images are the val loss's bank
+        bank = self._bank(self.val_images) if self.bank else None  # the val images are the val loss's bank
         for start in range(0, len(self.val_x), b):
             img = self.val_img[start : start + b]
             y = self.val_images[img]
@@ -223,7 +229,10 @@ class MultiLabelTask(Task):
         if len(self.x) < 2 or len(self.val_x) < 2:
             raise DataError(f"{data.path}: split leaves fewer than 2 train or val images")
         needs = batch_keys(cfg)  # what the active losses read besides x and labels
-        self.random_negs = "neg_x" in needs
+        # step_hard: neg_x is the hardest non-sharing item under the live model (the seed mines so every step)
+        self.hard_negs = "neg_x" in needs and cfg.loss.multilabel_triplet.negatives == "step_hard"
+        self.random_negs = "neg_x" in needs and not self.hard_negs
+        self.live_model: torch.nn.Module | None = None  # set by epoch_context, read by step_hard mining
         self.fixed_pos = None  # [N] the seed's positive per train item, drawn once (-1: none)
         if "pos_x" in needs:
             gen = torch.Generator().manual_seed(cfg.train.seed)
@@ -245,6 +254,8 @@ class MultiLabelTask(Task):
             batch = {"x": self.x[idx], "labels": self.labels[idx], "img": idx}
             if self.random_negs:
                 batch["neg_x"] = self.x[self._random_negatives(idx, generator)]
+            if self.hard_negs:
+                batch["neg_x"] = self.x[self._hardest_negatives(idx)]
             if self.fixed_pos is not None:
                 pos = self.fixed_pos[idx]
                 batch["pos_x"], batch["has_pos"] = self.x[pos.clamp(min=0)], pos >= 0
@@ -257,7 +268,16 @@ class MultiLabelTask(Task):
         first_ok = torch.argmax((~shares).int(), dim=1)  # falls back to candidate 0 when none qualifies
         return cand[torch.arange(len(idx), device=self.device), first_ok]
 
+    @torch.no_grad()
+    def _hardest_negatives(self, idx: torch.Tensor) -> torch.Tensor:
+        """[B] for each anchor the training item sharing no label with it whose embedding by the live model (eval
+        mode, as now) is the most similar: every training item embedded again at each step, as the seed does."""
+        emb = predict(self.live_model, self.x)  # [N, D]
+        shares = (self.labels[idx].float() @ self.labels.float().T) > 0  # [B, N]; the anchor shares with itself
+        return (emb[idx] @ emb.T).masked_fill(shares, -torch.inf).argmax(dim=1)
+
     def epoch_context(self, model: torch.nn.Module) -> EpochContext:
+        self.live_model = model  # the batches of this epoch mine step_hard negatives with it
         return EpochContext(embed_train=lambda: predict(model, self.x), train_labels=self.labels)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:

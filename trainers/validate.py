@@ -41,6 +41,9 @@ def validate(cfg: Config) -> None:
         )
     if cfg.train.monitor == "val/loss" and cfg.data.task != "translate":
         raise ConfigError(f"train.monitor = 'val/loss' needs data.task = 'translate' (got '{cfg.data.task}')")
+    if cfg.loss.targets == "raw" and cfg.data.task != "translate":
+        raise ConfigError(f"loss.targets = 'raw' scales the image targets of data.task = 'translate'; "
+                          f"data.task = '{cfg.data.task}' has none (set loss.targets = 'unit')")
     if cfg.augment.mixup_alpha > 0 and cfg.data.task != "translate":
         raise ConfigError("augment.mixup_alpha > 0 mixes image targets: it needs data.task='translate'")
 

@@ -5,7 +5,8 @@ sample of the training images with duplicates (a 65,536 queue over 2,804 images 
 every step also pays a [B, Q] product to mask those copies). Its limit is a softmax over the bank of all distinct
 images of the split, each once, which costs one [B, Ni] product. The task supplies the bank per batch (declared in
 `batch_keys`): `bank` [Ni, D] unit image embeddings (the training images, or the val images for the val loss) and
-`bank_idx` [B] each caption's row in it, which augmentation leaves alone.
+`bank_idx` [B] each caption's row in it, which augmentation leaves alone. The bank is at the loss.targets scale
+(unit, or raw for raw targets: the task supplies it so).
 
 Logits are `pred @ [y_n; bank].T / tau` [B, B + Ni] with only caption b's own target y_n[b] kept among the first B
 columns and its own bank row masked: without mixup y_n[b] equals that row, so this is exactly the softmax over the Ni
@@ -37,7 +38,7 @@ class AllImagesInfoNCE(Loss):
         return BANK_KEYS
 
     def terms(self, out, batch, temperature):
-        p, y, bank = unit(out["pred"]), unit(batch["y_n"]), batch["bank"]  # [B, D], [B, D], [Ni, D] (unit)
+        p, y, bank = unit(out["pred"]), self.target(batch), batch["bank"]  # [B, D], [B, D], [Ni, D] (same scale)
         b, arange = p.shape[0], torch.arange(p.shape[0], device=p.device)
         keep_bank = torch.ones(b, bank.shape[0], dtype=torch.bool, device=p.device)
         keep_bank[arange, batch["bank_idx"]] = False

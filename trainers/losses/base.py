@@ -6,6 +6,10 @@ Conventions shared by all losses:
   * Cosine similarities: `pred`, `slots` and `y_n` are (re-)normalised by `unit`, so `model.out_norm = false` is
     fine; the criterion tells `unit` which float32 tensors are unit already (`known_unit`: y_n; pred when
     model.out_norm), so the hot path does not normalise them twice.
+  * Image targets: `self.target(batch)` [B, D] float32 is what a loss compares predictions with, by
+    cfg.loss.targets (the criterion passes it): "unit" = unit(y_n) (cosine), "raw" = y as the data gives it (the
+    VSE++ + slots notebook's scale). Losses that are scale-free in the target (cosine, the condensation argmax)
+    read y_n directly.
   * False negatives: captions of the same image (equal batch["img"]) are never negatives of each other; contrastive
     losses mask them out (multipos_infonce instead counts them as positives).
 """
@@ -46,6 +50,7 @@ class Loss(nn.Module):
       min_slots: the slots.k it needs (0: no slot head).
       batch_keys(cfg_term): extra batch entries the task must supply for that config.
       check(cfg_term): its own check of values that only make sense together (trainers.validate calls it).
+    targets: the image-target scale, "unit" or "raw" (cfg.loss.targets; `target` reads it).
     Hooks (called by the criterion): `on_epoch_start(epoch, ctx)` before each epoch, `after_step(out, batch)` after
     each optimiser step with the real (un-augmented) batch. The base keeps `epoch` for losses with a schedule.
     """
@@ -55,10 +60,20 @@ class Loss(nn.Module):
     min_slots: ClassVar[int] = 0
     cost_per_image: ClassVar[bool] = False  # a step's cost grows with the training images (trainers.cost)
 
-    def __init__(self, cfg: Any, dim_out: int):
+    def __init__(self, cfg: Any, dim_out: int, targets: str = "unit"):
         super().__init__()
         self.cfg = cfg
         self.epoch = 0
+        self.raw_targets = targets == "raw"
+
+    def target(self, batch: dict) -> torch.Tensor:
+        """[B, D] float32 image targets at the configured scale: the unit y_n (as is when known unit), or raw y."""
+        return batch["y"].float() if self.raw_targets else unit(batch["y_n"])
+
+    def prediction(self, out: dict) -> torch.Tensor:
+        """[B, D] float32 prediction for a distance to `target` (moment, mse): unit pred for unit targets, the
+        model's raw output for raw ones (a distance between a unit vector and a raw target measures the norm)."""
+        return out["raw"].float() if self.raw_targets else unit(out["pred"])
 
     @classmethod
     def batch_keys(cls, cfg: Any) -> frozenset[str]:

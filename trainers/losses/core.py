@@ -40,7 +40,8 @@ TRIPLET_DIRECTIONS = {"both": ("triplet_c2i", "triplet_i2c"), "c2i": ("triplet_c
 
 @register_loss("triplet")
 class Triplet(Loss):
-    """VSE++ (Faghri et al. 2018): hinge on cosine with in-batch negatives, in the directions named by
+    """VSE++ (Faghri et al. 2018): hinge on unit(pred) . target (cosine for unit targets, |y| x cosine for raw ones,
+    as the VSE++ + slots notebook) with in-batch negatives, in the directions named by
     `direction` (the VSE++ + slots seed uses caption->image only); hardest negative if max_violation else the sum
     over negatives; averaged (not summed) over the batch.
 
@@ -48,7 +49,7 @@ class Triplet(Loss):
     VSE++ therefore warms up with the sum over negatives: hardest negatives start at epoch `warmup_epochs`."""
 
     def terms(self, out, batch, temperature):
-        sim = unit(out["pred"]) @ unit(batch["y_n"]).T
+        sim = unit(out["pred"]) @ self.target(batch).T  # [B, B]
         hardest = self.cfg.max_violation and self.epoch >= self.cfg.warmup_epochs
         c2i, i2c = _vse_hinge(sim, ~same_image(batch["img"]), self.cfg.margin, hardest)
         terms = {"triplet_c2i": c2i, "triplet_i2c": i2c}
@@ -65,7 +66,7 @@ class SlotTriplet(Loss):
         slots = _slots(out)
         if slots is None:
             return {}
-        sim = torch.einsum("bkd,nd->bkn", slots, unit(batch["y_n"])).max(dim=1).values  # [B, B]
+        sim = torch.einsum("bkd,nd->bkn", slots, self.target(batch)).max(dim=1).values  # [B, B]
         c2i, i2c = _vse_hinge(sim, ~same_image(batch["img"]), self.cfg.margin, hardest=True)
         return {"slot_triplet_c2i": c2i, "slot_triplet_i2c": i2c}
 
@@ -83,7 +84,7 @@ class SlotInfoNCE(Loss):
         if slots is None:
             return {}
         b, k, _ = slots.shape
-        logits = torch.einsum("bkd,nd->bkn", slots, unit(batch["y_n"])) / self.cfg.tau  # [B, K, B]
+        logits = torch.einsum("bkd,nd->bkn", slots, self.target(batch)) / self.cfg.tau  # [B, K, B]
         keep = ~same_image(batch["img"]) | torch.eye(b, dtype=torch.bool, device=slots.device)
         target = torch.arange(b, device=slots.device).repeat_interleave(k)
         loss = masked_ce(logits.reshape(b * k, b), keep.repeat_interleave(k, dim=0), target)
@@ -121,6 +122,7 @@ class Condensation(Loss):
         slots = _slots(out)
         if slots is None:
             return {}
+        # argmax over k of slot_k . y is the same for y and any positive multiple: scale-free in the target
         best = torch.einsum("bkd,bd->bk", slots, unit(batch["y_n"])).argmax(dim=1)  # [B]
         s_star = slots[torch.arange(slots.shape[0], device=slots.device), best]  # [B, D]
         return {"condensation": (1.0 - (unit(out["pred"]) * s_star).sum(dim=-1)).mean()}
@@ -135,7 +137,7 @@ class InfoNCE(Loss):
 
     def terms(self, out, batch, temperature):
         smoothing = self.cfg.label_smoothing
-        logits = unit(out["pred"]) @ unit(batch["y_n"]).T / temperature()
+        logits = unit(out["pred"]) @ self.target(batch).T / temperature()  # [B, B]
         b = logits.shape[0]
         target = torch.arange(b, device=logits.device)
         keep = ~same_image(batch["img"]) | torch.eye(b, dtype=torch.bool, device=logits.device)
@@ -166,7 +168,7 @@ class MultiPosInfoNCE(Loss):
 
     def terms(self, out, batch, temperature):
         first, inverse = unique_images(batch["img"])
-        p, y_u = unit(out["pred"]), unit(batch["y_n"])[first]  # [B, D], [U, D]
+        p, y_u = unit(out["pred"]), self.target(batch)[first]  # [B, D], [U, D]
         logits = p @ y_u.T / temperature()  # [B, U]
         eps = self.cfg.label_smoothing
         c2i = F.cross_entropy(logits, inverse, label_smoothing=eps)
@@ -177,7 +179,8 @@ class MultiPosInfoNCE(Loss):
 
 @register_loss("cosine")
 class Cosine(Loss):
-    """Mean over captions of 1 - cos(pred, y_n) (cosine is scale-free, so pred and raw give the same value)."""
+    """Mean over captions of 1 - cos(pred, y_n) (cosine is scale-free, so pred and raw give the same value, and so
+    do unit and raw targets: loss.targets does not change it)."""
 
     def terms(self, out, batch, temperature):
         return {"cosine": (1.0 - (unit(out["pred"]) * unit(batch["y_n"])).sum(dim=-1)).mean()}
@@ -185,12 +188,13 @@ class Cosine(Loss):
 
 @register_loss("moment")
 class Moment(Loss):
-    """Moment alignment of normalised pred to y_n over the batch: squared L2 distance between the batch means and,
-    if `std`, between the per-dimension (population) stds. Summed over dimensions (= D x MSE) so the term does not
-    shrink as 1/D with the embedding width; the means alone are BigJump's ||mu_z - mu_y||^2."""
+    """Moment alignment of the prediction to the targets over the batch: squared L2 distance between the batch means
+    and, if `std`, between the per-dimension (population) stds. Summed over dimensions (= D x MSE) so the term does
+    not shrink as 1/D with the embedding width; the means alone are BigJump's ||mu_z - mu_y||^2. Unit targets: unit
+    pred vs y_n; raw targets: the raw output vs raw y (`prediction`, `target`)."""
 
     def terms(self, out, batch, temperature):
-        p, y = unit(out["pred"]), unit(batch["y_n"])
+        p, y = self.prediction(out), self.target(batch)  # [B, D] each
         terms = {"moment_mean": (p.mean(dim=0) - y.mean(dim=0)).pow(2).sum()}
         if self.cfg.std:
             terms["moment_std"] = (p.std(dim=0, correction=0) - y.std(dim=0, correction=0)).pow(2).sum()
@@ -218,7 +222,9 @@ class Agreement(Loss):
 
 @register_loss("mse")
 class MSE(Loss):
-    """MSE between the raw (unnormalised) output and the raw image embedding: the official baseline's loss."""
+    """MSE between the raw (unnormalised) output and the image target at the configured scale: the raw embedding
+    (loss.targets = "raw") is the official baseline's loss (baseline_mse.toml sets it); the unit one regresses onto
+    the direction only."""
 
     def terms(self, out, batch, temperature):
-        return {"mse": F.mse_loss(out["raw"].float(), batch["y"].float())}
+        return {"mse": F.mse_loss(out["raw"].float(), self.target(batch))}

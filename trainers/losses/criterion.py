@@ -39,7 +39,7 @@ class Criterion(nn.Module):
     def __init__(self, cfg: Config, dim_out: int):
         super().__init__()
         self.temperature = Temperature(cfg.temperature)
-        self.losses = nn.ModuleDict({name: LOSSES.get(name)(getattr(cfg.loss, name), dim_out)
+        self.losses = nn.ModuleDict({name: LOSSES.get(name)(getattr(cfg.loss, name), dim_out, cfg.loss.targets)
                                      for name in active_losses(cfg)})
         self.weights = {name: float(getattr(cfg.loss, name).weight) for name in self.losses}
         self.out_norm = cfg.model.out_norm

@@ -1,7 +1,8 @@
 """The multi-label retrieval triplet loss ("multilabel_triplet") and its global hard-negative bank.
 
-Batch: "labels" [B, L] bool; out["pred"] [B, D] item embeddings; for negatives = "random" also out["neg_pred"] [B, D]
-(the model's output for batch["neg_x"]: one random item per anchor sharing no label with it, drawn by the task).
+Batch: "labels" [B, L] bool; out["pred"] [B, D] item embeddings; for negatives = "random" or "step_hard" also
+out["neg_pred"] [B, D] (the model's output for batch["neg_x"]: one item per anchor sharing no label with it, drawn
+at random or, for step_hard, the one the live model ranks closest among all training items, chosen by the task).
 Label rules (for anchor a and candidate c):
   positive, positives = "all": identical non-empty label sets. If the anchor has no such partner in the batch it falls
       back to the "any" rule for that anchor.
@@ -13,7 +14,9 @@ Label rules (for anchor a and candidate c):
 Distance d = 1 - cos. Per anchor: hinge relu(margin + d(a, hardest positive) - d(a, negative)) where the negative is
   batch_hard: the closest in-batch negative; global_hard: the closest negative in the loss's own `bank` [N, D]
   (labels `bank_labels` [N, L]; every training item embedded by the model, refreshed in `on_epoch_start`; before the
-  first refresh, bank is None and the in-batch hardest negative is used); random: out["neg_pred"] of the same row.
+  first refresh, bank is None and the in-batch hardest negative is used); random and step_hard: out["neg_pred"] of
+  the same row (step_hard is the seed's: mined over the whole training set every step, with gradient through the
+  negative's embedding).
 Anchors without a positive or a negative are skipped; the loss is the mean over the remaining anchors (0 if none).
 """
 from __future__ import annotations
@@ -22,6 +25,10 @@ import torch
 
 from trainers.errors import ConfigError
 from trainers.losses.base import EpochContext, Loss, register_loss, unit, zero_like
+
+
+# Negative modes whose negative the task supplies per anchor as batch["neg_x"] (the loss reads out["neg_pred"]).
+TASK_NEGATIVES = ("random", "step_hard")
 
 
 def label_relations(labels_a: torch.Tensor, labels_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -74,9 +81,9 @@ def negative_mask(labels_a: torch.Tensor, labels_c: torch.Tensor) -> torch.Tenso
 def _hardest_negative_distance(p, labels, cfg_term, bank, bank_labels, out) -> tuple[torch.Tensor, torch.Tensor]:
     """(d(a, negative) [B], has_negative [B] bool) for the configured mining mode."""
     b = p.shape[0]
-    if cfg_term.negatives == "random":
+    if cfg_term.negatives in TASK_NEGATIVES:
         if out.get("neg_pred") is None:
-            raise ConfigError("loss.multilabel_triplet.negatives = 'random' needs out['neg_pred'] "
+            raise ConfigError(f"loss.multilabel_triplet.negatives = '{cfg_term.negatives}' needs out['neg_pred'] "
                               "(the task must supply batch['neg_x'])")
         dist = 1.0 - (p * unit(out["neg_pred"])).sum(dim=-1)
         return dist, torch.ones(b, dtype=torch.bool, device=p.device)
@@ -109,15 +116,16 @@ class MultiLabelTriplet(Loss):
 
     task = "multilabel"
 
-    def __init__(self, cfg, dim_out: int):
-        super().__init__(cfg, dim_out)
+    def __init__(self, cfg, dim_out: int, targets: str = "unit"):
+        super().__init__(cfg, dim_out, targets)  # no image targets: items vs items (validate refuses "raw")
         self.bank: torch.Tensor | None = None
         self.bank_labels: torch.Tensor | None = None
 
     @classmethod
     def batch_keys(cls, cfg) -> frozenset[str]:
-        """neg_x: one random non-sharing item per anchor; pos_x / has_pos: the fixed positive drawn once."""
-        keys = {"neg_x"} if cfg.negatives == "random" else set()
+        """neg_x: one non-sharing item per anchor (random or step_hard); pos_x / has_pos: the fixed positive drawn
+        once."""
+        keys = {"neg_x"} if cfg.negatives in TASK_NEGATIVES else set()
         return frozenset(keys | ({"pos_x", "has_pos"} if cfg.positives == "fixed" else set()))
 
     def on_epoch_start(self, epoch: int, ctx: EpochContext | None) -> None:

@@ -1,8 +1,8 @@
 """The queue InfoNCE loss ("queue_infonce") and its FIFO queue of earlier batches' image embeddings (MoCo style).
 
-The loss owns its queue: buffers `queue` [Q, D] float32, `queue_img` [Q] long (each row's training image, -1 when
-unknown), `queue_ptr` (long scalar, next write row) and `queue_count` (long scalar, valid rows, <= Q), filled by its
-own `after_step` and moved by `.to(device)` with the criterion. They
+The loss owns its queue: buffers `queue` [Q, D] float32 (image targets at the loss.targets scale), `queue_img` [Q]
+long (each row's training image, -1 when unknown), `queue_ptr` (long scalar, next write row) and `queue_count` (long
+scalar, valid rows, <= Q), filled by its own `after_step` and moved by `.to(device)` with the criterion. They
 are NON-persistent buffers, so neither `state_dict()` nor a checkpoint holds them: a 65,536 x 1536 queue is 400 MB
 per trial checkpoint, and the queue is rebuilt in the first epoch (the warm-up epochs are enqueue-only anyway).
 The queue only exists while the loss is on (the criterion builds active losses only). Before the first epoch a
@@ -56,8 +56,8 @@ class QueueInfoNCE(Loss):
             raise ConfigError("loss.queue_infonce.slice_mode = 'stepwise' doubles loss.queue_infonce.slice_start, "
                               "which must then be > 0")
 
-    def __init__(self, cfg: QueueInfoNCECfg, dim_out: int):
-        super().__init__(cfg, dim_out)
+    def __init__(self, cfg: QueueInfoNCECfg, dim_out: int, targets: str = "unit"):
+        super().__init__(cfg, dim_out, targets)
         self.register_buffer("queue", torch.zeros(cfg.size, dim_out, dtype=torch.float32), persistent=False)
         self.register_buffer("queue_ptr", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("queue_count", torch.zeros((), dtype=torch.long), persistent=False)
@@ -66,7 +66,7 @@ class QueueInfoNCE(Loss):
         self.register_buffer("queue_img", torch.full((cfg.size,), -1, dtype=torch.long), persistent=False)
 
     def terms(self, out, batch, temperature):
-        p, y = unit(out["pred"]), unit(batch["y_n"])
+        p, y = unit(out["pred"]), self.target(batch)  # [B, D]; the queue holds targets at the same scale
         queue = self.queue_negatives().to(device=p.device, dtype=torch.float32).detach()
         b = p.shape[0]
         keep_batch = ~same_image(batch["img"]) | torch.eye(b, dtype=torch.bool, device=p.device)
@@ -96,16 +96,18 @@ class QueueInfoNCE(Loss):
         matmul cost. Otherwise (the val loss, whose images are not the queue's) by cosine >= _SAME_IMAGE_COS."""
         if "image_idx" in batch and queue.shape[0]:
             return self.queue_img[self._recent_rows(queue.shape[0])][None, :] != batch["image_idx"][:, None]
+        if self.raw_targets:  # the threshold is a cosine
+            y, queue = unit(y), unit(queue)
         return (y @ queue.T) < _SAME_IMAGE_COS
 
     def after_step(self, out: dict, batch: dict) -> None:
-        """Enqueue the step's real (un-augmented) images."""
-        self.enqueue(batch["y_n"], batch.get("image_idx"))
+        """Enqueue the step's real (un-augmented) images, at the target scale (loss.targets)."""
+        self.enqueue(batch["y"] if self.raw_targets else batch["y_n"], batch.get("image_idx"))
 
     @torch.no_grad()
     def enqueue(self, y_n: torch.Tensor, image_idx: torch.Tensor | None = None) -> None:
-        """Append a batch of normalised image embeddings [B, D] and their training images [B] (None: unknown, -1)
-        (FIFO, wrap-around; a batch > Q keeps its newest Q)."""
+        """Append a batch of image embeddings [B, D] (unit, or raw for raw targets) and their training images [B]
+        (None: unknown, -1) (FIFO, wrap-around; a batch > Q keeps its newest Q)."""
         size = self.queue.shape[0]
         if size == 0 or y_n.shape[0] == 0:
             return
