@@ -13,6 +13,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
+from search.failures import Kind, classify
 from search.study.objective import ERROR_ATTR, HALT_ATTR, StudyHalted, TrialRunner
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
 from search.study.storage import (
@@ -252,6 +253,9 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
                 on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None) -> int:
     """Claim and run trials until the budget or the timeout is reached; returns how many this worker ran.
 
+    A trial that fails is handed to runner.fail, which classifies the error (search.failures): the worker goes on
+    after a config or memory failure (the trial counts), and stops otherwise, in one line for a store, the machine,
+    or an interrupt (the trial is retried), with the traceback for a bug (the trial counts, the study halts).
     While the budget is full only because of running trials, the worker waits instead of exiting: a running trial
     whose worker died goes stale after the grace period and its retry still has to run.
     """
@@ -259,26 +263,42 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
     poll = min(WAIT_POLL_S, storage_of(study).get_heartbeat_interval() or WAIT_POLL_S)
     while spec.timeout is None or time.monotonic() - start < spec.timeout:
         check_halted(study)
-        trial = claim_trial(study, spec.n_trials)
+        trial = None
         try:
+            trial = claim_trial(study, spec.n_trials)
             close_dead_runs(study, runner.tracker)  # the claim may have failed dead workers' trials
-            if trial is not None:
-                with Heartbeat(storage_of(study), trial._trial_id):
-                    state, value = runner.run(trial)
-        except BaseException:  # Ctrl-C, SIGTERM, or an error outside the config's fault: retried, not counted
-            if trial is not None:
-                runner.abandon(study, trial)
-            raise
-        if trial is None:
-            if counted(study) >= spec.n_trials:
-                break
-            time.sleep(poll)
-            continue
-        frozen = study.tell(trial, value, state=state)
+            if trial is None:
+                if counted(study) >= spec.n_trials:
+                    break
+                time.sleep(poll)
+                continue
+            with Heartbeat(storage_of(study), trial._trial_id):
+                state, value = runner.run(trial)
+            frozen = study.tell(trial, value, state=state)
+        except BaseException as exc:
+            frozen = fail_or_stop(study, runner, trial, exc)
         ran += 1
         if on_trial is not None:
             on_trial(frozen)
     return ran
+
+
+def fail_or_stop(study: optuna.Study, runner: TrialRunner, trial: optuna.Trial | None,
+                 exc: BaseException) -> optuna.trial.FrozenTrial:
+    """The frozen failed trial when the worker goes on (search.failures.GOES_ON); otherwise raises what stops it:
+    the bug or interrupt itself, or a one-line error. An error while failing the trial is classified too."""
+    frozen = None
+    try:
+        failure, frozen = runner.fail(study, trial, exc) if trial is not None else (classify(exc), None)
+    except BaseException as inner:  # noqa: BLE001 - failing the trial failed too (the storage is gone): one error
+        first = classify(exc)
+        failure = first if first.kind in (Kind.BUG, Kind.INTERRUPT) else classify(inner)
+    if failure.goes_on and frozen is not None:
+        return frozen
+    stop = failure.user_error(trial.number if trial is not None else None)
+    if stop is failure.exc:
+        raise stop
+    raise stop from failure.exc
 
 
 def check_halted(study: optuna.Study) -> None:
