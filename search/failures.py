@@ -1,7 +1,6 @@
 """The one classification of what can stop a trial (config, memory, machine, store outage, interrupt, our bug)."""
 from __future__ import annotations
 
-import errno
 import traceback
 from dataclasses import dataclass
 from enum import Enum
@@ -24,7 +23,7 @@ from trainers.errors import LatentsweepError
 class Kind(Enum):
     CONFIG = "config"  # the configuration cannot train (a bad value found at run time, divergence)
     MEMORY = "memory"  # the configuration does not fit this machine's memory (GPU OOM, CPU allocation failure)
-    MACHINE = "machine"  # the file system refused (disk full, read-only, permissions, a missing file)
+    MACHINE = "machine"  # the file system refused (disk full, read-only, permissions, a missing file: any OSError)
     OUTAGE = "outage"  # the tracking store or the Optuna storage is unreachable, locked or failing
     INTERRUPT = "interrupt"  # Ctrl-C, SIGTERM
     BUG = "bug"  # anything else: a bug in our code (or a library's), never the configuration's fault
@@ -56,7 +55,6 @@ OUTAGE_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_E
 # torch's CPU allocator raises a plain RuntimeError (c10/core/impl/alloc_cpu.cpp): an oversized config, not a bug.
 CPU_ALLOC_FAILED = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
 MEMORY_ERRORS = (torch.OutOfMemoryError, MemoryError)
-DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 
 @dataclass(frozen=True)
@@ -80,16 +78,17 @@ class Failure:
         return self.kind in GOES_ON
 
     def user_error(self, trial_number: int | None = None) -> BaseException:
-        """What the worker raises when it stops: the bug or the interrupt itself, else a one-line user error."""
+        """What stops the worker (or command): the bug or the interrupt itself, else a one-line user error, which
+        names the trial and says it is retried when there is one."""
         if self.kind in (Kind.BUG, Kind.INTERRUPT):
             return self.exc
         where = f"trial {trial_number}: " if trial_number is not None else ""
+        then = "; the trial is retried when the study runs again" if trial_number is not None else ""
         if self.kind is Kind.OUTAGE:
-            ours = isinstance(self.exc, StoreFailed)
-            return StoreFailed(f"{where}{self.exc if ours else 'a store failed (' + self.reason + ')'}; "
-                               f"the trial is retried when the study runs again")
+            what = self.exc if isinstance(self.exc, StoreFailed) else f"a store failed ({self.reason})"
+            return StoreFailed(f"{where}{what}{then}")
         if self.kind is Kind.MACHINE:
-            return MachineFailed(f"{where}{self.reason}; the trial is retried when the study runs again")
+            return MachineFailed(f"{where}{self.reason}{then}")
         return LatentsweepError(f"{where}{self.reason}")
 
 
@@ -118,18 +117,16 @@ def kind_of(exc: BaseException) -> Kind:
     for err in chain(exc):
         if isinstance(err, OUTAGE_ERRORS) or getattr(err, "error_code", None) in OUTAGE_CODES:
             return Kind.OUTAGE
-    if isinstance(exc, OSError) and (exc.errno in DISK_ERRNOS or isinstance(exc, FileNotFoundError)):
+    if isinstance(exc, OSError):  # the file system's answer (full, read-only, missing, a directory): not our code's
         return Kind.MACHINE
     return Kind.BUG
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """'Type: first line of the message', passwords hidden."""
-    if isinstance(exc, OSError) and exc.strerror:
-        text = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
-    else:
-        text = (str(exc).strip().splitlines() or [""])[0]
-    text = redact_url(text[:limit])
+    if isinstance(exc, OSError) and exc.strerror:  # its own words name the file and the reason
+        return redact_url((f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror)[:limit])
+    text = redact_url((str(exc).strip().splitlines() or [""])[0][:limit])
     return text if isinstance(exc, LatentsweepError) else f"{type(exc).__name__}: {text}".rstrip(": ")
 
 
@@ -138,3 +135,21 @@ def classify(exc: BaseException) -> Failure:
     detail = "".join(traceback.format_exception(exc)) if kind == Kind.BUG else first_line(exc, 4000)
     reason = detail.strip().splitlines()[-1][:500] if kind == Kind.BUG else first_line(exc)
     return Failure(kind, redact_url(reason), redact_url(detail), exc)
+
+
+def one_line(exc: BaseException) -> str | None:
+    """What a command prints for `exc` before exiting 2 (a user error, a full disk, a store down, a config that does
+    not fit in memory), or None for a bug or an interrupt, which are raised on."""
+    failure = classify(exc)
+    if failure.kind in (Kind.BUG, Kind.INTERRUPT):
+        return None
+    return str(exc) if isinstance(exc, LatentsweepError) else failure.reason  # ours may list problems, one a line
+
+
+def raise_stop(exc: BaseException, where: str) -> None:
+    """Raise what stops a run outside a study (a pick job): the bug or interrupt itself, else its one-line error."""
+    failure = classify(exc)
+    stop = failure.user_error()
+    if stop is exc:
+        raise exc
+    raise type(stop)(f"{where}: {stop}") from exc

@@ -208,3 +208,25 @@ def test_a_bug_in_the_tracker_stops_two_workers_loudly(synthetic, tmp_path):
     assert 1 <= states.count("FAIL") <= 2 and set(states) <= {"FAIL"}  # a bug is never retried
     statuses = {n: r.info.status for n, r in runs(tracking, name).items()}
     assert "RUNNING" not in statuses.values(), statuses
+
+
+def test_train_and_pick_jobs_say_a_memory_failure_in_one_line_and_raise_a_bug(synthetic, tmp_path, monkeypatch,
+                                                                              capsys):
+    from search.pick.jobs import make_job, run_job
+    from trainers.config import Config, with_values
+    from trainers.data import load_train
+
+    sf = study_file(tmp_path, "onejob", epochs=1)
+    fail_in_loss(monkeypatch, [lambda: torch.empty(1 << 50)])
+    assert main(["train", str(sf), "--data", str(synthetic), "--out", str(tmp_path / "train"), "--quiet"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("latentsweep: error: RuntimeError: ") and CPU_ALLOCATION in line  # a config too big
+
+    cfg = with_values(Config(), {"train.epochs": 1, "train.batch_size": 64, "loss.infonce.weight": 1.0})
+    job = make_job("m/fold-1", "m", cfg, load_train(synthetic), None, tmp_path / "job", 0.0)
+    fail_in_loss(monkeypatch, [lambda: torch.empty(1 << 50), TypeError("injected bug in a loss")])
+    with pytest.raises(Exception, match="pick job m/fold-1: RuntimeError: .*DefaultCPUAllocator") as info:
+        run_job(job, load_train(synthetic), progress=False)
+    assert classify(info.value.__cause__).kind is Kind.MEMORY and "\n" not in str(info.value)
+    with pytest.raises(TypeError, match="injected bug in a loss"):  # a bug keeps its class and traceback
+        run_job(job, load_train(synthetic), progress=False)

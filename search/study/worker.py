@@ -30,8 +30,9 @@ log = logging.getLogger("latentsweep")
 PARENT_ATTR = "mlflow_parent_run_id"
 ENQUEUED_ATTR = "latentsweep.enqueued"
 OWNER_ATTR = "latentsweep.worker"
-# The budget counts finished trials: complete, pruned, and failed by themselves (a config that cannot train).
-# Trials failed by a dead or interrupted worker are retried instead, so they do not count.
+# The budget counts finished trials: complete, pruned, and failed for good (ERROR_ATTR: a config that cannot train or
+# does not fit in memory, or a bug). Trials failed by the machine, a store, an interrupt or a dead worker are retried
+# instead, so they do not count (search.failures says which is which).
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
 # A worker with nothing to claim while others' trials still run re-checks this often (capped by the heartbeat
 # interval): one of those trials may die and need its retry run. A few cheap queries; 5 s keeps the idle tail short.
@@ -233,10 +234,10 @@ class Heartbeat:
             try:
                 self.storage.record_heartbeat(self.trial_id)
             except Exception as exc:  # noqa: BLE001 - a dead thread would get a live trial failed and run twice
-                if not warned:
-                    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                if not warned:  # a bug is logged with its traceback (a thread cannot stop the worker)
+                    failure = classify(exc)
                     log.warning("heartbeat of trial id %d failed (%s); retrying every %d s", self.trial_id,
-                                redact_url(reason), interval)
+                                failure.detail if failure.kind is Kind.BUG else failure.reason, interval)
                     warned = True
             self.stop.wait(interval)
 
