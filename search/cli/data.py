@@ -18,7 +18,7 @@ def add_parser(subparsers) -> None:
     sub.required = True
     check = sub.add_parser("check", help="validate a train / test / answers npz file and print a summary")
     check.add_argument("path", help="train.npz, test.clean.npz or answers.npz")
-    check.set_defaults(func=run_check)
+    check.set_defaults(func=cmd_data_check)
     add_build_demo(sub)
 
 
@@ -70,7 +70,7 @@ def _answers_lines(path: str) -> list[str]:
             _norm_line("image", image)]
 
 
-def run_check(args) -> int:
+def cmd_data_check(args) -> int:
     desc = describe_npz(args.path)
     kind = desc["kind"]
     body = {"train": lambda: _train_lines(args.path, desc), "test": lambda: _test_lines(args.path),

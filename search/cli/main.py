@@ -11,7 +11,8 @@ from search.failures import one_line
 from search.process import configure_process
 from search.study.objective import StudyHalted
 
-# Each module exposes add_parser(subparsers); the handler it sets as `func` returns an exit code.
+# Each module exposes add_parser(subparsers); the handler it sets as `func` returns an exit code and is named after
+# its command: `latentsweep study run` -> cmd_study_run (tests/test_layout.py checks it).
 COMMAND_MODULES = (data, submission, train, study, pick, ui)
 
 

@@ -28,7 +28,7 @@ from search.pick.outputs import PickResult, PickRun, write_outputs
 from search.pick.plan import Clock, note
 from search.pick.selection import Selection, screen, select_halves, select_oof
 from search.study.report import load_existing_study
-from search.study.storage import probe_tracking_store
+from search.tracking.probe import probe_tracking_store
 from search.tracking import make_tracker
 from trainers.data import load_test, load_train
 from trainers.loop import resolve_device
