@@ -101,6 +101,15 @@ def chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
+def outage_in(exc: BaseException) -> BaseException | None:
+    """The error in exc's chain that says a store is unreachable (its message is the informative one: Optuna's
+    StorageInternalError hides "database or disk is full" in its cause), or None."""
+    for err in chain(exc):
+        if isinstance(err, OUTAGE_ERRORS) or getattr(err, "error_code", None) in OUTAGE_CODES:
+            return err
+    return None
+
+
 def kind_of(exc: BaseException) -> Kind:
     """The class of `exc` (see Kind); the one place that decides it."""
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -114,9 +123,8 @@ def kind_of(exc: BaseException) -> Kind:
     if isinstance(exc, MEMORY_ERRORS) or (isinstance(exc, RuntimeError) and any(s in str(exc)
                                                                                 for s in CPU_ALLOC_FAILED)):
         return Kind.MEMORY
-    for err in chain(exc):
-        if isinstance(err, OUTAGE_ERRORS) or getattr(err, "error_code", None) in OUTAGE_CODES:
-            return Kind.OUTAGE
+    if outage_in(exc) is not None:
+        return Kind.OUTAGE
     if isinstance(exc, OSError):  # the file system's answer (full, read-only, missing, a directory): not our code's
         return Kind.MACHINE
     return Kind.BUG
@@ -133,7 +141,8 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
 def classify(exc: BaseException) -> Failure:
     kind = kind_of(exc)
     detail = "".join(traceback.format_exception(exc)) if kind == Kind.BUG else first_line(exc, 4000)
-    reason = detail.strip().splitlines()[-1][:500] if kind == Kind.BUG else first_line(exc)
+    said = outage_in(exc) if kind == Kind.OUTAGE and not isinstance(exc, StoreFailed) else exc
+    reason = detail.strip().splitlines()[-1][:500] if kind == Kind.BUG else first_line(said)
     return Failure(kind, redact_url(reason), redact_url(detail), exc)
 
 

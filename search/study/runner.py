@@ -210,8 +210,8 @@ def finish(study: optuna.Study, tracker: Tracker) -> dict:
 
 
 def reap_study(name: str, stores) -> list:
-    """Fail the trials of dead workers of study `name` (they are retried) and close their MLflow runs; returns the
-    runs closed. `stores`: a search.study.preflight.StoreSpec whose storage carries the heartbeat/grace rule."""
+    """Fail the trials of dead workers of study `name` (they are retried) and close their MLflow runs, and the parent
+    run when no trial runs any more; returns the trial runs closed. `stores`: a search.study.preflight.StoreSpec whose storage carries the heartbeat/grace rule."""
     study = load_existing_study(name, stores.storage.url, stores.storage.heartbeat_interval,
                                 stores.storage.grace_period)
     try:
@@ -220,6 +220,8 @@ def reap_study(name: str, stores) -> list:
             raise LatentsweepError(f"study '{name}' has no MLflow parent run recorded")
         tracker = make_tracker(stores.tracking_uri, stores.artifact_root)
         tracker.attach_study(name, parent, reopen=False)  # reaping never reopens a finished run
-        return reap(study, tracker)
+        closed = reap(study, tracker)
+        _close_parent_if_idle(study, tracker)  # a study that stopped on a full disk or a store outage left it open
+        return closed
     finally:
         dispose_study(study)
