@@ -1,7 +1,6 @@
 """Tracking: MlflowTracker against a real SQLite MLflow store, InMemoryTracker, redaction helpers and figures."""
 from __future__ import annotations
 
-import logging
 import time
 
 import matplotlib.pyplot as plt

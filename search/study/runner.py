@@ -211,7 +211,8 @@ def finish(study: optuna.Study, tracker: Tracker) -> dict:
 
 def reap_study(name: str, stores) -> list:
     """Fail the trials of dead workers of study `name` (they are retried) and close their MLflow runs, and the parent
-    run when no trial runs any more; returns the trial runs closed. `stores`: a search.study.preflight.StoreSpec whose storage carries the heartbeat/grace rule."""
+    run when no trial runs any more; returns the trial runs closed. `stores`: a search.study.preflight.StoreSpec whose
+    storage carries the heartbeat/grace rule."""
     study = load_existing_study(name, stores.storage.url, stores.storage.heartbeat_interval,
                                 stores.storage.grace_period)
     try:

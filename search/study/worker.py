@@ -303,7 +303,7 @@ def fail_or_stop(study: optuna.Study, runner: TrialRunner, trial: optuna.Trial |
 
 
 def check_halted(study: optuna.Study) -> None:
-    """Raise StudyHalted when a worker of this study stopped on a bug (see TrialRunner.abandon)."""
+    """Raise StudyHalted when a worker of this study stopped on a bug (see TrialRunner.fail)."""
     reason = study.user_attrs.get(HALT_ATTR)
     if reason:
         raise StudyHalted(f"study '{study.study_name}' halted: {reason} (a bug, not the configuration: its traceback "

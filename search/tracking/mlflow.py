@@ -42,7 +42,6 @@ from search.tracking.base import (
     close_figure,
     default_artifact_root,
     experiment_tags,
-    log,
     parent_tags,
     redact_url,
     split_settings,
