@@ -16,6 +16,9 @@ import optuna
 
 # MLflow's first use of a SQLite store logs one INFO line per schema migration through these loggers.
 MIGRATION_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration", "alembic")
+# MLflow's SQL store also logs every database error with its traceback (at ERROR) before raising it: the error is
+# classified and said in one line by search.failures' callers, so that logger only speaks when it is critical.
+STORE_ERROR_LOGGER = "mlflow.store.db.utils"
 ENV_DEFAULTS = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # the REST client's "View run ... at: URL" on every run end
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # one bar per copied checkpoint is noise
@@ -31,14 +34,14 @@ def quiet_optuna() -> None:
 
 
 def quiet_mlflow() -> None:
-    """MLflow's migration INFO lines (unless the user configured those loggers), URL lines and artifact bars (unless
-    the environment sets them)."""
+    """MLflow's migration INFO lines and its SQL store's error tracebacks (unless the user configured those loggers),
+    URL lines and artifact bars (unless the environment sets them)."""
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     for name in MIGRATION_LOGGERS:
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET:
-            logger.setLevel(logging.WARNING)
+            logger.setLevel(logging.CRITICAL if name == STORE_ERROR_LOGGER else logging.WARNING)
 
 
 def configure_process() -> None:

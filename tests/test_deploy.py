@@ -141,7 +141,7 @@ def test_every_latentsweep_command_parses(resolved):
     commands = latentsweep_commands(resolved)
     assert set(commands) == {"worker", "create-study"}
     parser = build_parser()
-    handlers = {"worker": "cmd_worker", "create-study": "cmd_create"}
+    handlers = {"worker": "cmd_worker", "create-study": "cmd_study_create"}
     for name, command in commands.items():
         args = parser.parse_args(command[1:])
         assert args.func.__name__ == handlers[name]

@@ -275,7 +275,7 @@ def test_errors_exit_2_with_one_line_and_leave_no_files(world, tmp_path, capsys)
     blocker.write_text("not a directory")
     cases = [
         (["pick", "nope"], "no study named 'nope'"),
-        (["pick", "empty"], "no complete trials"),
+        (["pick", "empty"], "no complete or pruned trial"),
         (["pick", STUDY, "--test", str(wide), "--out", str(tmp_path / "o" / "s.csv")], "has dim 16"),
         (["pick", STUDY, "--out", str(blocker / "s.csv")], "not a directory"),
     ]
@@ -385,10 +385,10 @@ def test_default_budget_is_derived_from_the_study_printed_and_applied(world, oof
 
 
 @pytest.mark.slow
-def test_pick_probes_its_tracking_store_before_any_training(world, capsys):
+@pytest.mark.parametrize("uri", ["postgresql://postgres@127.0.0.1:9/nowhere", "http://127.0.0.1:9"])
+def test_pick_probes_its_tracking_store_before_any_training(world, uri, capsys):
     out = world.root / "unreachable" / "submission.csv"
-    code = main(["pick", STUDY, "--state-dir", str(world.state), "--tracking-uri",
-                 "postgresql://postgres@127.0.0.1:9/nowhere", "--out", str(out), "--quiet"])
+    code = main(["pick", STUDY, "--state-dir", str(world.state), "--tracking-uri", uri, "--out", str(out), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "not reachable" in err and "job 1/" not in err and "plan:" not in err
     assert not out.parent.exists()

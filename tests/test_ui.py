@@ -16,6 +16,7 @@ from conftest import default_sigint
 from search.ui import servers
 from search.cli import ui as cmd_ui
 from search.cli.main import main
+from test_bad_input_leftovers import serve  # noqa: F401 - a fixture, used by name
 from trainers.errors import LatentsweepError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,13 +90,15 @@ def test_start_ui_serves_the_run_and_the_study_then_stops(tmp_path):
 
 
 @pytest.mark.slow
-def test_ui_command_on_empty_state_prints_urls_hint_and_stops_on_ctrl_c(tmp_path):
-    # The MLflow server is covered above; an http tracking URI (reported, not started) keeps this test short.
+def test_ui_command_on_empty_state_prints_urls_hint_and_stops_on_ctrl_c(tmp_path, serve):
+    # The MLflow server is covered above; an http tracking URI (probed and reported, not started: here a stand-in
+    # that answers the probe as MLflow does) keeps this test short.
+    remote = serve(200, "application/json", b'{"experiments": []}')
     dashboard_port = servers.free_port()
     state = tmp_path / "state"
     proc = subprocess.Popen(
         [sys.executable, "-m", "search", "ui", "--state-dir", str(state), "--dashboard-port", str(dashboard_port),
-         "--tracking-uri", "http://127.0.0.1:1/"],
+         "--tracking-uri", remote + "/"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     lines = []
     try:
@@ -104,7 +107,7 @@ def test_ui_command_on_empty_state_prints_urls_hint_and_stops_on_ctrl_c(tmp_path
             if line.startswith("press Ctrl-C"):
                 break
         out = "".join(lines)
-        assert "MLflow UI:        http://127.0.0.1:1\n" in out, out
+        assert f"MLflow UI:        {remote}\n" in out, out
         assert f"optuna-dashboard: http://127.0.0.1:{dashboard_port}" in out and cmd_ui.NO_STUDIES_HINT in out
         assert server_pids(dashboard_port) and (state / "optuna.db").exists()
     finally:
@@ -135,12 +138,12 @@ def test_same_port_for_both_servers_is_refused(tmp_path):
         servers.start_ui(tmp_path, mlflow_port=port, dashboard_port=port)
 
 
-def test_dashboard_that_dies_is_named_with_its_log_tail(tmp_path):
-    # An http tracking URI is an external MLflow server: only the dashboard is started, and it cannot guess
-    # a storage for a journal file that does not exist.
+def test_dashboard_that_dies_is_named_with_its_log_tail(tmp_path, serve):
+    # An http tracking URI is an external MLflow server (here a stand-in that answers the probe): only the dashboard
+    # is started, and it cannot guess a storage for a journal file that does not exist.
     with pytest.raises(LatentsweepError) as err:
         servers.start_ui(tmp_path, dashboard_port=servers.free_port(), storage=str(tmp_path / "missing.log"),
-                         tracking_uri="http://127.0.0.1:1")
+                         tracking_uri=serve(200, "application/json", b'{"experiments": []}'))
     msg = str(err.value)
     assert "\n" not in msg
     assert msg.startswith("optuna-dashboard (http://127.0.0.1:") and "failed to start (exit code 1)" in msg

@@ -54,7 +54,8 @@ def test_full_disk_before_training_fails_and_retries_the_trial(state, synthetic,
     sf = study_file(tmp_path, "fulldisk", n_trials=2)
     assert run(sf, state, synthetic) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "latentsweep: error: trial 0: cannot write config.toml: No space left on device"
+    assert err[-1] == ("latentsweep: error: trial 0: cannot write config.toml: No space left on device; the trial is "
+                       "retried when the study runs again")
     assert [t.state.name for t in trials(state, "fulldisk")] == ["FAIL", "WAITING"]  # retried, not counted
     assert_nothing_running(state, "fulldisk")
     assert runs(state, "fulldisk") == {"study-fulldisk": "FINISHED"}  # no trial run was opened

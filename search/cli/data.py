@@ -20,14 +20,14 @@ def add_parser(subparsers) -> None:
     sub.required = True
     check = sub.add_parser("check", help="validate a train / test / answers npz file and print a summary")
     check.add_argument("path", help="train.npz, test.clean.npz or answers.npz")
-    check.set_defaults(func=run_check)
+    check.set_defaults(func=cmd_data_check)
     holdout = sub.add_parser("holdout", help="hold out a fraction of a train file's images (with all their captions) "
                                              "as a local leaderboard: train.npz, test.clean.npz, answers.npz")
     holdout.add_argument("path", help="a labelled train.npz")
     holdout.add_argument("--fraction", type=float, default=0.2, help="fraction of the images held out (default 0.2)")
     holdout.add_argument("--seed", type=int, default=0, help="which images: MD5(seed:name) order (default 0)")
     holdout.add_argument("--out", required=True, help="output directory (created)")
-    holdout.set_defaults(func=run_holdout)
+    holdout.set_defaults(func=cmd_data_holdout)
     add_build_demo(sub)
 
 
@@ -79,7 +79,7 @@ def _answers_lines(path: str) -> list[str]:
             _norm_line("image", image)]
 
 
-def run_holdout(args) -> int:
+def cmd_data_holdout(args) -> int:
     h = write_holdout(load_train(args.path), args.fraction, args.seed, args.out)
     print(f"train:   {h.files[0]} ({h.train_images} images, {h.train_captions} captions)")
     print(f"test:    {h.files[1]} ({h.test_captions} captions of {h.test_images} held-out images, "
@@ -89,7 +89,7 @@ def run_holdout(args) -> int:
     return 0
 
 
-def run_check(args) -> int:
+def cmd_data_check(args) -> int:
     desc = describe_npz(args.path)
     kind = desc["kind"]
     body = {"train": lambda: _train_lines(args.path, desc), "test": lambda: _test_lines(args.path),

@@ -30,11 +30,11 @@ def add_parser(data_subparsers) -> argparse.ArgumentParser:
                    help="share of images held out as test, rounded to a multiple of 100 (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, caption choice and id order")
     p.add_argument("--device", default=None, help="torch device of the image encoder (default: cuda if available)")
-    p.set_defaults(func=run_build_demo)
+    p.set_defaults(func=cmd_data_build_demo)
     return p
 
 
-def run_build_demo(args) -> int:
+def cmd_data_build_demo(args) -> int:
     languages = [code.strip() for code in args.languages.split(",") if code.strip()]
     if not languages:
         raise LatentsweepError("--languages: give at least one language code, e.g. en,fr,de,es,it")

@@ -7,11 +7,12 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
 from search.cli import data, pick, run, study, submission, train, ui
+from search.failures import one_line
 from search.process import configure_process
 from search.study.objective import StudyHalted
-from trainers.errors import LatentsweepError
 
-# Each module exposes add_parser(subparsers); the handler it sets as `func` returns an exit code.
+# Each module exposes add_parser(subparsers); the handler it sets as `func` returns an exit code and is named after
+# its command: `latentsweep study run` -> cmd_study_run (tests/test_layout.py checks it).
 COMMAND_MODULES = (data, submission, train, study, pick, run, ui)
 
 
@@ -55,19 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     configure_process()
     try:
         return int(args.func(args) or 0)
-    except LatentsweepError as exc:
-        print(f"latentsweep: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a full disk, a read-only or missing output directory: the user's to fix, no traceback
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"latentsweep: error: {where}{exc.strerror or exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("latentsweep: interrupted", file=sys.stderr)
         return 130
     except StudyHalted as exc:  # a worker's bug, its traceback already printed by that worker: exit 1, not 2
         print(f"latentsweep: error: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:  # classified once (search.failures): a bug keeps its traceback, the rest is one line
+        line = one_line(exc)
+        if line is None:
+            raise
+        print(f"latentsweep: error: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -54,10 +54,10 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=PickOptions.device, help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_state_arg(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=cmd_pick)
 
 
-def run(args) -> int:
+def cmd_pick(args) -> int:
     safe_name(args.study)  # STATE/picks/<study> is built from it
     opts = PickOptions(study=args.study, state_dir=args.state_dir, storage=args.storage,
                        tracking_uri=args.tracking_uri, top=args.top, method=args.method, size=args.size,

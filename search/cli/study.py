@@ -38,10 +38,10 @@ def add_parser(sub) -> None:
     run = ssub.add_parser("run", help="create or resume a study and run trials on this machine")
     _common(run)
     run.add_argument("--workers", type=int, default=1, help="worker processes on this machine (default 1)")
-    run.set_defaults(func=cmd_run)
+    run.set_defaults(func=cmd_study_run)
     create = ssub.add_parser("create", help="create a study (and its MLflow parent run) without running trials")
     _common(create)
-    create.set_defaults(func=cmd_create)
+    create.set_defaults(func=cmd_study_create)
     study_inspect.add_actions(ssub)
     worker = sub.add_parser("worker", help="join an existing study as one worker (any machine)")
     _common(worker)
@@ -71,7 +71,7 @@ def make_spec(args, study_file=None):
     )
 
 
-def cmd_run(args) -> int:
+def cmd_study_run(args) -> int:
     if args.workers < 1:
         raise LatentsweepError(f"--workers must be >= 1, got {args.workers}")
     with no_new_empty_state_dir(args.state_dir):
@@ -84,7 +84,7 @@ def cmd_run(args) -> int:
     return 0
 
 
-def cmd_create(args) -> int:
+def cmd_study_create(args) -> int:
     study_file = load_study_file(args.study)
     with no_new_empty_state_dir(args.state_dir):
         spec = make_spec(args, study_file)

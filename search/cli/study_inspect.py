@@ -18,17 +18,17 @@ def add_actions(ssub) -> None:
     listing = ssub.add_parser("list", help="the studies in the storage: trials by state, best value")
     stores_args(listing, tracking=False)
     listing.add_argument("--csv", action="store_true", help="print the raw table as CSV")
-    listing.set_defaults(func=cmd_list)
+    listing.set_defaults(func=cmd_study_list)
     status = ssub.add_parser("status", help="a study's counts and best value, then its trials, best first")
     status.add_argument("name", help="study name")
     stores_args(status, tracking=False)
     status.add_argument("--csv", action="store_true", help="print the raw table as CSV (no header line)")
-    status.set_defaults(func=cmd_status)
+    status.set_defaults(func=cmd_study_status)
     reap = ssub.add_parser("reap", help="fail trials of dead workers (they are retried) and close their MLflow runs")
     reap.add_argument("name", help="study name (a study file's name is taken from it)")
     stores_args(reap)
     liveness_args(reap)
-    reap.set_defaults(func=cmd_reap)
+    reap.set_defaults(func=cmd_study_reap)
 
 
 def stores_args(p, tracking: bool = True) -> None:
@@ -48,7 +48,7 @@ def liveness_args(p) -> None:
                    help="seconds without heartbeat before a trial is dead and retried (default 180: 3 missed beats)")
 
 
-def cmd_reap(args) -> int:
+def cmd_study_reap(args) -> int:
     """Reap the study `name`: the storage's stale-trial rule is --heartbeat/--grace, its runs are in --tracking-uri."""
     check_liveness(args.heartbeat, args.grace)
     name = load_study_file(args.name).name if args.name.endswith(".toml") else args.name  # a file names its study
@@ -60,7 +60,7 @@ def cmd_reap(args) -> int:
     return 0
 
 
-def cmd_status(args) -> int:
+def cmd_study_status(args) -> int:
     storage = resolve_stores(state_dir(args.state_dir, create=False), args.storage, read_only=True).storage
     study = load_existing_study(args.name, storage)
     try:
@@ -77,7 +77,7 @@ def cmd_status(args) -> int:
     return 0
 
 
-def cmd_list(args) -> int:
+def cmd_study_list(args) -> int:
     storage = resolve_stores(state_dir(args.state_dir, create=False), args.storage, read_only=True).storage
     table = studies_table(storage)
     if args.csv:

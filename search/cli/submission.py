@@ -16,22 +16,22 @@ def add_parser(subparsers) -> None:
     check.add_argument("file", help="submission CSV (id,embedding)")
     check.add_argument("--test", required=True, help="test.clean.npz the submission answers")
     check.add_argument("--dim", type=int, default=None, help="expected embedding dimension (e.g. 1536)")
-    check.set_defaults(func=run_check)
+    check.set_defaults(func=cmd_submission_check)
 
     score = sub.add_parser("score", help="leaderboard metrics against an answer key (chunks of 100 by caption id)")
     score.add_argument("file", help="submission CSV (id,embedding)")
     score.add_argument("--answers", required=True, help="answers.npz (captions/ids, images/embeddings)")
     score.add_argument("--gallery-size", type=int, default=GALLERY_SIZE, help="captions per gallery chunk")
-    score.set_defaults(func=run_score)
+    score.set_defaults(func=cmd_submission_score)
 
 
-def run_check(args) -> int:
+def cmd_submission_check(args) -> int:
     n, dim = check_submission(args.file, load_test(args.test), dim=args.dim)
     print(f"ok: {n} rows, dim {dim}")
     return 0
 
 
-def run_score(args) -> int:
+def cmd_submission_score(args) -> int:
     metrics = score_submission(args.file, args.answers, gallery_size=args.gallery_size)
     width = max(len(k) for k in METRIC_KEYS)
     for key in METRIC_KEYS:

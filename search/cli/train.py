@@ -33,16 +33,16 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="output directory (default: STATE_DIR/train/<study>-<time>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_state_arg(p)
-    p.set_defaults(func=run_train)
+    p.set_defaults(func=cmd_train)
 
     q = sub.add_parser("predict", help="write a validated submission from one checkpoint")
     q.add_argument("checkpoint", help="best.pt written by train or a study trial")
     q.add_argument("--test", required=True, help="test.clean.npz")
     q.add_argument("--out", required=True, help="submission CSV to write")
-    q.set_defaults(func=run_predict)
+    q.set_defaults(func=cmd_predict)
 
 
-def run_train(args) -> int:
+def cmd_train(args) -> int:
     """Everything is checked (config, device, data, split, output path) before the output directory is made; a
     failed training removes the directory it made, so an error leaves no partial output."""
     study = load_study_file(args.study)
@@ -80,7 +80,7 @@ def run_train(args) -> int:
     return 0
 
 
-def run_predict(args) -> int:
+def cmd_predict(args) -> int:
     model, cfg, _ = load_model(args.checkpoint)
     test = load_test(args.test)
     check_text_dim(test, model.text_mean.shape[0])

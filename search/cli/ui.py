@@ -35,7 +35,7 @@ def add_parser(subparsers) -> None:
                         "private IPs); needed to reach it by a public name or address")
     p.add_argument("--timeout", type=positive_seconds, default=servers.START_TIMEOUT_S,
                    help="seconds to wait for both servers to answer (default: %(default)s)")
-    p.set_defaults(func=run_ui)
+    p.set_defaults(func=cmd_ui)
 
 
 def port(text: str) -> int:
@@ -59,7 +59,7 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def run_ui(args) -> int:
+def cmd_ui(args) -> int:
     root = state_dir(args.state_dir)
     if not servers.is_loopback(args.host):
         print(f"latentsweep: warning: binding to {args.host}: the MLflow UI and optuna-dashboard have no "

@@ -65,7 +65,7 @@ def top_trials(study, k: int) -> list:
             if trial_value(t, maximize) is not None]
     if not done:
         states = pd.Series([t.state.name for t in study.get_trials(deepcopy=False)]).value_counts().to_dict()
-        raise LatentsweepError(f"study '{study.study_name}' has no complete trials "
+        raise LatentsweepError(f"study '{study.study_name}' has no complete or pruned trial with a value "
                                f"({', '.join(f'{n} {s}' for s, n in states.items()) or 'no trials at all'})")
     key = lambda t: (-trial_value(t, maximize) if maximize else trial_value(t, maximize), t.number)  # noqa: E731
     return sorted(done, key=key)[:k]
@@ -115,7 +115,8 @@ def load_candidates(study, k: int, tracker: Tracker, download_dir: Path, device,
             cand.timing = Timing.from_attrs(t.user_attrs.get(TIMING_ATTR))
             out.append(cand)
     if not out:
-        raise LatentsweepError(f"study '{study.study_name}': none of the top {k} complete trials has a checkpoint")
+        raise LatentsweepError(f"study '{study.study_name}': none of its top {k} trials (complete or pruned) has a "
+                               f"checkpoint")
     return out
 
 

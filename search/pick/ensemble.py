@@ -122,12 +122,12 @@ def greedy_counts(outputs: list[np.ndarray], mrr_of: Callable[[np.ndarray], floa
 
 def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[np.ndarray], float],
                    size: int) -> np.ndarray:
-    """Member weights [M] (sum 1) chosen on the select half only.
+    """Member weights [M] (sum 1) chosen on `outputs` only (out-of-fold predictions, or the select half's).
 
     greedy: pick counts of `greedy_counts` / their sum. mean: uniform. weighted: proportional to each member's
-    select-half MRR (not a softmax: members of one study score within a few points of each other, so proportional
-    weights stay close to uniform, and a softmax would need a temperature that is one more knob fitted on the
-    same half).
+    MRR on those outputs (not a softmax: members of one study score within a few points of each other, so
+    proportional weights stay close to uniform, and a softmax would need a temperature that is one more knob fitted
+    on the same outputs).
     """
     if method not in METHODS:
         raise LatentsweepError(f"--method must be one of {', '.join(METHODS)}, got '{method}'")

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from search.failures import raise_stop
 from search.pick.candidates import Candidate, make_candidate
 from search.pick.ensemble import predict_all
 from search.pick.plan import Clock, describe_job, note
@@ -102,7 +103,10 @@ def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | Non
     with atomic_write(job.run_dir / "config.toml") as fh:
         fh.write(dump_toml(job.cfg))
     start = time.monotonic()
-    train(job.cfg, part, out_dir=job.run_dir, progress=progress)
+    try:
+        train(job.cfg, part, out_dir=job.run_dir, progress=progress)
+    except Exception as exc:  # classified once (search.failures): a bug keeps its traceback, the rest is one line
+        raise_stop(exc, f"pick job {job.name}")
     with atomic_write(job.run_dir / DONE_FILE) as fh:
         fh.write(json.dumps(stamp))
     return ckpt, time.monotonic() - start

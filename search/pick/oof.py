@@ -21,7 +21,7 @@ from trainers.metrics import GALLERY_SIZE, evaluate_leaderboard
 
 @dataclass(frozen=True)
 class Folds:
-    """Image folds over the whole TrainSet: fold_of[i] is image i's fold (as `kfold_by_image` deals them)."""
+    """Image folds over the whole TrainSet: fold_of[i] is image i's fold (dealt by trainers.splits.fold_assignment)."""
     fold_of: np.ndarray  # int64 [Ni]
     cap2img: np.ndarray  # int64 [Nc]
 

@@ -30,7 +30,7 @@ from search.pick.outputs import PickResult, PickRun, write_outputs
 from search.pick.plan import Clock, note
 from search.pick.selection import Selection, screen, select_halves, select_oof, select_val
 from search.study.report import load_existing_study
-from search.study.storage import probe_tracking_store
+from search.tracking.probe import probe_tracking_store
 from search.tracking import make_tracker
 from search.tracking.base import Tracker
 from trainers.data import TestSet, TrainSet, load_test, load_train

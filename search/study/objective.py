@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import traceback
 from pathlib import Path
 
 import optuna
-import torch
 from optuna.trial import TrialState
 
+from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
 from search.study.progress import emit
 from search.study.space import sample
 from search.study.storage import redact_url, retry_callback
@@ -25,21 +24,13 @@ from trainers.io import atomic_write
 from trainers.loop import DeadlineReached, EpochReport, train
 
 log = logging.getLogger("latentsweep")
-ERROR_ATTR = "latentsweep.error"  # set on trials that failed by themselves (not retried; they count in the budget)
+ERROR_ATTR = "latentsweep.error"  # set on trials that failed for good (not retried; they count in the budget)
 # A study user attr, set when a bug stopped a worker: the other workers stop before claiming their next trial.
 HALT_ATTR = "latentsweep.halted"
 # Trial user attrs: the run's measured seconds (trainers.cost.Timing as a dict), what the pick plans its jobs and a
 # one-budget run its split with; and, on a trial the deadline cut short, where it stopped.
 TIMING_ATTR = "timing"
 DEADLINE_ATTR = "latentsweep.stopped_at_deadline"
-# What a configuration can do to a trial: a user-facing error (a bad value found at run time, divergence is a
-# TrainingDiverged) or running out of memory. Anything else raised by train() is a bug in our code: it stops the
-# study loudly instead of failing every trial in turn and burning the budget.
-EXPECTED = (LatentsweepError, torch.OutOfMemoryError, MemoryError)
-
-
-class StoreFailed(LatentsweepError):
-    """The tracking store or the storage failed during a trial: the worker stops in one line, the trial is retried."""
 
 
 class StudyHalted(Exception):
@@ -61,7 +52,6 @@ class TrialRunner:
         self.study_file, self.spec, self.data, self.tracker, self.out_root = study_file, spec, data, tracker, out_root
         self.base_values = flatten(study_file.base)
         self.open_run: str | None = None  # the MLflow run of the trial in progress, until it is closed
-        self.bug: str | None = None  # the traceback of a bug raised by train() in the trial in progress
         # A one-budget run's search end (time.time()), re-estimated after every epoch (search.study.budget)
         self.search_end: float | None = None
 
@@ -73,7 +63,8 @@ class TrialRunner:
         return self.search_end
 
     def run(self, trial: optuna.Trial) -> tuple[TrialState, float | None]:
-        """Run the trial; in a one-budget run its training stops at the search's end, keeping its best epoch."""
+        """COMPLETE or PRUNED; any failure (from sampling to recording the result) is raised, for fail(). In a
+        one-budget run the training stops at the search's end, keeping its best finished epoch."""
         cfg, out, run_id = self._start(trial)
         try:
             result = train(cfg, self.data, callback=functools.partial(self._report, trial, run_id, {}), out_dir=out,
@@ -87,20 +78,6 @@ class TrialRunner:
             self.tracker.set_tags(run_id, {NOTE_TAG: f"Stopped at the run's deadline: {exc}."})
             self._close(run_id, out, "PRUNED")
             return TrialState.PRUNED, None
-        except KeyboardInterrupt:
-            self._close(run_id, out, "INTERRUPTED")
-            raise
-        except (OSError, StoreFailed):  # the machine's, not the config's: abandon() fails and retries the trial
-            raise
-        except EXPECTED as exc:  # a config that cannot train is a failed trial, not a dead study
-            message = str(exc) if isinstance(exc, LatentsweepError) else f"{type(exc).__name__}: {exc}"
-            trial.set_user_attr(ERROR_ATTR, message.strip().splitlines()[-1][:500])
-            log.warning("trial %d failed: %s", trial.number, message.strip().splitlines()[-1])
-            self._close(run_id, out, "FAIL", error=message)
-            return TrialState.FAIL, None
-        except Exception:  # our bug: abandon() fails the trial for good and halts the study, then the worker stops
-            self.bug = traceback.format_exc()
-            raise
         value = float(result.best_metrics[self.study_file.objective])
         if result.stopped_at_deadline:
             # Cut short by the budget, its best finished epoch kept: pruned (Optuna's "stopped early"), and pick
@@ -121,15 +98,15 @@ class TrialRunner:
     def _start(self, trial: optuna.Trial):
         """Sample the config, write trial-N/config.toml and open the MLflow run.
 
-        A failure here is not the config's fault (a full disk, a name too long for the file system, a space whose
-        distributions differ from the stored trials'): it raises a one-line error and the caller fails and retries
-        the trial. `self.open_run` names the run until it is closed, so every exit path can close it.
+        A search space whose distributions differ from the stored trials' is a config error (the trial counts); a
+        file system that refuses the config (full, read-only, a name too long) is the machine's (MachineFailed: the
+        trial is retried). `self.open_run` names the run until it is closed, so fail() can close it.
         """
         out = self.out_root / f"trial-{trial.number}"
         try:
             values = sample(trial, list(self.study_file.space), self.base_values)
         except ValueError as exc:
-            raise LatentsweepError(f"trial {trial.number}: cannot sample the search space: {exc}") from None
+            raise LatentsweepError(f"cannot sample the search space: {exc}") from None
         cfg = with_values(self.study_file.base, {**values, "data.path": self.spec.data_path,
                                                  "train.threads": self.spec.threads})
         try:
@@ -137,8 +114,7 @@ class TrialRunner:
             with atomic_write(out / "config.toml") as fh:
                 fh.write(dump_toml(cfg))
         except OSError as exc:
-            raise LatentsweepError(f"trial {trial.number}: cannot write {exc.filename or out}: "
-                                   f"{exc.strerror or exc}") from None
+            raise MachineFailed(f"cannot write {exc.filename or out}: {exc.strerror or exc}") from exc
         params = {k: redact_url(str(v)) for k, v in flatten(cfg).items()}
         params.update({f"{SEARCH_PARAM_PREFIX}{k}": redact_url(str(v)) for k, v in values.items()})
         self.open_run = self.tracker.start_trial(trial.number, params, self._tags(trial, cfg))
@@ -150,34 +126,42 @@ class TrialRunner:
              "text_dim": int(self.data.text.shape[1]), "image_dim": int(self.data.image.shape[1])}))
         return cfg, out, self.open_run
 
-    def abandon(self, study: optuna.Study, trial: optuna.Trial) -> None:
-        """The worker stops inside this trial (Ctrl-C, SIGTERM, any error): close its run, fail it, queue its retry.
-
-        After a bug in train() (self.bug) the trial is failed for good instead (its run FAILED with the traceback),
-        and the study is marked halted so that the other workers stop too.
-
-        Each step is attempted even if an earlier one fails, so a broken tracking server cannot leave the trial
-        RUNNING in Optuna and a broken storage cannot leave the run RUNNING in MLflow.
-        """
+    def fail(self, study: optuna.Study, trial: optuna.Trial,
+             exc: BaseException) -> tuple[Failure, optuna.trial.FrozenTrial]:
+        """The trial raised `exc` (anywhere from sampling to recording its result): classify it once, close its run,
+        tell Optuna FAIL once, and queue its retry or mark it counted (search.failures says which; a bug also marks
+        the study halted, so the other workers stop). The Optuna outcome is decided by `exc` alone: a tracker that
+        cannot close the run is said in one line (`study reap` closes it later), unless that is a bug of its own."""
+        failure = classify(exc)
         run_id, self.open_run = self.open_run, None
-        bug, self.bug = self.bug, None
         if run_id is not None:
-            try:
-                if bug:
-                    self._close(run_id, self.out_root / f"trial-{trial.number}", "FAIL", error=bug)
-                else:
-                    self.tracker.end_trial(run_id, "INTERRUPTED")
-            except Exception as exc:  # noqa: BLE001 - the Optuna side must still be closed
-                log.warning("could not close the MLflow run of trial %d: %s", trial.number, exc)
-        if not bug:
-            self.retry(study, study.tell(trial, state=TrialState.FAIL))
-            return
-        reason = bug.strip().splitlines()[-1][:500]
-        try:  # retrying would hit the same bug: the trial counts, and the other workers stop before their next one
-            trial.set_user_attr(ERROR_ATTR, reason)
-            study.set_user_attr(HALT_ATTR, f"trial {trial.number} raised {reason}")
+            failure = self._close_failed(trial, run_id, failure)
+        if failure.goes_on:
+            log.warning("trial %d failed: %s", trial.number, failure.reason)
+        try:
+            if failure.counts:
+                trial.set_user_attr(ERROR_ATTR, failure.reason)
+            if failure.kind is Kind.BUG:  # retrying would hit the same bug: the other workers stop before their next
+                study.set_user_attr(HALT_ATTR, f"trial {trial.number} raised {failure.reason}")
         finally:
-            study.tell(trial, state=TrialState.FAIL)
+            frozen = study.tell(trial, state=TrialState.FAIL)
+        if failure.retried:
+            self.retry(study, frozen)
+        return failure, frozen
+
+    def _close_failed(self, trial: optuna.Trial, run_id: str, failure: Failure) -> Failure:
+        """End the run of a failed trial (KILLED for an interrupt, else FAILED with the error); a bug raised while
+        closing it replaces the trial's failure (it would hit every trial), any other error is warned about."""
+        state = "INTERRUPTED" if failure.kind is Kind.INTERRUPT else "FAIL"
+        try:
+            self._close(run_id, self.out_root / f"trial-{trial.number}", state, error=failure.detail)
+        except BaseException as exc:  # noqa: BLE001 - classified: a bug is kept, the rest said in one line
+            closing = classify(exc)
+            if closing.kind is Kind.BUG and failure.kind is not Kind.BUG:
+                return closing
+            log.warning("could not close the MLflow run of trial %d (%s); `latentsweep study reap` closes it",
+                        trial.number, closing.reason)
+        return failure
 
     def _report(self, trial: optuna.Trial, run_id: str, best: dict, report: EpochReport) -> None:
         """Log the epoch, report it to the pruner. `best` (per trial) holds the best epoch so far: its objective
@@ -195,10 +179,10 @@ class TrialRunner:
                 trial.set_user_attr(TIMING_ATTR, report.timing.as_attrs())
             if self.spec.budget is not None:  # this epoch measured more: the pick's reserve may have changed
                 self.search_end_now(trial.study)
-        except Exception as exc:  # a store that failed is neither the config's fault nor a bug: stop, retry later
-            reason = (str(exc).strip().splitlines() or [""])[0][:300]
-            raise StoreFailed(f"trial {trial.number}: cannot record epoch {report.epoch} "
-                              f"({type(exc).__name__}: {redact_url(reason)})") from exc
+        except Exception as exc:  # an outage gets the epoch in its one line; anything else keeps its class
+            if kind_of(exc) is not Kind.OUTAGE:
+                raise
+            raise StoreFailed(f"cannot record epoch {report.epoch} ({first_line(exc)})") from exc
         if self.spec.verbose and not self.spec.progress:  # with bars, the epoch bar shows it
             objective = self.study_file.objective
             emit(f"study {self.spec.name} trial {trial.number} epoch {report.epoch} {objective} "
@@ -219,7 +203,8 @@ class TrialRunner:
         return tags
 
     def _close(self, run_id: str, out: Path, state: str, ranks=None, error: str | None = None) -> None:
-        """Log whatever artifacts exist, then end the run; never leaves it RUNNING (artifact errors are logged)."""
+        """Log whatever artifacts exist, then end the run. An artifact that cannot be logged (a store outage, a full
+        disk) is warned about and the run still ends; a bug there is raised, after the run ended."""
         try:
             if error:
                 self.tracker.set_tags(run_id, {"latentsweep.error": error[-4000:]})
@@ -228,12 +213,15 @@ class TrialRunner:
             if ranks is not None:
                 self.tracker.log_figure(run_id, rank_histogram(ranks, f"{self.spec.name} {out.name}"),
                                         "rank_distribution.png")
-        except Exception as exc:  # noqa: BLE001 - tracking must not change the trial's outcome
-            log.warning("could not log artifacts of %s: %s", out.name, exc)
+        except Exception as exc:
+            if kind_of(exc) is Kind.BUG:
+                raise
+            log.warning("could not log the artifacts of %s (%s)", out.name, first_line(exc))
         finally:
             self.tracker.end_trial(run_id, state)
             self.open_run = None
 
     def retry(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
-        """An interrupted trial is retried on resume, exactly like a trial whose worker died."""
+        """A trial failed by the machine, a store or an interrupt is retried, exactly like a trial whose worker died
+        (Optuna's retry callback: at most StorageSettings.max_retry times)."""
         retry_callback(self.spec.storage.max_retry)(study, frozen)

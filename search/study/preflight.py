@@ -2,32 +2,24 @@
 anything is written to either store (no Optuna study without its MLflow parent run, no empty state directory left)."""
 from __future__ import annotations
 
-import base64
 import contextlib
-import json
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from search.stores import check_artifact_root, state_dir
 from search.study.storage import (
-    StorageSettings, dispose, open_storage, probe_tracking_store, redact_url, tracking_has_experiment,
+    StorageSettings, dispose, open_storage, redact_url, tracking_has_experiment,
 )
 from search.study.studyfile import load_study_file
 from search.study.worker import RunSpec, check_existing
 from search.tracking.base import DB_SCHEMES, default_artifact_root
+from search.tracking.probe import probe_tracking_store
 from trainers.config import with_values
 from trainers.data import load_train
 from trainers.errors import LatentsweepError, closest
 from trainers.loop import resolve_device
 from trainers.tasks import TASKS, check_split
 from trainers.validate import validate
-
-# Seconds to wait for an http(s) MLflow tracking server's first answer before calling it unreachable.
-TRACKING_PROBE_TIMEOUT_S = 15
-
 
 @dataclass(frozen=True)
 class StoreSpec:
@@ -70,13 +62,10 @@ def preflight(spec: RunSpec) -> None:
 def check_stores(spec: StoreSpec) -> None:
     """One-line errors, before anything is written to either store (no study without its MLflow parent run).
 
-    The Optuna storage is opened once; an http(s) MLflow server is probed with one short request, because the
-    MLflow client retries an unreachable server for minutes and then ends in a traceback.
+    The tracking store is probed as the MLflow client would use it (search.tracking.probe), then the Optuna storage
+    is opened once.
     """
-    if spec.tracking_uri.startswith(("http://", "https://")):
-        probe_tracking_server(spec.tracking_uri)  # first: it writes nothing, while opening SQLite creates the file
-    else:
-        probe_tracking_store(spec.tracking_uri)
+    probe_tracking_store(spec.tracking_uri)  # first: it writes nothing, while opening SQLite creates the file
     if spec.artifact_root:
         check_artifact_root(spec.artifact_root)
     else:
@@ -93,39 +82,6 @@ def _check_artifact_root_needed(spec: StoreSpec) -> None:
     if spec.name is not None and not tracking_has_experiment(url, spec.name):
         raise LatentsweepError(f"MLflow tracking URI {redact_url(url)} is a database and has no experiment "
                                f"'{spec.name}' yet: an artifact root is required (--artifact-root)")
-
-
-def probe_tracking_server(uri: str) -> None:
-    """One short request that an MLflow server answers with JSON. Credentials in the URI go in a Basic auth header
-    (urllib cannot open a URL with user:password@); a 401/403 still proves a server answers."""
-    parts = urllib.parse.urlsplit(uri.rstrip("/"))
-    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
-    request = urllib.request.Request(bare + "/api/2.0/mlflow/experiments/search?max_results=1")
-    if parts.username is not None:
-        pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
-        request.add_header("Authorization", "Basic " + base64.b64encode(pair.encode()).decode())
-    try:
-        with urllib.request.urlopen(request, timeout=TRACKING_PROBE_TIMEOUT_S) as response:
-            body = response.read(1 << 20)
-    except urllib.error.HTTPError as exc:
-        text = exc.read(200).decode("utf-8", "replace")
-        if exc.code == 403 and "Host header" in text:
-            raise LatentsweepError(f"MLflow tracking server {redact_url(uri)} refused the Host header "
-                                   f"'{parts.hostname}': start it with --allowed-hosts including that name") from None
-        if exc.code in (404, 405):  # MLflow serves this endpoint: whatever answered is something else
-            raise LatentsweepError(f"{redact_url(uri)} answers but is not an MLflow tracking server (HTTP {exc.code} "
-                                   f"for its experiments API)") from None
-        return  # it answered (e.g. 401 without credentials): reachable, and the MLflow client does the rest
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise LatentsweepError(f"MLflow tracking server {redact_url(uri)} is not reachable: {reason}") from None
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        answer = None
-    if not isinstance(answer, dict):
-        raise LatentsweepError(f"{redact_url(uri)} answers but is not an MLflow tracking server (its experiments API "
-                               f"did not return JSON)")
 
 
 @contextlib.contextmanager

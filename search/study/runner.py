@@ -12,6 +12,7 @@ import optuna
 import torch
 from tqdm.auto import tqdm
 
+from search.failures import Kind, classify, one_line
 from search.process import configure_process, interrupt_on
 
 from search.study.objective import StudyHalted, TrialRunner
@@ -74,8 +75,10 @@ def _close_parent_if_idle(study: optuna.Study, tracker: Tracker) -> None:
     try:
         if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             finish(study, tracker)
-    except Exception as exc:  # noqa: BLE001 - on the way out of another error: keep that one
-        log.warning("could not close the study's MLflow parent run: %s", exc)
+    except Exception as exc:  # a store down or a full disk is said in one line; a bug is raised (after any other)
+        if classify(exc).kind is Kind.BUG:
+            raise
+        log.warning("could not close the study's MLflow parent run (%s)", classify(exc).reason)
 
 
 def worker_main(spec: RunSpec) -> None:
@@ -88,12 +91,15 @@ def worker_main(spec: RunSpec) -> None:
         run_worker(spec)
     except KeyboardInterrupt:
         pass
-    except LatentsweepError as exc:
-        print(f"latentsweep: error: {exc}", file=sys.stderr)
-        sys.exit(2)
     except StudyHalted as exc:  # another worker's bug (its traceback is in its output): not a user error
         print(f"latentsweep: error: {exc}", file=sys.stderr)
         sys.exit(1)
+    except Exception as exc:  # classified once (search.failures): a bug keeps its traceback, the rest is one line
+        line = one_line(exc)
+        if line is None:
+            raise
+        print(f"latentsweep: error: {line}", file=sys.stderr)
+        sys.exit(2)
 
 
 class _StudyBar:
@@ -181,8 +187,10 @@ def _reap_dead_children(study: optuna.Study, tracker: Tracker, procs, reaped: se
             reaped.add(p.pid)
             try:
                 closed = reap_owner(study, tracker, worker_id(p.pid))
-            except Exception as exc:  # noqa: BLE001 - the heartbeat reaper still catches it after the grace
-                log.warning("could not reap the trials of dead worker %s: %s", p.name, exc)
+            except Exception as exc:  # not a bug: the heartbeat reaper still catches it after the grace
+                if classify(exc).kind is Kind.BUG:
+                    raise
+                log.warning("could not reap the trials of dead worker %s (%s)", p.name, classify(exc).reason)
                 continue
             if closed:
                 log.warning("worker %s died (exit code %s); its trial was failed and queued for retry",
@@ -194,14 +202,17 @@ def finish(study: optuna.Study, tracker: Tracker) -> dict:
     summary = study_summary(study)
     try:
         tracker.end_study(summary, study_figures(study, study.user_attrs.get("objective")))
-    except Exception as exc:  # noqa: BLE001 - the study's results are in Optuna either way
-        log.warning("could not refresh the study's MLflow parent run: %s", exc)
+    except Exception as exc:  # a store down: the study's results are in Optuna either way; a bug is raised
+        if classify(exc).kind is Kind.BUG:
+            raise
+        log.warning("could not refresh the study's MLflow parent run (%s)", classify(exc).reason)
     return summary
 
 
 def reap_study(name: str, stores) -> list:
-    """Fail the trials of dead workers of study `name` (they are retried) and close their MLflow runs; returns the
-    runs closed. `stores`: a search.study.preflight.StoreSpec whose storage carries the heartbeat/grace rule."""
+    """Fail the trials of dead workers of study `name` (they are retried) and close their MLflow runs, and the parent
+    run when no trial runs any more; returns the trial runs closed. `stores`: a search.study.preflight.StoreSpec whose
+    storage carries the heartbeat/grace rule."""
     study = load_existing_study(name, stores.storage.url, stores.storage.heartbeat_interval,
                                 stores.storage.grace_period)
     try:
@@ -210,6 +221,8 @@ def reap_study(name: str, stores) -> list:
             raise LatentsweepError(f"study '{name}' has no MLflow parent run recorded")
         tracker = make_tracker(stores.tracking_uri, stores.artifact_root)
         tracker.attach_study(name, parent, reopen=False)  # reaping never reopens a finished run
-        return reap(study, tracker)
+        closed = reap(study, tracker)
+        _close_parent_if_idle(study, tracker)  # a study that stopped on a full disk or a store outage left it open
+        return closed
     finally:
         dispose_study(study)

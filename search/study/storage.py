@@ -185,33 +185,6 @@ def tracking_has_experiment(uri: str, name: str) -> bool:
         engine.dispose()
 
 
-def probe_tracking_store(uri: str) -> None:
-    """Fail in seconds, writing nothing, when a database tracking URI cannot be reached (MLflow itself retries for
-    minutes and then ends in a traceback, after the Optuna study was created). SQLite: the directory must exist."""
-    try:
-        url = sa.engine.make_url(uri)
-    except sa.exc.ArgumentError:
-        return  # a plain path: MLflow's file store
-    shown = url.render_as_string(hide_password=True)
-    backend = url.get_backend_name()
-    if backend == "sqlite":
-        parent = Path(url.database or ".").expanduser().parent
-        if url.database not in (None, "", ":memory:") and not parent.is_dir():
-            raise LatentsweepError(f"MLflow tracking store {shown}: directory {parent} does not exist")
-        return
-    if backend not in ("postgresql", "mysql", "mssql"):
-        return
-    try:
-        engine = sa.create_engine(url, poolclass=sa.pool.NullPool,
-                                  connect_args=_engine_kwargs(uri).get("connect_args", {}))
-        with engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
-        engine.dispose()
-    except (sa.exc.SQLAlchemyError, ImportError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LatentsweepError(f"MLflow tracking store {shown} is not reachable: {redact_url(reason)}") from None
-
-
 def dispose(storage: optuna.storages.RDBStorage) -> None:
     """Close the pool at exit (PostgreSQL counts idle connections against max_connections)."""
     engine = getattr(storage, "engine", None)

@@ -13,6 +13,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
+from search.failures import Kind, classify
 from search.study.budget import SearchBudget
 from search.study.objective import ERROR_ATTR, HALT_ATTR, StudyHalted, TrialRunner
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
@@ -30,8 +31,9 @@ log = logging.getLogger("latentsweep")
 PARENT_ATTR = "mlflow_parent_run_id"
 ENQUEUED_ATTR = "latentsweep.enqueued"
 OWNER_ATTR = "latentsweep.worker"
-# The budget counts finished trials: complete, pruned, and failed by themselves (a config that cannot train).
-# Trials failed by a dead or interrupted worker are retried instead, so they do not count.
+# The budget counts finished trials: complete, pruned, and failed for good (ERROR_ATTR: a config that cannot train or
+# does not fit in memory, or a bug). Trials failed by the machine, a store, an interrupt or a dead worker are retried
+# instead, so they do not count (search.failures says which is which).
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
 # A worker with nothing to claim while others' trials still run re-checks this often (capped by the heartbeat
 # interval): one of those trials may die and need its retry run. A few cheap queries; 5 s keeps the idle tail short.
@@ -234,10 +236,10 @@ class Heartbeat:
             try:
                 self.storage.record_heartbeat(self.trial_id)
             except Exception as exc:  # noqa: BLE001 - a dead thread would get a live trial failed and run twice
-                if not warned:
-                    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                if not warned:  # a bug is logged with its traceback (a thread cannot stop the worker)
+                    failure = classify(exc)
                     log.warning("heartbeat of trial id %d failed (%s); retrying every %d s", self.trial_id,
-                                redact_url(reason), interval)
+                                failure.detail if failure.kind is Kind.BUG else failure.reason, interval)
                     warned = True
             self.stop.wait(interval)
 
@@ -254,6 +256,9 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
                 on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None) -> int:
     """Claim and run trials until the budget or the timeout is reached; returns how many this worker ran.
 
+    A trial that fails is handed to runner.fail, which classifies the error (search.failures): the worker goes on
+    after a config or memory failure (the trial counts), and stops otherwise, in one line for a store, the machine,
+    or an interrupt (the trial is retried), with the traceback for a bug (the trial counts, the study halts).
     While the budget is full only because of running trials, the worker waits instead of exiting: a running trial
     whose worker died goes stale after the grace period and its retry still has to run.
     """
@@ -264,30 +269,46 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
         end = runner.search_end_now(study)
         if end is not None and time.time() >= end:
             break
-        trial = claim_trial(study, spec.n_trials)
+        trial = None
         try:
+            trial = claim_trial(study, spec.n_trials)
             close_dead_runs(study, runner.tracker)  # the claim may have failed dead workers' trials
-            if trial is not None:
-                with Heartbeat(storage_of(study), trial._trial_id):
-                    state, value = runner.run(trial)
-        except BaseException:  # Ctrl-C, SIGTERM, or an error outside the config's fault: retried, not counted
-            if trial is not None:
-                runner.abandon(study, trial)
-            raise
-        if trial is None:
-            if counted(study) >= spec.n_trials:
-                break
-            time.sleep(poll)
-            continue
-        frozen = study.tell(trial, value, state=state)
+            if trial is None:
+                if counted(study) >= spec.n_trials:
+                    break
+                time.sleep(poll)
+                continue
+            with Heartbeat(storage_of(study), trial._trial_id):
+                state, value = runner.run(trial)
+            frozen = study.tell(trial, value, state=state)
+        except BaseException as exc:
+            frozen = fail_or_stop(study, runner, trial, exc)
         ran += 1
         if on_trial is not None:
             on_trial(frozen)
     return ran
 
 
+def fail_or_stop(study: optuna.Study, runner: TrialRunner, trial: optuna.Trial | None,
+                 exc: BaseException) -> optuna.trial.FrozenTrial:
+    """The frozen failed trial when the worker goes on (search.failures.GOES_ON); otherwise raises what stops it:
+    the bug or interrupt itself, or a one-line error. An error while failing the trial is classified too."""
+    frozen = None
+    try:
+        failure, frozen = runner.fail(study, trial, exc) if trial is not None else (classify(exc), None)
+    except BaseException as inner:  # noqa: BLE001 - failing the trial failed too (the storage is gone): one error
+        first = classify(exc)
+        failure = first if first.kind in (Kind.BUG, Kind.INTERRUPT) else classify(inner)
+    if failure.goes_on and frozen is not None:
+        return frozen
+    stop = failure.user_error(trial.number if trial is not None else None)
+    if stop is failure.exc:
+        raise stop
+    raise stop from failure.exc
+
+
 def check_halted(study: optuna.Study) -> None:
-    """Raise StudyHalted when a worker of this study stopped on a bug (see TrialRunner.abandon)."""
+    """Raise StudyHalted when a worker of this study stopped on a bug (see TrialRunner.fail)."""
     reason = study.user_attrs.get(HALT_ATTR)
     if reason:
         raise StudyHalted(f"study '{study.study_name}' halted: {reason} (a bug, not the configuration: its traceback "

@@ -12,8 +12,6 @@ from typing import Any
 import mlflow
 import mlflow.pyfunc
 import numpy as np
-import requests
-import sqlalchemy.exc
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelOutput, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
@@ -44,7 +42,6 @@ from search.tracking.base import (
     close_figure,
     default_artifact_root,
     experiment_tags,
-    log,
     parent_tags,
     redact_url,
     split_settings,
@@ -53,10 +50,6 @@ from search.tracking.base import (
     trial_tags,
 )
 from trainers.errors import ConfigError, LatentsweepError
-
-# What a tracking outage raises: logging an epoch survives these (a trial never dies of its tracking).
-TRANSIENT_ERRORS = (MlflowException, OSError, requests.exceptions.RequestException, sqlalchemy.exc.SQLAlchemyError)
-
 
 def dataset_input(dataset: DatasetRecord) -> DatasetInput:
     """The DatasetInput mlflow.log_input would log for a local file (source type `local`, digest <= 36 chars)."""
@@ -89,7 +82,6 @@ class MlflowTracker:
         self.study_name: str | None = None
         self.experiment_id: str | None = None
         self.parent_run_id: str | None = None
-        self._warned = False
 
     # ----- study / parent run
 
@@ -151,17 +143,9 @@ class MlflowTracker:
         return run_id
 
     def log_epoch(self, run_id: str, metrics: dict[str, float], step: int) -> None:
-        """Log one epoch's metrics; a tracking outage is warned about once and never ends the trial."""
-        try:
-            self.log_metrics(run_id, metrics, step)
-        except TRANSIENT_ERRORS as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if not self._warned:
-                self._warned = True
-                log.warning("MLflow logging failed (%s); training continues, later failures are not reported",
-                            redact_url(first))
-            else:
-                log.debug("MLflow logging failed again: %s", redact_url(first))
+        """Log one epoch's metrics. What it raises is classified by the caller (search.failures): an outage stops the
+        worker in one line and the trial is retried; anything else is a bug."""
+        self.log_metrics(run_id, metrics, step)
 
     def log_dataset(self, run_id: str, dataset: DatasetRecord) -> None:
         """mlflow.log_input through the client: the run's Datasets column (name, digest, context)."""

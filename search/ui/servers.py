@@ -1,4 +1,4 @@
-"""Start, probe and stop the two local UI servers (MLflow tracking UI, optuna-dashboard) as separate process groups."""
+"""Start, wait for and stop the two local UI servers (MLflow UI, optuna-dashboard) as process groups (POSIX only)."""
 from __future__ import annotations
 
 import json
@@ -22,6 +22,7 @@ import tomli_w
 
 from search.stores import resolve_stores
 from search.study.storage import StorageSettings, dispose, open_storage
+from search.tracking.probe import probe_tracking_store
 from trainers.errors import LatentsweepError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -118,7 +119,9 @@ class ServerProcess:
                                 f"(full log: {self.log_path})")
 
     def probe(self) -> bool:
-        """True once the server answers its API with 200; a 403 means the Host header was refused (fatal)."""
+        """True once the server we started answers its API with 200; a 403 means the Host header was refused (fatal).
+        A readiness poll of our own child, not a store probe: a tracking store the user names is probed by
+        search.tracking.probe, with the MLflow client's credentials."""
         try:
             with LOCAL_OPENER.open(self.url + self.probe_path, timeout=5) as resp:
                 return resp.status == 200
@@ -131,12 +134,6 @@ class ServerProcess:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM the whole group, wait, then SIGKILL whatever is left of it (workers included)."""
-        if os.name == "nt":
-            self.proc.terminate()
-            if not self._wait(timeout):
-                self.proc.kill()
-                self.proc.wait()
-            return
         _signal_group(self.proc.pid, signal.SIGTERM)
         if not self._wait(timeout):
             _signal_group(self.proc.pid, signal.SIGKILL)
@@ -179,10 +176,8 @@ def spawn(name: str, argv: list[str], url: str, probe_path: str, log_path: Path,
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log:
-        kwargs: dict = {"start_new_session": True} if os.name != "nt" else {
-            "creationflags": subprocess.CREATE_NEW_PROCESS_GROUP}
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=full_env, **kwargs)
+                                env=full_env, start_new_session=True)
     return ServerProcess(name, url, probe_path, log_path, proc)
 
 
@@ -311,13 +306,16 @@ def start_ui(state_dir: Path, host: str = DEFAULT_HOST, mlflow_port: int = DEFAU
              timeout: float = START_TIMEOUT_S) -> UiHandle:
     """Start the MLflow UI and optuna-dashboard on the state directory's stores; return once both answer HTTP.
 
-    An http(s) tracking URI is an MLflow server already running: it is reported, not started.
+    An http(s) tracking URI is an MLflow server already running: it is probed as the MLflow client would use it
+    (search.tracking.probe) and reported, not started.
     On any failure, whatever was started is stopped before the one-line LatentsweepError propagates.
     """
     state_dir = Path(state_dir)
     stores = resolve_stores(state_dir, storage, tracking_uri)
     storage, tracking_uri = stores.storage, stores.tracking_uri
     remote_mlflow = tracking_uri.startswith(("http://", "https://"))
+    if remote_mlflow:
+        probe_tracking_store(tracking_uri)
     if not remote_mlflow and mlflow_port == dashboard_port:
         raise LatentsweepError(f"--mlflow-port and --dashboard-port are both {mlflow_port}: give them different ports")
     if not remote_mlflow:

@@ -1,0 +1,164 @@
+"""The one classification of what can stop a trial (config, memory, machine, store outage, interrupt, our bug)."""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from enum import Enum
+
+import requests
+import sqlalchemy.exc
+import torch
+
+from search.tracking.base import redact_url
+from trainers.errors import LatentsweepError
+
+# Compared with Optuna's `study.optimize(catch=...)`: CONFIG and MEMORY are what a `catch` tuple would hold (the trial
+# is FAIL, it counts, the study goes on); BUG is an exception outside `catch` (FAIL, re-raised: the study stops, and
+# here every other worker stops before its next trial too); INTERRUPT is Optuna's KeyboardInterrupt (FAIL,
+# re-raised). Optuna has no counterpart for MACHINE and OUTAGE: it would count them as failed trials, burning the
+# budget while a disk is full or a server is down. Here they are retried instead (a WAITING copy of the trial, at
+# most StorageSettings.max_retry times, as for a worker that died), and the worker stops with one line.
+
+
+class Kind(Enum):
+    CONFIG = "config"  # the configuration cannot train (a bad value found at run time, divergence)
+    MEMORY = "memory"  # the configuration does not fit this machine's memory (GPU OOM, CPU allocation failure)
+    MACHINE = "machine"  # the file system refused (disk full, read-only, permissions, a missing file: any OSError)
+    OUTAGE = "outage"  # the tracking store or the Optuna storage is unreachable, locked or failing
+    INTERRUPT = "interrupt"  # Ctrl-C, SIGTERM
+    BUG = "bug"  # anything else: a bug in our code (or a library's), never the configuration's fault
+
+
+COUNTED = (Kind.CONFIG, Kind.MEMORY, Kind.BUG)  # the trial is FAIL for good and counts in the budget
+RETRIED = (Kind.MACHINE, Kind.OUTAGE, Kind.INTERRUPT)  # the trial is FAIL, not counted, and a WAITING copy is queued
+GOES_ON = (Kind.CONFIG, Kind.MEMORY)  # the worker claims its next trial; otherwise it stops
+
+
+class StoreFailed(LatentsweepError):
+    """The tracking store or the storage failed: the worker stops in one line, the trial is retried."""
+
+
+class MachineFailed(LatentsweepError):
+    """The file system refused a write (disk full, read-only): the worker stops in one line, the trial is retried."""
+
+
+# What an unreachable store raises at the bottom of the chain: SQLAlchemy's connection/lock errors (MLflow's SQL
+# store re-raises them as MlflowException(TEMPORARILY_UNAVAILABLE) `from` them), requests' (MLflow's REST client
+# raises its MlflowException inside the `except`, so they are its __context__), and the built-in ones.
+OUTAGE_ERRORS = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlalchemy.exc.DisconnectionError,
+                 sqlalchemy.exc.TimeoutError, requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+                 ConnectionError, TimeoutError)
+# MLflow error codes (its protos' ErrorCode names, mlflow.exceptions) of a server that is down or overloaded: a 5xx
+# or a 429 answer of a tracking server, a locked or lost SQL store. An MlflowException is read by its code only, so
+# that only the MLflow tracker imports MLflow.
+OUTAGE_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED", "ABORTED"}
+# torch's CPU allocator raises a plain RuntimeError (c10/core/impl/alloc_cpu.cpp): an oversized config, not a bug.
+CPU_ALLOC_FAILED = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+MEMORY_ERRORS = (torch.OutOfMemoryError, MemoryError)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An exception, classified: `reason` is its one line (passwords hidden), `detail` the traceback of a bug."""
+    kind: Kind
+    reason: str
+    detail: str
+    exc: BaseException
+
+    @property
+    def counts(self) -> bool:
+        return self.kind in COUNTED
+
+    @property
+    def retried(self) -> bool:
+        return self.kind in RETRIED
+
+    @property
+    def goes_on(self) -> bool:
+        return self.kind in GOES_ON
+
+    def user_error(self, trial_number: int | None = None) -> BaseException:
+        """What stops the worker (or command): the bug or the interrupt itself, else a one-line user error, which
+        names the trial and says it is retried when there is one."""
+        if self.kind in (Kind.BUG, Kind.INTERRUPT):
+            return self.exc
+        where = f"trial {trial_number}: " if trial_number is not None else ""
+        then = "; the trial is retried when the study runs again" if trial_number is not None else ""
+        if self.kind is Kind.OUTAGE:
+            what = self.exc if isinstance(self.exc, StoreFailed) else f"a store failed ({self.reason})"
+            return StoreFailed(f"{where}{what}{then}")
+        if self.kind is Kind.MACHINE:
+            return MachineFailed(f"{where}{self.reason}{then}")
+        return LatentsweepError(f"{where}{self.reason}")
+
+
+def chain(exc: BaseException):
+    """exc, then its causes and contexts (each once)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def outage_in(exc: BaseException) -> BaseException | None:
+    """The error in exc's chain that says a store is unreachable (its message is the informative one: Optuna's
+    StorageInternalError hides "database or disk is full" in its cause), or None."""
+    for err in chain(exc):
+        if isinstance(err, OUTAGE_ERRORS) or getattr(err, "error_code", None) in OUTAGE_CODES:
+            return err
+    return None
+
+
+def kind_of(exc: BaseException) -> Kind:
+    """The class of `exc` (see Kind); the one place that decides it."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return Kind.INTERRUPT
+    if isinstance(exc, StoreFailed):
+        return Kind.OUTAGE
+    if isinstance(exc, MachineFailed):
+        return Kind.MACHINE
+    if isinstance(exc, LatentsweepError):
+        return Kind.CONFIG
+    if isinstance(exc, MEMORY_ERRORS) or (isinstance(exc, RuntimeError) and any(s in str(exc)
+                                                                                for s in CPU_ALLOC_FAILED)):
+        return Kind.MEMORY
+    if outage_in(exc) is not None:
+        return Kind.OUTAGE
+    if isinstance(exc, OSError):  # the file system's answer (full, read-only, missing, a directory): not our code's
+        return Kind.MACHINE
+    return Kind.BUG
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """'Type: first line of the message', passwords hidden."""
+    if isinstance(exc, OSError) and exc.strerror:  # its own words name the file and the reason
+        return redact_url((f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror)[:limit])
+    text = redact_url((str(exc).strip().splitlines() or [""])[0][:limit])
+    return text if isinstance(exc, LatentsweepError) else f"{type(exc).__name__}: {text}".rstrip(": ")
+
+
+def classify(exc: BaseException) -> Failure:
+    kind = kind_of(exc)
+    detail = "".join(traceback.format_exception(exc)) if kind == Kind.BUG else first_line(exc, 4000)
+    said = outage_in(exc) if kind == Kind.OUTAGE and not isinstance(exc, StoreFailed) else exc
+    reason = detail.strip().splitlines()[-1][:500] if kind == Kind.BUG else first_line(said)
+    return Failure(kind, redact_url(reason), redact_url(detail), exc)
+
+
+def one_line(exc: BaseException) -> str | None:
+    """What a command prints for `exc` before exiting 2 (a user error, a full disk, a store down, a config that does
+    not fit in memory), or None for a bug or an interrupt, which are raised on."""
+    failure = classify(exc)
+    if failure.kind in (Kind.BUG, Kind.INTERRUPT):
+        return None
+    return str(exc) if isinstance(exc, LatentsweepError) else failure.reason  # ours may list problems, one a line
+
+
+def raise_stop(exc: BaseException, where: str) -> None:
+    """Raise what stops a run outside a study (a pick job): the bug or interrupt itself, else its one-line error."""
+    failure = classify(exc)
+    stop = failure.user_error()
+    if stop is exc:
+        raise exc
+    raise type(stop)(f"{where}: {stop}") from exc
