@@ -6,7 +6,7 @@ import json
 import math
 import sys
 
-from search.cli import study_inspect
+from search.cli import presets, study_inspect
 from search.cli.study_inspect import liveness_args, stores_args
 from search.stores import resolve_stores, safe_name, state_dir
 from search.study.preflight import check_liveness, no_new_empty_state_dir, preflight
@@ -19,7 +19,7 @@ from trainers.errors import LatentsweepError
 
 
 def _common(p) -> None:
-    p.add_argument("study", help="study TOML file")
+    p.add_argument("study", help="study TOML file, or a preset's name (latentsweep study presets)")
     p.add_argument("--data", help="train npz (default: the study's data.path, else the bundled demo)")
     p.add_argument("--n-trials", type=int, help="total finished trials of the study (default: the file's)")
     p.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
@@ -43,6 +43,7 @@ def add_parser(sub) -> None:
     _common(create)
     create.set_defaults(func=cmd_create)
     study_inspect.add_actions(ssub)
+    presets.add_actions(ssub)
     worker = sub.add_parser("worker", help="join an existing study as one worker (any machine)")
     _common(worker)
     worker.set_defaults(func=cmd_worker)

@@ -12,6 +12,7 @@ from typing import Any
 
 from search.stores import safe_name
 from search.study.branches import check_branches
+from search.study.presets import resolve_study_path
 from search.study.samplers import DEFAULT, check_settings
 from search.study.space import Param, active_values, config_key, parse_space
 from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml
@@ -41,8 +42,9 @@ class StudyFile:
 
 
 def load_study_file(path: str | Path) -> StudyFile:
-    """Parse and validate a study file; raise ConfigError listing every problem (one per line)."""
-    path = Path(path)
+    """Parse and validate a study file (a path, or a preset's name); raise ConfigError listing every problem (one per
+    line)."""
+    path = resolve_study_path(path)
     raw = load_toml(path)
     where = str(path)
     errors: list[str] = []
