@@ -17,9 +17,24 @@ from torch import nn
 from trainers.config import Config
 from trainers.errors import ConfigError, closest
 from trainers.geometry import procrustes_fit, ridge_fit
+from trainers.knobs import ModelCfg, add_section
 from trainers.registry import Registry
 
 MODELS: Registry[Callable[[Config, "ModelContext"], nn.Module]] = Registry("model")
+
+
+def register_model(name: str, config: type | None = None) -> Callable:
+    """Register a builder `(cfg, ctx) -> nn.Module` as model.kind `name` (a plugin's model); its knobs, if any, are
+    the section `model.<name>` made of `config` (a frozen dataclass of knobs with defaults, trainers.knobs.knob)."""
+
+    def deco(builder: Callable) -> Callable:
+        if name in MODELS:
+            raise ValueError(f"model '{name}' is already registered (built-in: {', '.join(MODELS.names())})")
+        if config is not None:
+            add_section(ModelCfg, name, config)
+        return MODELS.register(name)(builder)
+
+    return deco
 
 
 @dataclass
