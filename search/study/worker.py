@@ -23,12 +23,14 @@ from search.study.studyfile import StudyFile
 from search.tracking import make_tracker
 from search.tracking.base import REAPED_TAG, Tracker
 from trainers.errors import LatentsweepError
+from trainers.plugins import parse_ref
 
 log = logging.getLogger("latentsweep")
 
 PARENT_ATTR = "mlflow_parent_run_id"
 ENQUEUED_ATTR = "latentsweep.enqueued"
 OWNER_ATTR = "latentsweep.worker"
+PLUGINS_ATTR = "latentsweep.plugins"  # {file name: sha256} of the study's plugin files
 # The budget counts finished trials: complete, pruned, and failed by themselves (a config that cannot train).
 # Trials failed by a dead or interrupted worker are retried instead, so they do not count.
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -54,6 +56,21 @@ class RunSpec:
     verbose: bool = False  # one line per epoch when there are no bars
 
 
+def check_plugins(study, study_file: StudyFile, write: bool) -> None:
+    """Every worker of a study loads the same plugin files (by sha256, from its own copy of the study file): the
+    first records them on the study, a worker whose files differ stops before its first trial."""
+    mine = {Path(path).name: sha for path, sha in map(parse_ref, study_file.plugins)}
+    recorded = study.user_attrs.get(PLUGINS_ATTR)
+    if recorded is None:
+        if write:
+            study.set_user_attr(PLUGINS_ATTR, mine)
+    elif recorded != mine:
+        differ = sorted(n for n in set(recorded) | set(mine) if recorded.get(n) != mine.get(n))
+        raise LatentsweepError(f"study '{study.study_name}': plugin file(s) {', '.join(differ)} differ from the "
+                               f"ones the study was created with (sha256 {recorded}); every worker needs the same "
+                               f"files")
+
+
 def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True,
                    reopen: bool = True) -> optuna.Study:
     """The study named spec.name (created with the file's sampler/pruner if absent), its parent run and enqueued recipes."""
@@ -72,6 +89,7 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
     if existing:  # resumed: a sampler seeded as at the start would propose trial 0's values again
         study.sampler = build_sampler(study_file.sampler, per_worker=not create, history=existing)
     attrs = study.user_attrs
+    check_plugins(study, study_file, write=reopen)
     if create and attrs.get(HALT_ATTR):  # `study run`/`study create` again: the user has dealt with the bug
         log.warning("study '%s' was halted (%s); resuming it", spec.name, attrs[HALT_ATTR])
         study.set_user_attr(HALT_ATTR, "")

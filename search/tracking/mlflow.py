@@ -365,3 +365,11 @@ class MlflowTracker:
             self.client.log_batch(run_id, tags=chunk, synchronous=True)
         for chunk in _chunks(list(metrics or []), METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=chunk, synchronous=True)
+
+
+def load_pyfunc(model_uri: str, tracking_uri: str):
+    """The pyfunc model at `model_uri` (models:/…, runs:/…) of the store at `tracking_uri`, downloaded and loaded
+    without changing MLflow's process-wide tracking URI (the Python API's ensemble loader)."""
+    with tempfile.TemporaryDirectory(prefix="latentsweep-load-") as tmp:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=tmp, tracking_uri=tracking_uri)
+        return mlflow.pyfunc.load_model(local)
