@@ -28,7 +28,7 @@ from trainers.demo import default_test_path
 from trainers.errors import LatentsweepError
 from trainers.submission import write_submission
 
-__all__ = ["pick", "load_ensemble", "predict", "presets", "run_study", "trials", "write_submission"]
+__all__ = ["pick_ensemble", "load_ensemble", "predict", "presets", "run_study", "trials", "write_submission"]
 
 
 def presets() -> pd.DataFrame:
