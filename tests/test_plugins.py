@@ -186,3 +186,13 @@ def test_both_examples_are_searched_refit_picked_and_served_without_latentsweep(
                            "--state-dir", str(state), "--n-trials", "4"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and "gated_model.py differ from the ones the study was created with" in proc.stderr
+
+
+def test_a_misspelt_plugin_knob_names_the_closest_one(tmp_path):
+    (tmp_path / "siglip_loss.py").write_bytes((EXAMPLES / "siglip_loss.py").read_bytes())
+    space = '"loss.siglip.scal" = { type = "float", low = 3.0, high = 30.0 }'
+    path = study_file(tmp_path, "typo", ["siglip_loss.py"], loss="siglip", space=space)
+    proc = subprocess.run([sys.executable, "-m", "search", "study", "create", str(path), "--state-dir",
+                           str(tmp_path / "state")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "loss.siglip.scal" in proc.stderr and "did you mean 'loss.siglip.scale'" in proc.stderr

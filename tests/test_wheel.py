@@ -3,6 +3,7 @@ directory (a preset study by name, pick, and a plugin example), as a user of the
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +27,11 @@ def test_the_wheel_runs_a_preset_pick_and_a_plugin_from_an_empty_directory(tmp_p
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "VIRTUAL_ENV", "LATENTSWEEP_STATE_DIR")}
     started = time.monotonic()
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", ROOT, "-w", tmp_path / "dist"], tmp_path, env)
+    # built from a copy: setuptools' build/ cache in the checkout could carry files deleted since into the wheel
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "mlruns", "build", "dist", "runs",
+                                                                "*.egg-info", "__pycache__", ".pytest_cache"))
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", ".", "-w", tmp_path / "dist"], source, env)
     wheel, = (tmp_path / "dist").glob("latentsweep-*.whl")
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", venv], tmp_path, env)
