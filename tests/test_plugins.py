@@ -93,7 +93,7 @@ def test_a_knob_clashing_with_a_built_in_is_refused_at_its_line(tmp_path):
         def build(cfg, ctx):
             raise AssertionError
         """))
-    assert f"mine.py:9: ValueError" in message and "clashes with a built-in" in message
+    assert "mine.py:9: ValueError" in message and "clashes with a built-in" in message
 
 
 def test_a_loss_named_like_a_built_in_one_is_refused(tmp_path):

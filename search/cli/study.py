@@ -13,7 +13,7 @@ from search.study.runner import run_study, run_worker
 from search.study.spec import build_spec
 from search.study.storage import redact_url
 from search.study.studyfile import load_study_file
-from search.study.worker import RunSpec, dispose_study, load_or_create, open_tracker
+from search.study.worker import dispose_study, load_or_create, open_tracker
 from trainers.errors import LatentsweepError
 
 
