@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from search.pick.options import PickOptions
+from search.pick.options import PickOptions, parse_budget
 from search.pick.outputs import PickResult
 from search.pick.picker import run_pick
 from search.stores import resolve_stores, state_dir as resolve_state_dir
@@ -66,11 +66,13 @@ def trials(study: str, *, state_dir: str | None = None, storage: str | None = No
 
 def pick_ensemble(study: str, *, state_dir: str | None = None, progress: bool = True, **options) -> PickResult:
     """Ensemble the study's best trials into a submission and an MLflow model, as `latentsweep pick`; `options` are
-    pick's (top, folds, seeds, budget, selection, method, refit, data, test, out, register, ...)."""
+    pick's (top, folds, seeds, budget: seconds, "auto" or "none", selection, method, refit, data, test, out, ...)."""
     known = {f.name for f in fields(PickOptions)}
     unknown = sorted(set(options) - known)
     if unknown:
         raise LatentsweepError(f"pick: unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+    if isinstance(options.get("budget"), str):  # "auto", "none" or seconds, as on the command line
+        options["budget"] = parse_budget(options["budget"])
     return run_pick(PickOptions(study=study, state_dir=state_dir, progress=progress, **options))
 
 
