@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"  # the local CPU wheel on the project's machines (README: install torch first)
 
 
-def run(argv, cwd: Path, env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
+def run(argv, cwd: Path, env: dict, timeout: int = 1800) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{argv}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc
