@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
 from search.study.studyfile import load_study_file
 from trainers.errors import ConfigError
@@ -130,7 +131,7 @@ def test_a_missing_plugin_file_is_one_line(tmp_path):
 
 
 def run(argv: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=600,
+    proc = subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -171,6 +172,12 @@ def test_both_examples_are_searched_refit_picked_and_served_without_latentsweep(
     run(["-m", "search", "pick", "plugged", "--state-dir", str(state), "--top", "2", "--folds", "2",
                 "--seeds", "1", "--budget", "none", "--test", str(test), "--quiet"], tmp_path)
     manifest = json.loads((state / "picks" / "plugged" / "submission.manifest.json").read_text())
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("plugged").experiment_id])
+    trial_params = [r.data.params for r in runs if r.info.run_name.startswith("trial-")]
+    assert len(trial_params) == 3  # the plugin knobs are tracked like built-in ones, searched ones as search.*
+    assert all({"loss.siglip.scale", "search.loss.siglip.scale", "model.gated.width", "plugins.files"} <= set(p)
+               for p in trial_params)
     configs = list((state / "picks" / "plugged").rglob("config.toml"))
     assert configs, "pick ran no fold or refit job"
     for config in configs:  # every fold/refit job replayed the plugin knobs with the plugin's path and sha256
