@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -174,7 +175,7 @@ def test_both_examples_are_searched_refit_picked_and_served_without_latentsweep(
     manifest = json.loads((state / "picks" / "plugged" / "submission.manifest.json").read_text())
     client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("plugged").experiment_id])
-    trial_params = [r.data.params for r in runs if r.info.run_name.startswith("trial-")]
+    trial_params = [r.data.params for r in runs if re.fullmatch(r"trial-\d+", r.info.run_name)]
     assert len(trial_params) == 3  # the plugin knobs are tracked like built-in ones, searched ones as search.*
     assert all({"loss.siglip.scale", "search.loss.siglip.scale", "model.gated.width", "plugins.files"} <= set(p)
                for p in trial_params)
