@@ -7,7 +7,6 @@ scheduler, losses) are checked against their registries by `trainers.validate`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import tomllib
 import typing
 from dataclasses import fields, is_dataclass, replace
@@ -16,7 +15,9 @@ from typing import Any
 
 import tomli_w
 
+from trainers import knobs
 from trainers.errors import ConfigError, closest
+from trainers.plugins import load_refs
 from trainers.knobs import (MAX_SEED, MAX_WIDTH, AllImagesInfoNCECfg, AugmentCfg, Config, DataCfg, DiversityCfg,
                             EvalCfg, GeometryCfg, InfoNCECfg, LossCfg, ModelCfg, MomentCfg, MultiLabelTripletCfg,
                             OptimCfg, QueueInfoNCECfg, ScheduleCfg, SlotCfg, SlotInfoNCECfg, SlotTripletCfg, SmoothedInfoNCECfg, TemperatureCfg,
@@ -82,9 +83,16 @@ def leaf_fields(cls: type = Config, prefix: str = "") -> dict[str, tuple[datacla
     return out
 
 
-@functools.lru_cache(maxsize=None)
+_LEAVES: dict[int, dict[str, tuple[dataclasses.Field, Any]]] = {}
+
+
 def _leaves() -> dict[str, tuple[dataclasses.Field, Any]]:
-    return leaf_fields()
+    """leaf_fields(), re-read when a plugin adds a config section (trainers.knobs.add_section)."""
+    gen = knobs.generation()
+    if gen not in _LEAVES:
+        _LEAVES.clear()
+        _LEAVES[gen] = leaf_fields()
+    return _LEAVES[gen]
 
 
 def valid_keys() -> list[str]:
@@ -140,7 +148,9 @@ def coerce(key: str, value: Any) -> Any:
 
 
 def _type_name(hint: Any) -> str:
-    return "a list of int" if typing.get_origin(hint) is tuple else getattr(hint, "__name__", str(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {typing.get_args(hint)[0].__name__}"
+    return getattr(hint, "__name__", str(hint))
 
 
 def _to_type(hint: Any, value: Any) -> Any:
@@ -149,7 +159,8 @@ def _to_type(hint: Any, value: Any) -> Any:
             value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise TypeError
-        return tuple(_to_type(int, v) for v in value)
+        item = typing.get_args(hint)[0]
+        return tuple(_to_type(item, v.strip() if item is str and isinstance(v, str) else v) for v in value)
     if hint is bool:
         if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
             return value.strip().lower() in ("true", "1", "yes")
@@ -211,7 +222,13 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def from_dict(tree: dict[str, Any], base: Config | None = None, where: str = "config") -> Config:
-    """Build a Config from a nested dict (a TOML table): every key checked, unknown ones named with the closest."""
+    """Build a Config from a nested dict (a TOML table): every key checked, unknown ones named with the closest. The
+    plugins it names (`plugins.files`) are loaded first, so that their knobs are known."""
+    plugins = tree.get("plugins")
+    try:
+        load_refs(plugins.get("files") if isinstance(plugins, dict) else None)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     flat: dict[str, Any] = {}
     _flatten_dict(tree, "", flat, where)
     try:

@@ -5,7 +5,8 @@ Registry-backed names (model kind, optimiser, scheduler, losses) are checked by 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 
 # numpy's legacy seeding (np.random.seed, used by seed_everything) accepts [0, 2**32 - 1] only.
 MAX_SEED = 2**32 - 1
@@ -14,12 +15,15 @@ MAX_SEED = 2**32 - 1
 MAX_WIDTH = 65536
 
 
-def _f(default, *, low=None, high=None, choices=None, doc=""):
+def knob(default, *, low=None, high=None, choices=None, doc=""):
     """A field with range/choice metadata (checked by `trainers.config.coerce`)."""
     meta = {"low": low, "high": high, "choices": choices, "doc": doc}
     if isinstance(default, (list, tuple)):
         return field(default=tuple(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+_f = knob  # the built-in sections' short name; plugins use `knob`
 
 
 @dataclass(frozen=True)
@@ -261,6 +265,12 @@ class EvalCfg:
 
 
 @dataclass(frozen=True)
+class PluginsCfg:
+    files: tuple[str, ...] = _f((), doc="plugin files as PATH#sha256=HEX, loaded (and checked) before the config is "
+                                         "read: set from a study file's [study] plugins, not by hand")
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataCfg = field(default_factory=DataCfg)
     model: ModelCfg = field(default_factory=ModelCfg)
@@ -273,3 +283,40 @@ class Config:
     train: TrainCfg = field(default_factory=TrainCfg)
     augment: AugmentCfg = field(default_factory=AugmentCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
+    plugins: PluginsCfg = field(default_factory=PluginsCfg)
+
+
+# ---------------------------------------------------------------------------------------------- plugin sections
+
+_GENERATION = [0]  # bumped by add_section: trainers.config re-reads the leaves of the tree when it changes
+_GENERATED = ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__")
+
+
+def generation() -> int:
+    return _GENERATION[0]
+
+
+def add_section(parent: type, name: str, section: type) -> None:
+    """Add `section` (a frozen dataclass whose every knob has a default) as the field `name` of the section class
+    `parent` (LossCfg for a loss, ModelCfg for a model), in place: `Config` and every module that imported it see
+    the new knobs. Configs made before keep working (they read the section's defaults). A name that is already a
+    field of `parent` (a built-in knob or section) is refused."""
+    where = f"{parent.__name__}.{name}"
+    if not (isinstance(section, type) and is_dataclass(section) and section.__dataclass_params__.frozen):
+        raise TypeError(f"{where}: the config section must be a @dataclass(frozen=True) class")
+    if name in parent.__dataclass_fields__:
+        raise ValueError(f"{where}: '{name}' clashes with a built-in knob or section of the same name")
+    no_default = [f.name for f in fields(section) if f.default is MISSING and f.default_factory is MISSING]
+    if no_default:
+        raise ValueError(f"{section.__name__}: every knob needs a default (use knob(default, ...)); "
+                         f"missing for {', '.join(no_default)}")
+    specs = [(f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+             for f in fields(parent)]
+    specs.append((name, section, field(default_factory=section, metadata={"doc": section.__doc__ or ""})))
+    rebuilt = dataclasses.make_dataclass(parent.__name__, specs, frozen=True)
+    for attr in _GENERATED:
+        setattr(parent, attr, rebuilt.__dict__[attr])
+    parent.__dataclass_fields__[name] = rebuilt.__dataclass_fields__[name]
+    parent.__annotations__[name] = section
+    setattr(parent, name, section())  # what configs made before the section was added read
+    _GENERATION[0] += 1

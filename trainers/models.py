@@ -16,42 +16,25 @@ from torch import nn
 from trainers.config import Config
 from trainers.errors import ConfigError, closest
 from trainers.geometry import procrustes_fit, ridge_fit
+from trainers.knobs import ModelCfg, add_section
+from trainers.model_context import ModelContext
 from trainers.registry import Registry
 
 MODELS: Registry[Callable[[Config, "ModelContext"], nn.Module]] = Registry("model")
 
 
-class ModelContext:
-    """What a builder may look at besides the config: the dims, and the fit pairs that only the closed-form geometry
-    fit and the relative model's anchors read: fit_x [N, dim_in] train-split inputs and fit_y [N, dim_out] paired raw
-    (unnormalised) image embeddings, on the training device. A task passes `fit`, which builds the pairs on first
-    read: at challenge size they are 0.5 + 0.7 GB that every other model would hold for nothing. Neither is given
-    when weights come from a checkpoint (fits and anchor picks are skipped and left to `load_state_dict`)."""
+def register_model(name: str, config: type | None = None) -> Callable:
+    """Register a builder `(cfg, ctx) -> nn.Module` as model.kind `name` (a plugin's model); its knobs, if any, are
+    the section `model.<name>` made of `config` (a frozen dataclass of knobs with defaults, trainers.knobs.knob)."""
 
-    def __init__(self, dim_in: int, dim_out: int, fit_x: torch.Tensor | None = None,
-                 fit_y: torch.Tensor | None = None, *, fit: Callable[[], tuple] | None = None,
-                 device: torch.device | None = None):
-        self.dim_in, self.dim_out = dim_in, dim_out
-        self._pairs = (fit_x, fit_y) if fit_x is not None else None
-        self._fit = fit
-        self.device = fit_x.device if fit_x is not None else device  # where build_model puts the model
+    def deco(builder: Callable) -> Callable:
+        if name in MODELS:
+            raise ValueError(f"model '{name}' is already registered (built-in: {', '.join(MODELS.names())})")
+        if config is not None:
+            add_section(ModelCfg, name, config)
+        return MODELS.register(name)(builder)
 
-    @property
-    def has_fit(self) -> bool:
-        return self._pairs is not None or self._fit is not None
-
-    def _built(self) -> tuple:
-        if self._pairs is None and self._fit is not None:
-            self._pairs, self._fit = self._fit(), None
-        return self._pairs or (None, None)
-
-    @property
-    def fit_x(self) -> torch.Tensor | None:
-        return self._built()[0]
-
-    @property
-    def fit_y(self) -> torch.Tensor | None:
-        return self._built()[1]
+    return deco
 
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh}

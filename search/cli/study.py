@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 
-from search.cli import study_inspect
+from search.cli import presets, study_inspect
 from search.cli.study_inspect import liveness_args, stores_args
-from search.stores import resolve_stores, safe_name, state_dir
-from search.study.preflight import check_liveness, no_new_empty_state_dir, preflight
+from search.study.preflight import no_new_empty_state_dir, preflight
 from search.study.progress import is_terminal
 from search.study.runner import run_study, run_worker
-from search.study.storage import StorageSettings, redact_url
-from search.study.studyfile import load_study_file, resolve_data_path
-from search.study.worker import RunSpec, dispose_study, load_or_create, open_tracker
+from search.study.spec import build_spec
+from search.study.storage import redact_url
+from search.study.studyfile import load_study_file
+from search.study.worker import dispose_study, load_or_create, open_tracker
 from trainers.errors import LatentsweepError
 
 
 def _common(p) -> None:
-    p.add_argument("study", help="study TOML file")
+    p.add_argument("study", help="study TOML file, or a preset's name (latentsweep study presets)")
     p.add_argument("--data", help="train npz (default: the study's data.path, else the bundled demo)")
     p.add_argument("--n-trials", type=int, help="total finished trials of the study (default: the file's)")
     p.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
@@ -43,6 +42,7 @@ def add_parser(sub) -> None:
     _common(create)
     create.set_defaults(func=cmd_study_create)
     study_inspect.add_actions(ssub)
+    presets.add_actions(ssub)
     worker = sub.add_parser("worker", help="join an existing study as one worker (any machine)")
     _common(worker)
     worker.set_defaults(func=cmd_worker)
@@ -50,25 +50,11 @@ def add_parser(sub) -> None:
 
 def make_spec(args, study_file=None):
     """RunSpec from CLI arguments, the study file and the state-directory defaults."""
-    check_liveness(args.heartbeat, args.grace)
-    n_trials, timeout = getattr(args, "n_trials", None), getattr(args, "timeout", None)
-    if n_trials is not None and n_trials < 1:  # 0 must not fall back to the file's value
-        raise LatentsweepError(f"--n-trials must be >= 1, got {n_trials}")
-    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-        raise LatentsweepError(f"--timeout must be a positive number of seconds, got {timeout}")
-    name = safe_name(args.name, "--name") if args.name is not None else None
-    study_file = study_file or load_study_file(args.study)
-    stores = resolve_stores(state_dir(args.state_dir), args.storage, args.tracking_uri, args.artifact_root)
-    data = resolve_data_path(getattr(args, "data", None) or study_file.base.data.path)
-    return RunSpec(
-        study_file=str(study_file.path), name=name or study_file.name,
-        storage=StorageSettings(stores.storage, args.heartbeat, args.grace),
-        tracking_uri=stores.tracking_uri, artifact_root=stores.artifact_root,
-        state_dir=str(stores.root), data_path=str(data),
-        n_trials=n_trials if n_trials is not None else study_file.n_trials,
-        timeout=timeout if timeout is not None else study_file.timeout, progress=not args.quiet and is_terminal(),
-        verbose=args.verbose,
-    )
+    return build_spec(study_file or load_study_file(args.study), data=getattr(args, "data", None),
+                      n_trials=getattr(args, "n_trials", None), timeout=getattr(args, "timeout", None),
+                      name=args.name, state=args.state_dir, storage=args.storage, tracking_uri=args.tracking_uri,
+                      artifact_root=args.artifact_root, heartbeat=args.heartbeat, grace=args.grace,
+                      progress=not args.quiet and is_terminal(), verbose=args.verbose)
 
 
 def cmd_study_run(args) -> int:

@@ -12,13 +12,15 @@ from typing import Any
 
 from search.stores import safe_name
 from search.study.branches import check_branches
+from search.study.presets import resolve_study_path
 from search.study.samplers import DEFAULT, check_settings
 from search.study.space import Param, active_values, config_key, parse_space
-from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml
+from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml, with_values
 from trainers.demo import default_train_path
 from trainers.errors import ConfigError, LatentsweepError, closest
+from trainers.plugins import load_plugin
 
-STUDY_KEYS = {"name", "objective", "direction", "sampler", "pruner", "n_trials", "timeout", "description"}
+STUDY_KEYS = {"name", "objective", "direction", "sampler", "pruner", "n_trials", "timeout", "description", "plugins"}
 TOP_KEYS = {"study", "base", "space", "enqueue"}
 DIRECTIONS = ("maximize", "minimize")
 
@@ -38,11 +40,13 @@ class StudyFile:
     space: tuple[Param, ...] = ()
     enqueue: tuple[dict[str, Any], ...] = ()
     description: str = ""
+    plugins: tuple[str, ...] = ()  # `PATH#sha256=HEX` of each plugin file (also in base.plugins.files)
 
 
 def load_study_file(path: str | Path) -> StudyFile:
-    """Parse and validate a study file; raise ConfigError listing every problem (one per line)."""
-    path = Path(path)
+    """Parse and validate a study file (a path, or a preset's name); raise ConfigError listing every problem (one per
+    line)."""
+    path = resolve_study_path(path)
     raw = load_toml(path)
     where = str(path)
     errors: list[str] = []
@@ -50,7 +54,10 @@ def load_study_file(path: str | Path) -> StudyFile:
         if key not in TOP_KEYS:
             errors.append(f"{where}: unknown table [{key}]{closest(key, TOP_KEYS)}")
     study = _study_settings(raw.get("study", {}), path, errors)
+    plugins = load_plugins(raw.get("study", {}), path)  # before [base]: their knobs are config keys
     base, fixed = _base(raw.get("base", {}), where, errors)
+    if plugins:
+        base = with_values(base, {"plugins.files": plugins})
     space = parse_space(raw.get("space", {}), fixed, errors, where)
     enqueue = [_enqueue_entry(e, i, path, base, space, errors) for i, e in enumerate(raw.get("enqueue", []))]
     if not errors:  # probing needs a space that parsed; every config it proposes must pass the trainer's check
@@ -58,7 +65,21 @@ def load_study_file(path: str | Path) -> StudyFile:
     if errors:
         raise ConfigError(f"{len(errors)} problem(s) in {where}:\n  " + "\n  ".join(errors))
     return StudyFile(path=path, base=base, fixed=frozenset(fixed), space=tuple(space),
-                     enqueue=tuple(e for e in enqueue if e), **study)
+                     enqueue=tuple(e for e in enqueue if e), plugins=tuple(plugins), **study)
+
+
+def load_plugins(table: dict, path: Path) -> list[str]:
+    """Import the study's `plugins` (files beside the study file, or absolute paths); their refs. A broken plugin
+    stops here, before trial 0, in one line naming its file and line."""
+    files = table.get("plugins", [])
+    if isinstance(files, str):
+        files = [files]
+    if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
+        raise ConfigError(f"{path}: study.plugins: expected a list of Python file names, got {files!r}")
+    try:
+        return [load_plugin((path.parent / Path(f).expanduser()).resolve()) for f in files]
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (a plugin of {path})") from None
 
 
 def _study_settings(table: dict, path: Path, errors: list[str]) -> dict[str, Any]:
@@ -134,8 +155,8 @@ def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: lis
             if key in searched:
                 values[key] = value
             # data.* (file, split, val ratio) belongs to the study, not the recipe: every trial of one study shares
-            # one val split so that their values compare.
-            elif value != mine[key] and not key.startswith("data."):
+            # one val split so that their values compare; plugins.* is the study's too (from [study] plugins).
+            elif value != mine[key] and not key.startswith(("data.", "plugins.")):
                 errors.append(f"{at}: recipe {recipe} sets {key}={value!r} (base has {mine[key]!r}) "
                               f"but {key} is not searched")
     for key, value in flatten_tree(entry).items():

@@ -25,12 +25,14 @@ from search.study.studyfile import StudyFile
 from search.tracking import make_tracker
 from search.tracking.base import REAPED_TAG, Tracker
 from trainers.errors import LatentsweepError
+from trainers.plugins import parse_ref
 
 log = logging.getLogger("latentsweep")
 
 PARENT_ATTR = "mlflow_parent_run_id"
 ENQUEUED_ATTR = "latentsweep.enqueued"
 OWNER_ATTR = "latentsweep.worker"
+PLUGINS_ATTR = "latentsweep.plugins"  # {file name: sha256} of the study's plugin files
 # The budget counts finished trials: complete, pruned, and failed for good (ERROR_ATTR: a config that cannot train or
 # does not fit in memory, or a bug). Trials failed by the machine, a store, an interrupt or a dead worker are retried
 # instead, so they do not count (search.failures says which is which).
@@ -58,6 +60,21 @@ class RunSpec:
     budget: SearchBudget | None = None  # a one-budget run's clock: trials stop where the pick's reserve begins
 
 
+def check_plugins(study, study_file: StudyFile, write: bool) -> None:
+    """Every worker of a study loads the same plugin files (by sha256, from its own copy of the study file): the
+    first records them on the study, a worker whose files differ stops before its first trial."""
+    mine = {Path(path).name: sha for path, sha in map(parse_ref, study_file.plugins)}
+    recorded = study.user_attrs.get(PLUGINS_ATTR)
+    if recorded is None:
+        if write:
+            study.set_user_attr(PLUGINS_ATTR, mine)
+    elif recorded != mine:
+        differ = sorted(n for n in set(recorded) | set(mine) if recorded.get(n) != mine.get(n))
+        raise LatentsweepError(f"study '{study.study_name}': plugin file(s) {', '.join(differ)} differ from the "
+                               f"ones the study was created with (sha256 {recorded}); every worker needs the same "
+                               f"files")
+
+
 def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True,
                    reopen: bool = True) -> optuna.Study:
     """The study named spec.name (created with the file's sampler/pruner if absent), its parent run and enqueued recipes."""
@@ -76,6 +93,7 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
     if existing:  # resumed: a sampler seeded as at the start would propose trial 0's values again
         study.sampler = build_sampler(study_file.sampler, per_worker=not create, history=existing)
     attrs = study.user_attrs
+    check_plugins(study, study_file, write=reopen)
     if create and attrs.get(HALT_ATTR):  # `study run`/`study create` again: the user has dealt with the bug
         log.warning("study '%s' was halted (%s); resuming it", spec.name, attrs[HALT_ATTR])
         study.set_user_attr(HALT_ATTR, "")

@@ -349,3 +349,21 @@ class MlflowTracker:
             self.client.log_batch(run_id, tags=chunk, synchronous=True)
         for chunk in _chunks(list(metrics or []), METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=chunk, synchronous=True)
+
+
+
+def load_pyfunc(model_uri: str, tracking_uri: str):
+    """The pyfunc model at `model_uri` (models:/<model id> or models:/<name>/<version>, else an artifact URI) of the
+    store at `tracking_uri`, resolved through a client of that store (MLflow's process-wide tracking URI is left as
+    it is) and loaded from a local copy (the Python API's ensemble loader)."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    uri = model_uri
+    for _ in range(2):  # a registered version's source is a logged model's URI
+        rest = uri.removeprefix("models:/")
+        if rest == uri:
+            break
+        name, _, version = rest.partition("/")
+        uri = client.get_model_version(name, version).source if version else \
+            client.get_logged_model(name).artifact_location
+    with tempfile.TemporaryDirectory(prefix="latentsweep-load-") as tmp:
+        return mlflow.pyfunc.load_model(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp))

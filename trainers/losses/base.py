@@ -23,6 +23,7 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
+from trainers.knobs import LossCfg, add_section
 from trainers.registry import Registry
 
 # Fill value for masked logits: finite (not -inf) so that 0 * log_softmax stays 0 in the label-smoothing sum, and far
@@ -102,10 +103,19 @@ class Loss(nn.Module):
 LOSSES: Registry[type[Loss]] = Registry("loss")
 
 
-def register_loss(name: str) -> Callable[[type[Loss]], type[Loss]]:
-    """Register a Loss subclass under `name` (a `LossCfg` field name)."""
+def register_loss(name: str, config: type | None = None) -> Callable[[type[Loss]], type[Loss]]:
+    """Register a Loss subclass under `name`: a `LossCfg` field name, or (a plugin's loss) a new section `loss.<name>`
+    made of `config`, a frozen dataclass of knobs with defaults that has a `weight` (trainers.knobs.knob)."""
 
     def deco(cls: type[Loss]) -> type[Loss]:
+        if name in LOSSES:
+            raise ValueError(f"loss '{name}' is already registered (built-in losses: {', '.join(LOSSES.names())})")
+        if config is not None:
+            if "weight" not in getattr(config, "__dataclass_fields__", {}):
+                raise ValueError(f"{config.__name__}: a loss's config section needs a `weight` knob (0 = off)")
+            add_section(LossCfg, name, config)
+        elif name not in LossCfg.__dataclass_fields__:
+            raise ValueError(f"loss '{name}' has no config section: pass register_loss('{name}', config=...)")
         cls.name = name
         return LOSSES.register(name)(cls)
 

@@ -1,0 +1,97 @@
+"""The Python API for notebooks: run a study, its trials as a DataFrame, pick, load the ensemble and predict.
+
+Each call is the function the CLI command calls (`study run`, `study status`, `pick`), with keyword arguments for the
+CLI's options and the same state directory (./mlruns, or `state_dir=`); progress bars are tqdm.auto's, so they
+render as widgets in Jupyter and as text in logs. User errors raise LatentsweepError with the CLI's one-line message.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from search.pick.options import PickOptions, parse_budget
+from search.pick.outputs import PickResult
+from search.pick.picker import run_pick
+from search.stores import resolve_stores, state_dir as resolve_state_dir
+from search.study.preflight import no_new_empty_state_dir, preflight
+from search.study.presets import presets as _presets
+from search.study.report import load_existing_study, study_table
+from search.study.runner import run_study as _run_study
+from search.study.spec import build_spec
+from search.study.studyfile import load_study_file
+from search.study.worker import dispose_study
+from trainers.data import load_test
+from trainers.demo import default_test_path
+from trainers.errors import LatentsweepError
+from trainers.submission import write_submission
+
+__all__ = ["pick_ensemble", "load_ensemble", "predict", "presets", "run_study", "trials", "write_submission"]
+
+
+def presets() -> pd.DataFrame:
+    """The bundled study files (runnable by name): name and description."""
+    return pd.DataFrame(_presets(), columns=["name", "description"])
+
+
+def run_study(study: str | Path, *, data: str | None = None, n_trials: int | None = None,
+              timeout: float | None = None, workers: int = 1, name: str | None = None, state_dir: str | None = None,
+              storage: str | None = None, tracking_uri: str | None = None, artifact_root: str | None = None,
+              progress: bool = True) -> dict:
+    """Create or resume a study (a study file's path or a preset's name) and run its trials here, as `latentsweep
+    study run`; returns the summary (trials by state, best value and trial)."""
+    if workers < 1:
+        raise LatentsweepError(f"workers must be >= 1, got {workers}")
+    study_file = load_study_file(study)
+    with no_new_empty_state_dir(state_dir):
+        spec = build_spec(study_file, data=data, n_trials=n_trials, timeout=timeout, name=name, state=state_dir,
+                          storage=storage, tracking_uri=tracking_uri, artifact_root=artifact_root,
+                          progress=progress)
+        preflight(spec)
+    return {"study": spec.name, **_run_study(spec, workers=workers)}
+
+
+def trials(study: str, *, state_dir: str | None = None, storage: str | None = None) -> pd.DataFrame:
+    """The study's trials best first, as `latentsweep study status --csv`: number, state, value, duration and the
+    knobs that vary."""
+    url = resolve_stores(resolve_state_dir(state_dir, create=False), storage, read_only=True).storage
+    loaded = load_existing_study(study, url)
+    try:
+        return study_table(loaded)
+    finally:
+        dispose_study(loaded)
+
+
+def pick_ensemble(study: str, *, state_dir: str | None = None, progress: bool = True, **options) -> PickResult:
+    """Ensemble the study's best trials into a submission and an MLflow model, as `latentsweep pick`; `options` are
+    pick's (top, folds, seeds, budget: seconds, "auto" or "none", selection, method, refit, data, test, out, ...)."""
+    known = {f.name for f in fields(PickOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise LatentsweepError(f"pick: unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+    if isinstance(options.get("budget"), str):  # "auto", "none" or seconds, as on the command line
+        options["budget"] = parse_budget(options["budget"])
+    return run_pick(PickOptions(study=study, state_dir=state_dir, progress=progress, **options))
+
+
+def load_ensemble(picked: PickResult | str, tracking_uri: str | None = None, state_dir: str | None = None):
+    """The picked ensemble as its MLflow pyfunc model (`.predict(caption_embeddings)` -> image-space [N, Di]):
+    from a pick's result, or a model URI (models:/…) in the state directory's store or `tracking_uri`."""
+    from search.tracking.mlflow import load_pyfunc  # imports MLflow: only when an ensemble is loaded
+
+    if isinstance(picked, PickResult):
+        return load_pyfunc(picked.model_uri, picked.tracking_uri)
+    uri = tracking_uri or resolve_stores(resolve_state_dir(state_dir, create=False)).tracking_uri
+    return load_pyfunc(str(picked), uri)
+
+
+def predict(model, test: str | Path | None = None, out: str | Path | None = None) -> pd.DataFrame:
+    """Predict a test file's captions (default: the demo test) with a loaded ensemble: a DataFrame of caption id and
+    embedding; with `out`, also written as a challenge submission CSV."""
+    test_set = load_test(test or default_test_path())
+    embeddings = np.asarray(model.predict(test_set.embeddings), np.float32)
+    if out is not None:
+        write_submission(out, test_set.ids, embeddings)
+    return pd.DataFrame({"id": test_set.ids, "embedding": list(embeddings)})

@@ -1,0 +1,62 @@
+"""The installed wheel works: built from this tree, installed into a fresh venv outside it, and run from an empty
+directory (a preset study by name, pick, and a plugin example), as a user of the package would."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH = "torch==2.13.0"  # the local CPU wheel on the project's machines (README: install torch first)
+
+
+def run(argv, cwd: Path, env: dict, timeout: int = 1800) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{argv}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.mark.slow
+def test_the_wheel_runs_a_preset_pick_and_a_plugin_from_an_empty_directory(tmp_path):
+    # the user's environment: nothing of this checkout on the path, torch's own thread default
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "VIRTUAL_ENV", "LATENTSWEEP_STATE_DIR")}
+    started = time.monotonic()
+    # built from a copy: setuptools' build/ cache in the checkout could carry files deleted since into the wheel
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "mlruns", "build", "dist", "runs",
+                                                                "*.egg-info", "__pycache__", ".pytest_cache"))
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", ".", "-w", tmp_path / "dist"], source, env)
+    wheel, = (tmp_path / "dist").glob("latentsweep-*.whl")
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", venv], tmp_path, env)
+    run([venv / "bin" / "pip", "install", "-q", TORCH], tmp_path, env)
+    run([venv / "bin" / "pip", "install", "-q", wheel], tmp_path, env)
+    installed = time.monotonic()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    where = run([venv / "bin" / "python", "-c", "import search; print(search.__file__)"], empty, env)
+    assert where.stdout.strip().startswith(str(venv))  # the installed package, not this checkout
+    cli = venv / "bin" / "latentsweep"
+    listed = run([cli, "study", "presets"], empty, env).stdout
+    assert "quickstart" in listed and "full" in listed
+
+    run([cli, "study", "run", "quickstart"], empty, env)
+    run([cli, "pick", "quickstart"], empty, env)
+    assert (empty / "mlruns" / "picks" / "quickstart" / "submission.csv").is_file()
+    studied = time.monotonic()
+
+    # a plugin example, as a user would bring it: the study file and its plugin side by side
+    for name in ("siglip.toml", "siglip_loss.py"):
+        (empty / name).write_bytes((ROOT / "examples" / name).read_bytes())
+    run([cli, "study", "run", "siglip.toml", "--n-trials", "2"], empty, env)
+    run([cli, "study", "init", "full", "my_study.toml"], empty, env)
+    assert (empty / "my_study.toml").is_file()
+    print(f"\nwheel test: build+install {installed - started:.0f} s, quickstart+pick {studied - installed:.0f} s, "
+          f"plugin study {time.monotonic() - studied:.0f} s")
