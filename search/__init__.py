@@ -1,7 +1,7 @@
 """Studies: search spaces, Optuna storage and workers, MLflow tracking, the picker, the CLI and the Python API."""
 # The Python API (search.api) is re-exported lazily: `import search` (every CLI start and spawned worker) stays free
 # of its imports; `from search import run_study` or `search.pick(...)` loads it on first use.
-API = ("load_ensemble", "pick_ensemble", "predict", "presets", "run_study", "trials", "write_submission")
+API = ("load_ensemble", "pick_ensemble", "predict", "presets", "run", "run_study", "trials", "write_submission")
 __all__ = list(API)
 
 

@@ -6,12 +6,14 @@ render as widgets in Jupyter and as text in logs. User errors raise LatentsweepE
 """
 from __future__ import annotations
 
+import time as _time
 from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from search.pick.onebudget import parse_duration, run_one_budget
 from search.pick.options import PickOptions, parse_budget
 from search.pick.outputs import PickResult
 from search.pick.picker import run_pick
@@ -28,7 +30,7 @@ from trainers.demo import default_test_path
 from trainers.errors import LatentsweepError
 from trainers.submission import write_submission
 
-__all__ = ["pick_ensemble", "load_ensemble", "predict", "presets", "run_study", "trials", "write_submission"]
+__all__ = ["pick_ensemble", "load_ensemble", "predict", "presets", "run", "run_study", "trials", "write_submission"]
 
 
 def presets() -> pd.DataFrame:
@@ -51,6 +53,25 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
                           progress=progress)
         preflight(spec)
     return {"study": spec.name, **_run_study(spec, workers=workers)}
+
+
+def run(study: str | Path, time: str | float, *, data: str | None = None, test: str | None = None,
+        register: str | None = None, workers: int = 1, state_dir: str | None = None, progress: bool = True
+        ) -> tuple[dict, PickResult]:
+    """Search and pick within one wall-clock budget, as `latentsweep run STUDY --time T` (T: seconds or "30m");
+    returns (the study summary, the pick's result); the ensemble is registered under `register` (default: the
+    study's name)."""
+    started = _time.time()
+    total = parse_duration(str(time))
+    study_file = load_study_file(study)
+    with no_new_empty_state_dir(state_dir):
+        spec = build_spec(study_file, data=data, n_trials=None, timeout=None, name=None, state=state_dir,
+                          storage=None, tracking_uri=None, artifact_root=None, progress=progress)
+        preflight(spec)
+    pick = PickOptions(study=spec.name, state_dir=spec.state_dir, storage=spec.storage.url,
+                       tracking_uri=spec.tracking_uri, data=spec.data_path, test=test,
+                       register=register or spec.name, progress=progress)
+    return run_one_budget(spec, total, pick, workers, started)
 
 
 def trials(study: str, *, state_dir: str | None = None, storage: str | None = None) -> pd.DataFrame:
