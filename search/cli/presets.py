@@ -8,15 +8,15 @@ def add_actions(ssub) -> None:
     """The preset actions of `latentsweep study`, added to its subparsers."""
     listing = ssub.add_parser("presets", help="the bundled study files, runnable by name (study run NAME)")
     listing.add_argument("--path", action="store_true", help="print the directory that holds them")
-    listing.set_defaults(func=cmd_presets)
+    listing.set_defaults(func=cmd_study_presets)
     init = ssub.add_parser("init", help="copy a preset (and the recipes it enqueues) to a file to edit")
     init.add_argument("preset", help="preset name (see: latentsweep study presets)")
     init.add_argument("dest", nargs="?", default=".", help="file or directory to write (default: here, NAME.toml)")
     init.add_argument("--force", action="store_true", help="overwrite existing files that differ")
-    init.set_defaults(func=cmd_init)
+    init.set_defaults(func=cmd_study_init)
 
 
-def cmd_presets(args) -> int:
+def cmd_study_presets(args) -> int:
     if args.path:
         print(presets_dir())
         return 0
@@ -27,7 +27,7 @@ def cmd_presets(args) -> int:
     return 0
 
 
-def cmd_init(args) -> int:
+def cmd_study_init(args) -> int:
     written = init_preset(args.preset, args.dest, force=args.force)
     print(f"wrote {written[0]}" + (f" (and the recipes it enqueues: {', '.join(p.name for p in written[1:])})"
                                    if written[1:] else ""))
