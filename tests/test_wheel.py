@@ -21,7 +21,7 @@ def run(argv, cwd: Path, env: dict, timeout: int = 1800) -> subprocess.Completed
     return proc
 
 
-@pytest.mark.slow
+@pytest.mark.wheel
 def test_the_wheel_runs_a_preset_pick_and_a_plugin_from_an_empty_directory(tmp_path):
     # the user's environment: nothing of this checkout on the path, torch's own thread default
     env = {k: v for k, v in os.environ.items()
