@@ -212,7 +212,7 @@ def test_a_bug_in_the_tracker_stops_two_workers_loudly(synthetic, tmp_path):
 
 def test_train_and_pick_jobs_say_a_memory_failure_in_one_line_and_raise_a_bug(synthetic, tmp_path, monkeypatch,
                                                                               capsys):
-    from search.pick.jobs import make_job, run_job
+    from search.pick.jobs import Job, run_job
     from trainers.config import Config, with_values
     from trainers.data import load_train
 
@@ -223,7 +223,7 @@ def test_train_and_pick_jobs_say_a_memory_failure_in_one_line_and_raise_a_bug(sy
     assert line.startswith("latentsweep: error: RuntimeError: ") and CPU_ALLOCATION in line  # a config too big
 
     cfg = with_values(Config(), {"train.epochs": 1, "train.batch_size": 64, "loss.infonce.weight": 1.0})
-    job = make_job("m/fold-1", "m", cfg, load_train(synthetic), None, tmp_path / "job", 0.0)
+    job = Job("m/fold-1", "m", cfg, None, tmp_path / "job", None)
     fail_in_loss(monkeypatch, [lambda: torch.empty(1 << 50), TypeError("injected bug in a loss")])
     with pytest.raises(Exception, match="pick job m/fold-1: RuntimeError: .*DefaultCPUAllocator") as info:
         run_job(job, load_train(synthetic), progress=False)
