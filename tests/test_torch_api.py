@@ -16,7 +16,7 @@ PACKAGES = ("trainers", "search")
 # torch cannot be installed to try: the floor is derived, and this table is what it is derived from).
 NEWER_APIS = {
     "torch.export.Dim.DYNAMIC": ("2.6", "search/pick/pyfunc_model.py"),  # pytorch#137029, after the 2.5 branch cut
-    "torch.OutOfMemoryError": ("2.5", "search/study/objective.py"),  # top level since 2.5 (was torch.cuda's)
+    "torch.OutOfMemoryError": ("2.5", "search/failures.py"),  # top level since 2.5 (was torch.cuda's)
     "torch.amp.GradScaler": ("2.3", "trainers/loop.py"),  # device-generic scaler (torch.cuda.amp's before)
 }
 # Keyword features that an attribute check cannot see; each has a behaviour test below.
@@ -137,7 +137,7 @@ def test_export_with_a_dynamic_batch_dim_takes_any_batch_size(tmp_path):
 
 
 def test_out_of_memory_error_is_what_a_cpu_allocation_failure_raises_or_its_base():
-    """search/study/objective.py catches torch.OutOfMemoryError; it is a RuntimeError subclass at the top level."""
+    """search/failures.py classifies torch.OutOfMemoryError; it is a RuntimeError subclass at the top level."""
     assert issubclass(torch.OutOfMemoryError, RuntimeError)
     assert torch.OutOfMemoryError is torch.cuda.OutOfMemoryError
 
