@@ -185,6 +185,12 @@ class SubmissionModel:
     model: torch.nn.Module | None = field(default=None, repr=False)
 
 
+def refit_queue(chosen: list[tuple[Candidate, float]], seeds: int, data, picks: Path) -> list[Job]:
+    """The refits in the order a pick runs them: seed 1 of every member by weight, then seed 2, ... up to `seeds`."""
+    members = [c for c, _ in sorted(chosen, key=lambda cw: -cw[1])]
+    return [job for s in range(seeds) for job in refit_jobs(members, 1, data, picks, seed_offset=s)]
+
+
 def refit_members(chosen: list[tuple[Candidate, float]], fold_models: dict[str, list[tuple[str, Path]]],
                   seeds: int, data, picks: Path, device, clock: Clock,
                   progress: bool) -> tuple[list[SubmissionModel], list[str]]:
@@ -193,7 +199,7 @@ def refit_members(chosen: list[tuple[Candidate, float]], fold_models: dict[str, 
     started only while the clock admits its estimate. A member's weight is shared equally by its models; a member
     left without any model (the budget ran out first) leaves the submission."""
     chosen = sorted(chosen, key=lambda cw: -cw[1])
-    queue = [job for s in range(seeds) for job in refit_jobs([c for c, _ in chosen], 1, data, picks, seed_offset=s)]
+    queue = refit_queue(chosen, seeds, data, picks)
     clock.announce(len(queue))
     made = {c.name: [(name, ckpt, "fold", None) for name, ckpt in fold_models.get(c.name, [])] for c, _ in chosen}
     notes: list[str] = []
@@ -218,10 +224,10 @@ def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, devic
     started only while the clock admits its estimate (the trial's epochs, validation included)."""
     todo = []
     for c in cands[:SEED_CONFIGS]:
+        train_img, _ = split_images(c.cfg, data)  # one split per config, shared by its re-runs
         for s in range(1, seeds + 1):
             cfg = with_values(c.cfg, {"train.seed": c.cfg.train.seed + s})
             run_dir = picks / "seeds" / f"trial-{c.trial}-seed-{c.cfg.train.seed + s}"
-            train_img, _ = split_images(c.cfg, data)
             cost = 0.0 if is_done(run_dir, done_stamp(cfg, data.fingerprint)) else (
                 c.timing.estimate(len(captions_of(data.cap2img, train_img)), len(train_img), c.epochs_run, True)
                 if c.timing is not None else c.seconds)

@@ -24,7 +24,7 @@ from search.pick import plan as plan_mod
 from search.pick.candidates import (
     SPLIT_KEYS, Candidate, check_agreement, check_data, check_test, load_candidates, resolve_data,
 )
-from search.pick.jobs import SubmissionModel, fold_jobs, refit_jobs, refit_members, seed_candidates
+from search.pick.jobs import SubmissionModel, fold_jobs, refit_jobs, refit_members, refit_queue, seed_candidates
 from search.pick.options import AUTO, Paths, PickOptions, check_options, pool_size, resolve_paths
 from search.pick.outputs import PickResult, PickRun, write_outputs
 from search.pick.plan import Clock, note
@@ -170,9 +170,8 @@ def estimate_pick(opts: PickOptions, budget: float | None) -> float | None:
         if opts.selection != "val" or not shares_val_split(inp.pool):
             return None
         sel = select_val(inp.pool, inp.data, opts, device)
-        chosen = [c for c, w in zip(inp.pool, sel.weights) if w > 0]
-        queue = [job for s in range(opts.refit_seeds)
-                 for job in refit_jobs(chosen, 1, inp.data, inp.paths.picks, seed_offset=s)] if opts.refit else []
+        chosen = [(c, float(w)) for c, w in zip(inp.pool, sel.weights) if w > 0]
+        queue = refit_queue(chosen, opts.refit_seeds, inp.data, inp.paths.picks) if opts.refit else []
         clock, spent, admitted = Clock(None), time.monotonic() - started, 0
         for job in queue:  # the jobs the pick's clock would admit, in the pick's order
             clock.models = admitted + 1
