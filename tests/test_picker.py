@@ -306,8 +306,8 @@ def test_default_pick_refits_chosen_members_on_every_image_with_seeds(world, oof
     assert manifest["selection"] == "oof" and manifest["folds"] == 3
     chosen = {name for name, w in manifest["weights"].items() if w > 0}
     nested = manifest["nested"]
-    # the ensemble is submitted only when its nested gain is above its spread; else the best single member alone
-    assert manifest["ensemble_used"] == (nested["gain_mrr"] > nested["gain_mrr_std"])
+    # the ensemble is submitted only when its nested gain is above its standard error; else the best single member alone
+    assert manifest["ensemble_used"] == (nested["gain_mrr"] > nested["gain_mrr_se"])
     if not manifest["ensemble_used"]:
         assert len(chosen) == 1  # one member alone: greedy's own choice, or the fallback to the best single
     made = manifest["submission_models"]
@@ -407,7 +407,7 @@ def test_top_trials_rank_pruned_trials_by_their_best_reported_value():
     assert candidates.trial_value(ranked[0], maximize=True) == 0.5
 
 
-def test_an_ensemble_gain_inside_its_fold_spread_is_not_used():
+def test_an_ensemble_gain_not_above_its_standard_error_is_not_used():
     from search.pick.oof import OofSelection
 
     def selection(gains):
@@ -415,11 +415,14 @@ def test_an_ensemble_gain_inside_its_fold_spread_is_not_used():
         return OofSelection(np.array([0.5, 0.5]), 0, np.array([0.4, 0.39]), 0.4, 0.41, gains, gains + 0.4,
                             np.full(len(gains), 0.4))
 
-    assert selection([0.015, 0.017, 0.014]).gain_is_real  # +0.0153 +/- 0.0015
-    assert not selection([0.003, -0.001, 0.008]).gain_is_real  # +0.0033 +/- 0.0045: noise
+    assert selection([0.015, 0.017, 0.014]).gain_is_real  # +0.0153, standard error 0.0009
+    # +0.0033, std 0.0045, standard error 0.0026: above one standard error (the rule), though inside one std
+    assert selection([0.003, -0.001, 0.008]).gain_is_real
+    noise = selection([0.004, -0.004, 0.003])  # +0.0010, standard error 0.0025: noise
+    assert not noise.gain_is_real and noise.gain_se == pytest.approx(np.std([0.004, -0.004, 0.003], ddof=1) / 3 ** 0.5)
     from search.pick.selection import submitted_weights
 
-    weights, notes = submitted_weights(selection([0.003, -0.001, 0.008]), ["trial-1", "trial-2"])
+    weights, notes = submitted_weights(noise, ["trial-1", "trial-2"])
     assert weights.tolist() == [1.0, 0.0] and "best single member, trial-1" in notes[0]  # the fallback, forced
     weights, notes = submitted_weights(selection([0.015, 0.017, 0.014]), ["trial-1", "trial-2"])
     assert weights.tolist() == [0.5, 0.5] and notes == []  # a real gain keeps the ensemble

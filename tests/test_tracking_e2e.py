@@ -103,7 +103,7 @@ def test_pick_run_and_model_carry_their_story(world):
     model = client.get_logged_model(world.manifest["mlflow"]["model_id"])
     assert model.name == f"{STUDY}-ensemble"
     assert model.params["method"] == "greedy" and "members" not in model.params
-    assert {m.key for m in model.metrics} >= {"gain_mrr", "gain_mrr_std"}
+    assert {m.key for m in model.metrics} >= {"gain_mrr", "gain_mrr_se"}
     assert "best single" in model.tags["mlflow.note.content"]
 
 

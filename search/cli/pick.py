@@ -76,7 +76,7 @@ def print_result(result) -> None:
     print(table.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4f}"))
     where = WHERE.get(result.selection)
     if where:
-        spread = f" +/- {result.gain_std:.4f} (std over folds)" if result.gain_std == result.gain_std else ""
+        spread = f" +/- {result.gain_se:.4f} (standard error over the folds)" if result.gain_se == result.gain_se else ""
         print(f"gain ensemble - best single ({where}): {result.gain:+.4f}{spread} MRR")
     print(f"submission: {result.submission}\nmanifest:   {result.manifest}\nreport:     {result.report}")
     print(f"MLflow run {result.run_id}; pyfunc model {result.model_uri}"

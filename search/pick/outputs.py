@@ -46,7 +46,7 @@ class PickResult:
     weights: dict[str, float]  # members with weight > 0
     best_single: str
     gain: float  # ensemble - best single, measured as search.pick.selection.WHERE says for its selection
-    gain_std: float  # spread of the gain over the folds (nan for halves)
+    gain_se: float  # standard error of the gain over the folds (nan for halves)
     selection: str  # "val", "oof", "halves" or "single"
     run_id: str
     model_uri: str
@@ -129,8 +129,8 @@ def run_params(r: PickRun) -> dict[str, Any]:
 
 def _gain_metrics(sel) -> dict[str, float]:
     out = {"gain_mrr": float(sel.gain)}
-    if sel.gain_std == sel.gain_std:
-        out["gain_mrr_std"] = float(sel.gain_std)
+    if sel.gain_se == sel.gain_se:
+        out["gain_mrr_se"] = float(sel.gain_se)
     return out
 
 
@@ -138,11 +138,10 @@ def describe(study_name: str, method: str, sel, models, dims: tuple[int, int]) -
     """The pick run's and the model's description: members, weights, the honest gain and what made the submission."""
     members = ", ".join(f"{name} {w:.2f}" for name, w in zip(sel.table["name"], sel.weights) if w > 0)
     where = WHERE.get(sel.kind)
-    gain = (f" Gain over the best single member ({sel.best_single}), {where}: "
-            f"{sel.gain:+.4f}" + (f" +/- {sel.gain_std:.4f} (std over folds)." if sel.gain_std == sel.gain_std
-                                  else ".")) if where else ""
+    spread = f" +/- {sel.gain_se:.4f} (standard error over the folds)." if sel.gain_se == sel.gain_se else "."
+    gain = f" Gain over the best single member ({sel.best_single}), {where}: {sel.gain:+.4f}{spread}" if where else ""
     if sel.ensemble_used is False:
-        gain += " That is within its spread, so the submission is the best single member."
+        gain += " That is not above its standard error, so the submission is the best single member."
     origins = sorted({m.origin for m in models})
     return (f"Ensemble ({method}, {sel.kind} selection) of study {study_name}: {members}.{gain} Made of "
             f"{len(models)} model(s) ({', '.join(origins)}). Input: caption embeddings [N, {dims[0]}] (float32 or "
@@ -199,7 +198,7 @@ def manifest(r: PickRun, run: dict[str, Any]) -> dict[str, Any]:
         "members": members,
         "weights": {c.name: float(w) for c, w in zip(cands, sel.weights) if w > 0},
         "best_single": sel.best_single,
-        "gain_mrr": sel.gain, "gain_mrr_std": None if sel.gain_std != sel.gain_std else sel.gain_std,
+        "gain_mrr": sel.gain, "gain_mrr_se": None if sel.gain_se != sel.gain_se else sel.gain_se,
         **sel.details,
         "notes": sel.notes, "ensemble_used": sel.ensemble_used,
         "plan": None if sel.plan is None else {"top": sel.plan.top, "folds": sel.plan.folds, "seeds": sel.plan.seeds,
@@ -249,7 +248,7 @@ def write_outputs(tracker: Tracker, r: PickRun) -> PickResult:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return PickResult(paths.out, paths.manifest, paths.report, sel.table, doc["weights"], sel.best_single,
-                      float(sel.gain), float(sel.gain_std), sel.kind, run_id, logged.model_uri, paths.tracking_uri,
+                      float(sel.gain), float(sel.gain_se), sel.kind, run_id, logged.model_uri, paths.tracking_uri,
                       registered)
 
 

@@ -26,13 +26,13 @@ class Selection:
     table: pd.DataFrame  # one row per member, then best_single, mean, ensemble
     best_single: str
     gain: float  # ensemble - best single on images the selection never saw
-    gain_std: float  # spread of that gain (std over folds; nan where not measured)
+    gain_se: float  # standard error of that gain over the folds (nan where not measured)
     kind: str  # "val", "oof", "halves", or "single" (one candidate: no selection)
     metrics: dict[str, float]  # for the MLflow pick run
     details: dict[str, Any]  # facts for the manifest only (nothing downstream reads them)
     fold_models: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)  # oof: (job, checkpoint) each
     notes: list[str] = field(default_factory=list)  # what the pick gave up or changed, in the order it happened
-    ensemble_used: bool | None = None  # False: the gain was inside its spread, the best single member is submitted
+    ensemble_used: bool | None = None  # False: the gain was not above its standard error, the best single member is submitted
     plan: Plan | None = None  # oof: the fold plan that fitted the budget
 
 
@@ -101,12 +101,12 @@ def screen(cands: list[Candidate], data, device, size: int, seed: int = 0) -> tu
 
 def submitted_weights(res: oof_mod.OofSelection, names: list[str]) -> tuple[np.ndarray, list[str]]:
     """(weights, notes): the selection's weights, or the best single member alone when the ensemble's nested gain is
-    not above its spread over the folds (greedy may also have chosen one member by itself)."""
+    not above its standard error over the folds (greedy may also have chosen one member by itself)."""
     if res.gain_is_real or (res.weights > 0).sum() <= 1:
         return res.weights, []
     return np.eye(len(names))[res.best_single], [
-        f"ensemble not used: its nested gain {res.gain:+.4f} is not above its spread over folds "
-        f"({res.gain_std:.4f}); the submission is the best single member, {names[res.best_single]}"]
+        f"ensemble not used: its nested gain {res.gain:+.4f} is not above its standard error over the folds "
+        f"({res.gain_se:.4f}); the submission is the best single member, {names[res.best_single]}"]
 
 
 # Folds of the study's val images for the cross-fitted selection: weights on 4/5, scored on the other 1/5.
@@ -151,7 +151,7 @@ def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, pi
 def _crossfit_selection(cands: list[Candidate], res: oof_mod.OofSelection, opts: PickOptions, kind: str,
                         facts: dict[str, Any]) -> Selection:
     """The Selection of a cross-fitted choice (val folds or out-of-fold): the submitted weights (or the best single
-    member when the gain is inside its spread), its table, metrics and manifest details."""
+    member when the gain is not above its standard error), its table, metrics and manifest details."""
     weights, notes = submitted_weights(res, [c.name for c in cands])
     for line in notes:
         note(line)
@@ -165,16 +165,17 @@ def _crossfit_selection(cands: list[Candidate], res: oof_mod.OofSelection, opts:
              {"role": "ensemble", "name": opts.method, "weight": None, "study_value": None,
               "oof_mrr": res.ensemble_mrr, "nested_mrr": float(res.fold_ensemble.mean())}]
     metrics = {"nested/gain_mrr": res.gain, "nested/gain_mrr_std": res.gain_std,
+               "nested/gain_mrr_se": res.gain_se,
                "nested/ensemble_mrr": float(res.fold_ensemble.mean()),
                "nested/best_single_mrr": float(res.fold_best.mean()), "oof/ensemble_mrr": res.ensemble_mrr,
                "oof/mean_mrr": res.mean_mrr, **{f"member/{c.name}/oof_mrr": float(m)
                                                 for c, m in zip(cands, res.member_mrr)}}
     details = {**facts, "measured_on": WHERE[kind],
-               "nested": {"gain_mrr": res.gain, "gain_mrr_std": res.gain_std,
+               "nested": {"gain_mrr": res.gain, "gain_mrr_std": res.gain_std, "gain_mrr_se": res.gain_se,
                           "fold_gains": res.fold_gains.tolist(), "fold_ensemble_mrr": res.fold_ensemble.tolist(),
                           "fold_best_single_mrr": res.fold_best.tolist()},
                "oof": {"ensemble_mrr": res.ensemble_mrr, "mean_mrr": res.mean_mrr,
                        "best_single_mrr": float(res.member_mrr[res.best_single])},
                }
-    return Selection(weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_std, kind,
+    return Selection(weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_se, kind,
                      metrics, details, notes=notes, ensemble_used=res.gain_is_real)
