@@ -9,7 +9,7 @@ import requests
 import sqlalchemy.exc
 import torch
 
-from search.tracking.base import redact_url
+from search.redact import redact_url
 from trainers.errors import LatentsweepError
 
 # Compared with Optuna's `study.optimize(catch=...)`: CONFIG and MEMORY are what a `catch` tuple would hold (the trial

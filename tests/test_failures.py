@@ -67,9 +67,9 @@ def test_real_errors_are_classified_once(faulty_tracking, fault):
     tracker.ensure_study("classes", {})
     run_id = tracker.start_trial(0, {}, {})
     fault("epoch:outage")
-    outage = raised(lambda: tracker.log_epoch(run_id, {"val/mrr": 0.5}, 0))
+    outage = raised(lambda: tracker.log(run_id, metrics={"val/mrr": 0.5}, step=0))
     fault("epoch:bug")
-    bug = raised(lambda: tracker.log_epoch(run_id, {"val/mrr": 0.5}, 0))
+    bug = raised(lambda: tracker.log(run_id, metrics={"val/mrr": 0.5}, step=0))
     # what Optuna's storage raises once its server is gone (open_storage says it in one line at the start instead)
     dead_storage = raised(lambda: optuna.storages.RDBStorage("postgresql+psycopg2://u:pw@127.0.0.1:9/x"))
     cases = {Kind.MEMORY: [raised(lambda: torch.empty(1 << 50)), MemoryError(), torch.OutOfMemoryError("CUDA")],

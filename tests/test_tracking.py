@@ -10,7 +10,8 @@ import pytest
 
 from search.tracking import make_tracker, plots
 from search.study.report import study_summary
-from search.tracking.base import PARAM_VALUE_MAX, redact_url, redact_values
+from search.redact import redact_url, redact_values
+from search.tracking.base import PARAM_VALUE_MAX
 from search.tracking.memory import InMemoryTracker
 from search.tracking.mlflow import MlflowTracker
 from trainers.errors import LatentsweepError
@@ -77,7 +78,7 @@ def test_redact_values_masks_urls_and_secret_keys():
 
 def test_make_tracker_memory_and_derived_artifact_root(tmp_path):
     assert isinstance(make_tracker("memory"), InMemoryTracker)
-    from search.tracking.base import default_artifact_root
+    from search.tracking.paths import default_artifact_root
 
     assert default_artifact_root(f"sqlite:///{tmp_path}/m.db") == (tmp_path / "artifacts").as_uri()
     assert default_artifact_root("http://localhost:5000") is None
@@ -95,7 +96,7 @@ def test_in_memory_tracker_records_runs(tmp_path):
     assert tr.runs[runs[0]]["name"] == "trial-0" and tr.runs[runs[0]]["params"] == {"optim.lr": "0.1"}
     assert tr.runs[runs[1]]["tags"]["mlflow.parentRunId"] == parent
     for step in range(3):
-        tr.log_epoch(runs[0], {"val/mrr": 0.1 * step}, step)
+        tr.log(runs[0], metrics={"val/mrr": 0.1 * step}, step=step)
     assert tr.runs[runs[0]]["metrics"]["val/mrr"] == [(0, 0.0), (1, 0.1), (2, 0.2)]
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "model.pt").write_bytes(b"x")
@@ -107,7 +108,8 @@ def test_in_memory_tracker_records_runs(tmp_path):
     assert tr.runs[runs[1]]["tags"]["optuna.state"] == "PRUNED"
     assert tr.close_stale_runs(alive_numbers=set()) == [runs[2]]
     assert tr.runs[runs[2]]["tags"]["latentsweep.reaped"] == "true"
-    assert tr.find_trial_run(1) == runs[1] and tr.find_trial_run(7) is None
+    tr.log(runs[1], params={"extra": 1}, tags={"note": "n"})
+    assert tr.runs[runs[1]]["params"]["extra"] == "1" and tr.runs[runs[1]]["tags"]["note"] == "n"
     tr.end_study({"trials_complete": 1, "trials_finished": 3, "best_params": {"optim.lr": 0.1}}, {})
     assert tr.runs[parent]["status"] == "FINISHED" and tr.runs[parent]["tags"]["best.optim.lr"] == "0.1"
     assert tr.runs[parent]["metrics"]["trials_complete"] == [(3, 1.0)]
@@ -155,28 +157,28 @@ def test_start_trial_creates_nested_running_run(tracker, batch_limits):
     assert len(run.data.params["long"]) == PARAM_VALUE_MAX and "truncated" in run.data.params["long"]
 
 
-def test_log_epoch_round_trips_through_metric_history(tracker, batch_limits):
+def test_log_round_trips_through_metric_history(tracker, batch_limits):
     tracker.ensure_study("epoch study", {})
     run_id = tracker.start_trial(0, {}, {})
     values = [0.25, 0.5, 0.75]
     for step, value in enumerate(values):
-        tracker.log_epoch(run_id, {"val/mrr": value, "train/loss": 1.0 - value}, step)
-    tracker.log_epoch(run_id, {f"m/{i}": float(i) for i in range(1200)}, 3)  # more than 1000 metrics per request
+        tracker.log(run_id, metrics={"val/mrr": value, "train/loss": 1.0 - value}, step=step)
+    tracker.log(run_id, metrics={f"m/{i}": float(i) for i in range(1200)}, step=3)  # > 1000 metrics per request
     history = tracker.client.get_metric_history(run_id, "val/mrr")
     assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == list(enumerate(values))
     assert tracker.client.get_run(run_id).data.metrics["m/1199"] == 1199.0
     assert sum(m for _, _, m in batch_limits) == 2 * len(values) + 1200
 
 
-def test_log_epoch_raises_what_the_store_raises(tracker, batch_limits):
+def test_log_raises_what_the_store_raises(tracker, batch_limits):
     # The tracker decides nothing about failures: search.failures classifies what it raises (tests/test_failures.py).
     from mlflow.exceptions import MlflowException
 
     tracker.ensure_study("flaky study", {})
     run_id = tracker.start_trial(0, {}, {})
     with pytest.raises(MlflowException):
-        tracker.log_epoch("no-such-run", {"val/mrr": 0.1}, 0)
-    tracker.log_epoch(run_id, {"val/mrr": 0.2}, 1)
+        tracker.log("no-such-run", metrics={"val/mrr": 0.1})
+    tracker.log(run_id, metrics={"val/mrr": 0.2}, step=1)
     tracker.end_trial(run_id, "COMPLETE")  # the tracker still works afterwards
     assert tracker.client.get_run(run_id).info.status == "FINISHED"
 
@@ -222,19 +224,10 @@ def test_close_stale_runs_only_closes_dead_running_trials(tracker):
     assert tracker.close_stale_runs(alive_numbers={2}) == []
 
 
-def test_find_trial_run_returns_newest(tracker):
-    tracker.ensure_study("find study", {})
-    tracker.start_trial(3, {}, {})
-    time.sleep(0.01)  # start times are in milliseconds
-    second = tracker.start_trial(3, {}, {})
-    assert tracker.find_trial_run(3) == second
-    assert tracker.find_trial_run(4) is None
-
-
 def test_secrets_never_reach_mlflow(tracker):
     parent = tracker.ensure_study("secret study", {"storage": PG_URL, "auth.password": SECRET})
     run_id = tracker.start_trial(0, {"data": {"path": PG_URL}}, {"storage": PG_URL})
-    tracker.set_tags(run_id, {"note": f"copied from {PG_URL}"})
+    tracker.log(run_id, tags={"note": f"copied from {PG_URL}"}, params={"copy": PG_URL})
     for rid in (parent, run_id):
         data = tracker.client.get_run(rid).data
         assert SECRET not in repr(data.params) + repr(data.tags)

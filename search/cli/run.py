@@ -13,7 +13,7 @@ from search.pick.onebudget import parse_duration, run_one_budget
 from search.pick.picker import PickOptions
 from search.stores import safe_name
 from search.study.preflight import no_new_empty_state_dir, preflight
-from search.study.storage import redact_url
+from search.redact import redact_url
 from trainers.errors import LatentsweepError
 
 

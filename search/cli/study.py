@@ -11,7 +11,7 @@ from search.study.preflight import no_new_empty_state_dir, preflight
 from search.study.progress import is_terminal
 from search.study.runner import run_study, run_worker
 from search.study.spec import build_spec
-from search.study.storage import redact_url
+from search.redact import redact_url
 from search.study.studyfile import load_study_file
 from search.study.worker import dispose_study, load_or_create, open_tracker
 from trainers.errors import LatentsweepError

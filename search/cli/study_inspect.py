@@ -8,7 +8,8 @@ from search.stores import add_state_arg, resolve_stores, safe_name, state_dir
 from search.study.preflight import StoreSpec, check_liveness, check_stores
 from search.study.report import load_existing_study, studies_table, study_header, study_table
 from search.study.runner import reap_study
-from search.study.storage import StorageSettings, redact_url
+from search.redact import redact_url
+from search.study.storage import StorageSettings
 from search.study.studyfile import load_study_file
 from search.study.worker import dispose_study
 

@@ -21,7 +21,7 @@ import torch
 from search.failures import raise_stop
 from search.pick.candidates import Candidate, make_candidate
 from search.pick.ensemble import predict_all
-from search.pick.plan import Clock, describe_job, note
+from search.pick.plan import Clock, note
 from trainers.checkpoint import load_model
 from trainers.config import Config, dump_toml, with_values
 from trainers.data import TrainSet

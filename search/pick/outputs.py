@@ -27,9 +27,9 @@ from search.pick.options import Paths, PickOptions
 from search.pick.pyfunc_model import ModelCard, log_ensemble, model_name
 from search.pick.selection import WHERE, Selection
 from search.study.worker import PARENT_ATTR
-from search.tracking.base import (
-    NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker, redact_url, source_tags,
-)
+from search.redact import redact_url
+from search.tracking.base import NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker
+from search.tracking.source import source_tags
 from search.tracking.plots import ensemble_figure
 from trainers.data import TestSet, TrainSet
 from trainers.submission import check_submission, write_submission
@@ -107,7 +107,7 @@ def _log_refits(tracker: Tracker, run_id: str, models, study_name: str) -> dict[
             continue
         tags = {PARENT_TAG: run_id, ROLE_TAG: "refit", STUDY_TAG: study_name, "latentsweep.member": m.member}
         child = tracker.start_run(m.name.replace("/", "-"), tags)
-        tracker.log_params(child, {"member": m.member, "seed": m.job.cfg.train.seed,
+        tracker.log(child, params={"member": m.member, "seed": m.job.cfg.train.seed,
                                    "epochs": m.job.cfg.train.stop_after, "schedule_epochs": m.job.cfg.train.epochs,
                                    "weight": m.weight})
         files = [m.job.run_dir / "config.toml", m.job.run_dir / "metrics.csv", m.checkpoint]
@@ -167,9 +167,8 @@ def _figure(opts, sel):
 
 def _log_run(tracker: Tracker, run_id: str, r: PickRun, note: str) -> None:
     opts, sel, data, test = r.opts, r.sel, r.data, r.test
-    tracker.log_params(run_id, run_params(r))
-    tracker.set_tags(run_id, {NOTE_TAG: note})
-    tracker.log_metrics(run_id, {k: float(v) for k, v in {**sel.metrics, **_gain_metrics(sel)}.items()}, step=0)
+    tracker.log(run_id, params=run_params(r), tags={NOTE_TAG: note},
+                metrics={k: float(v) for k, v in {**sel.metrics, **_gain_metrics(sel)}.items()})
     figure = _figure(opts, sel)
     if figure is not None:
         tracker.log_figure(run_id, figure, "ensemble_weights.png")

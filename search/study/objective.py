@@ -6,16 +6,19 @@ import logging
 from pathlib import Path
 
 import optuna
+from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 
 from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
 from search.study.progress import emit
 from search.study.space import sample
-from search.study.storage import redact_url, retry_callback
+from search.redact import redact_url
+from search.study.storage import retry_callback, storage_of, trial_id
 from search.study.studyfile import StudyFile
 from search.tracking.base import (
-    BEST_EPOCH_METRIC, NOTE_TAG, SEARCH_PARAM_PREFIX, SEARCHED_TAG, DatasetRecord, Tracker, best_metric, source_tags,
+    BEST_EPOCH_METRIC, NOTE_TAG, SEARCH_PARAM_PREFIX, SEARCHED_TAG, DatasetRecord, Tracker, best_metric,
 )
+from search.tracking.source import source_tags
 from search.tracking.plots import rank_histogram
 from trainers.config import dump_toml, flatten, with_values
 from trainers.data import TrainSet
@@ -70,12 +73,12 @@ class TrialRunner:
             result = train(cfg, self.data, callback=functools.partial(self._report, trial, run_id, {}), out_dir=out,
                            progress=self.spec.progress, deadline=lambda: self.search_end)
         except optuna.TrialPruned as exc:
-            self.tracker.set_tags(run_id, {NOTE_TAG: f"Pruned by the study's pruner ({exc})."})
+            self.tracker.log(run_id, tags={NOTE_TAG: f"Pruned by the study's pruner ({exc})."})
             self._close(run_id, out, "PRUNED")
             return TrialState.PRUNED, None
         except DeadlineReached as exc:  # the budget's end, before any epoch ended: nothing to keep, not a failure
             trial.set_user_attr(DEADLINE_ATTR, str(exc))
-            self.tracker.set_tags(run_id, {NOTE_TAG: f"Stopped at the run's deadline: {exc}."})
+            self.tracker.log(run_id, tags={NOTE_TAG: f"Stopped at the run's deadline: {exc}."})
             self._close(run_id, out, "PRUNED")
             return TrialState.PRUNED, None
         value = float(result.best_metrics[self.study_file.objective])
@@ -83,14 +86,14 @@ class TrialRunner:
             # Cut short by the budget, its best finished epoch kept: pruned (Optuna's "stopped early"), and pick
             # still finds its best epoch's checkpoint and value.
             trial.set_user_attr(DEADLINE_ATTR, f"stopped after epoch {len(result.history) - 1}")
-            self.tracker.set_tags(run_id, {NOTE_TAG: f"Stopped at the run's deadline after epoch "
+            self.tracker.log(run_id, tags={NOTE_TAG: f"Stopped at the run's deadline after epoch "
                                                      f"{len(result.history) - 1}; best epoch {result.best_epoch} "
                                                      f"({self.study_file.objective} {value:.4f}) kept in best.pt."})
             self._close(run_id, out, "PRUNED")
             return TrialState.PRUNED, None
         trial.set_user_attr("best_epoch", result.best_epoch)
         trial.set_user_attr("checkpoint", relative_to_state(result.checkpoint, self.spec.state_dir))
-        self.tracker.set_tags(run_id, {NOTE_TAG: f"Complete: {self.study_file.objective} {value:.4f} at epoch "
+        self.tracker.log(run_id, tags={NOTE_TAG: f"Complete: {self.study_file.objective} {value:.4f} at epoch "
                                                  f"{result.best_epoch} (the best epoch; its checkpoint is best.pt)."})
         self._close(run_id, out, "COMPLETE", ranks=getattr(result, "val_ranks", None))
         return TrialState.COMPLETE, value
@@ -173,7 +176,7 @@ class TrialRunner:
             best.update({best_metric(self.study_file.objective): report.metrics[self.study_file.objective],
                          BEST_EPOCH_METRIC: report.epoch})
         try:
-            self.tracker.log_epoch(run_id, {**report.metrics, **best}, report.epoch)
+            self.tracker.log(run_id, metrics={**report.metrics, **best}, step=report.epoch)
             trial.report(report.metrics[self.study_file.objective], report.epoch)
             if report.timing is not None:
                 trial.set_user_attr(TIMING_ATTR, report.timing.as_attrs())
@@ -191,8 +194,8 @@ class TrialRunner:
             raise optuna.TrialPruned(f"pruned at epoch {report.epoch}")
 
     def _tags(self, trial: optuna.Trial, cfg) -> dict[str, str]:
-        # Optuna's retry callback marks the WAITING copy with system attr "failed_trial" = the retried number
-        retry_of = trial.study._storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
+        # Optuna's retry callback marks the WAITING copy with the retried number (read by its public static method)
+        retry_of = RetryFailedTrialCallback.retried_trial_number(storage_of(trial.study).get_trial(trial_id(trial)))
         tags = {"optuna.trial_number": str(trial.number), "optuna.study": self.spec.name,
                 **source_tags(f"latentsweep study {self.spec.name} ({Path(self.spec.study_file).name})"),
                 SEARCHED_TAG: ",".join(p.key for p in self.study_file.space),
@@ -207,7 +210,7 @@ class TrialRunner:
         disk) is warned about and the run still ends; a bug there is raised, after the run ended."""
         try:
             if error:
-                self.tracker.set_tags(run_id, {"latentsweep.error": error[-4000:]})
+                self.tracker.log(run_id, tags={"latentsweep.error": error[-4000:]})
             paths = [p for p in (out / "config.toml", out / "metrics.csv", out / "best.pt") if p.exists()]
             self.tracker.log_artifacts(run_id, paths)
             if ranks is not None:

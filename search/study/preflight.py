@@ -12,7 +12,8 @@ from search.study.storage import (
 )
 from search.study.studyfile import load_study_file
 from search.study.worker import RunSpec, check_existing
-from search.tracking.base import DB_SCHEMES, default_artifact_root
+from search.tracking.base import DB_SCHEMES
+from search.tracking.paths import default_artifact_root
 from search.tracking.probe import probe_tracking_store
 from trainers.config import with_values
 from trainers.data import load_train

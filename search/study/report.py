@@ -8,7 +8,8 @@ import optuna
 import pandas as pd
 from optuna.trial import TrialState
 
-from search.study.storage import StorageSettings, dispose, open_storage, redact_url
+from search.redact import redact_url
+from search.study.storage import StorageSettings, dispose, open_storage
 from search.tracking.base import SUMMARY_STEP_KEY
 from trainers.errors import LatentsweepError
 

@@ -20,7 +20,7 @@ from typing import Iterator
 import optuna
 import sqlalchemy as sa
 
-from search.tracking.base import redact_url  # one redaction rule for logs, params and tags
+from search.redact import redact_url  # one redaction rule for logs, params and tags
 from trainers.errors import LatentsweepError
 
 SQLITE_TIMEOUT_S = 120  # a trial's tell() can wait behind another worker's write burst; 2 min is ample
@@ -232,3 +232,17 @@ def budget_lock(storage: optuna.storages.RDBStorage, study_name: str) -> Iterato
                 conn.commit()
         return
     yield  # other databases: best effort (the budget may overshoot by at most workers - 1)
+
+
+# Optuna's storage API (heartbeats, trial state, system attrs) is keyed by the storage's trial id and called on the
+# RDBStorage, and neither is public on Study or Trial: Optuna's own optimize loop reads `trial._trial_id` and
+# `study._storage` for the same calls (optuna/study/_optimize.py). These two functions are the only places that read
+# them, so a rename in Optuna breaks here, not at every caller.
+def storage_of(study: optuna.Study) -> optuna.storages.RDBStorage:
+    """The RDBStorage behind a study (Optuna wraps it in a private caching layer, `_CachedStorage._backend`)."""
+    return getattr(study._storage, "_backend", study._storage)
+
+
+def trial_id(trial: optuna.Trial | optuna.trial.FrozenTrial) -> int:
+    """The storage's id of a trial (Trial and FrozenTrial expose only its number)."""
+    return trial._trial_id

@@ -18,7 +18,8 @@ from search.study.budget import SearchBudget
 from search.study.objective import ERROR_ATTR, HALT_ATTR, StudyHalted, TrialRunner
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
 from search.study.storage import (
-    RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url, schema_lock,
+    RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url, schema_lock, storage_of,
+    trial_id,
 )
 from search.stores import safe_name
 from search.study.studyfile import StudyFile
@@ -176,7 +177,7 @@ def claim_trial(study: optuna.Study, n_trials: int) -> optuna.Trial | None:
             return None
         trial = study.ask()
         try:
-            storage.record_heartbeat(trial._trial_id)
+            storage.record_heartbeat(trial_id(trial))
             trial.set_user_attr(OWNER_ATTR, worker_id())
         except BaseException:
             study.tell(trial, state=TrialState.FAIL)  # without a heartbeat it would never go stale
@@ -196,8 +197,8 @@ def reap_owner(study: optuna.Study, tracker: Tracker, owner: str) -> list[str]:
     with budget_lock(storage, study.study_name):
         for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if trial.user_attrs.get(OWNER_ATTR) == owner and storage.set_trial_state_values(
-                    trial._trial_id, state=TrialState.FAIL) and callback is not None:
-                callback(study, storage.get_trial(trial._trial_id))
+                    trial_id(trial), state=TrialState.FAIL) and callback is not None:
+                callback(study, storage.get_trial(trial_id(trial)))
     return close_dead_runs(study, tracker)
 
 
@@ -223,7 +224,7 @@ def close_dead_runs(study: optuna.Study, tracker: Tracker) -> list[str]:
     for trial in callback.drain() if isinstance(callback, RetryAndRecord) else []:
         run_id = trial.user_attrs.get("mlflow_run_id")  # absent when the worker died before opening the run
         if run_id:
-            tracker.set_tags(run_id, {REAPED_TAG: "true"})
+            tracker.log(run_id, tags={REAPED_TAG: "true"})
             tracker.end_trial(run_id, TrialState.FAIL)
             closed.append(run_id)
     return closed + tracker.close_stale_runs(LiveTrialNumbers(study.get_trials(deepcopy=False)))
@@ -296,7 +297,7 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
                     break
                 time.sleep(poll)
                 continue
-            with Heartbeat(storage_of(study), trial._trial_id):
+            with Heartbeat(storage_of(study), trial_id(trial)):
                 state, value = runner.run(trial)
             frozen = study.tell(trial, value, state=state)
         except BaseException as exc:
@@ -341,11 +342,6 @@ def cpu_threads(workers: int) -> int:
 def study_dir(state_dir: str | Path, name: str) -> Path:
     """STATE/studies/<name>; the name is checked here too, so no caller can write outside the state directory."""
     return Path(state_dir) / "studies" / safe_name(name)
-
-
-def storage_of(study: optuna.Study) -> optuna.storages.RDBStorage:
-    """The RDBStorage behind a study (Optuna wraps it in a private caching layer)."""
-    return getattr(study._storage, "_backend", study._storage)
 
 
 def dispose_study(study: optuna.Study) -> None:

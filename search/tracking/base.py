@@ -1,20 +1,16 @@
 """Experiment tracking behind a small interface: MLflow via MlflowClient only (no fluent run state), or in memory."""
 from __future__ import annotations
 
-import functools
-import getpass
 import hashlib
 import logging
 import re
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
-
+from search.redact import redact_values
+from search.tracking.source import source_tags
 from trainers.config import flatten_tree
 
 log = logging.getLogger(__name__)
@@ -36,10 +32,6 @@ STATE_TAG = "optuna.state"
 PARENT_TAG = "mlflow.parentRunId"
 # MLflow's own tag names (mlflow/utils/mlflow_tags.py), so its UI fills the Source, User and Description fields.
 NOTE_TAG = "mlflow.note.content"
-GIT_COMMIT_TAG = "mlflow.source.git.commit"
-SOURCE_NAME_TAG = "mlflow.source.name"
-SOURCE_TYPE_TAG = "mlflow.source.type"
-USER_TAG = "mlflow.user"
 SEARCHED_TAG = "latentsweep.searched"  # comma-separated knobs the study samples (the rest of the params is the base)
 SEARCH_PARAM_PREFIX = "search."  # sampled values are also params search.<knob>, apart from the resolved config
 OBJECTIVE_TAG = "latentsweep.objective"
@@ -67,24 +59,25 @@ DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 class Tracker(Protocol):
     """What studies and picks need from a tracking backend (README, "Tracking", says what is logged where)."""
 
+    # a study: its experiment and parent run, opened by the first worker, re-opened by the others and on resume,
+    # summarised at the end; the reaper closes the runs of trials no worker runs any more
     def ensure_study(self, study_name: str, settings: dict[str, Any]) -> str: ...
     def attach_study(self, study_name: str, parent_run_id: str, reopen: bool = True) -> None: ...
+    def end_study(self, summary: dict[str, Any], figures: dict[str, Any]) -> None: ...  # step: SUMMARY_STEP_KEY
+    def close_stale_runs(self, alive_numbers: set[int]) -> list[str]: ...
+    # a trial: its run nested under the parent, then what every run logs, then its end with the Optuna state
     def start_trial(self, number: int, params: dict[str, Any], tags: dict[str, Any]) -> str: ...
-    def log_epoch(self, run_id: str, metrics: dict[str, float], step: int) -> None: ...
+    def log(self, run_id: str, *, metrics: dict[str, float] | None = None, step: int = 0,
+            params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None) -> None: ...
     def log_dataset(self, run_id: str, dataset: DatasetRecord) -> None: ...
-    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None: ...
     def log_artifacts(self, run_id: str, paths: list[Path], artifact_path: str | None = None) -> None: ...
     def log_figure(self, run_id: str, figure: Any, name: str) -> None: ...
     def end_trial(self, run_id: str, state: Any) -> None: ...
-    def end_study(self, summary: dict[str, Any], figures: dict[str, Any]) -> None: ...  # step: SUMMARY_STEP_KEY
-    def find_trial_run(self, number: int) -> str | None: ...
-    def close_stale_runs(self, alive_numbers: set[int]) -> list[str]: ...
-    # runs outside a study's trials (`latentsweep pick`): in the study's experiment, without its parent run
+    # a pick: a run in the study's experiment (under the parent when it is in the same store), logged with `log`,
+    # ended with an MLflow status; the trials' checkpoints it reads and the pyfunc model it logs
     def open_experiment(self, study_name: str) -> str: ...
     def has_run(self, run_id: str) -> bool: ...
     def start_run(self, run_name: str, tags: dict[str, Any]) -> str: ...
-    def log_params(self, run_id: str, params: dict[str, Any]) -> None: ...
-    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None: ...
     def end_run(self, run_id: str, status: str = "FINISHED") -> None: ...
     def download_artifact(self, run_id: str, path: str, directory: Path) -> Path: ...
     def log_model(self, run_id: str, spec: ModelSpec, register: str | None = None) -> LoggedModel: ...
@@ -92,40 +85,7 @@ class Tracker(Protocol):
 
 # ---------------------------------------------------------------- helpers shared by both trackers
 
-# scheme://[user]:password@host -> the password runs to the last '@' that is followed by a host (no '@', no '/'),
-# so an unencoded '@' or '/' inside a password is still hidden.
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*):(?P<pw>\S*)@(?=[^@/\s]*(?:[/?#\s]|$))")
-_SECRET_KEYS = {"password", "passwd", "secret", "token", "api_key", "apikey", "access_key", "secret_key", "private_key"}
-_SECRET_SUFFIXES = tuple(f"_{k}" for k in _SECRET_KEYS - {"token"})  # db_password yes, n_token (a size) no
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")  # MLflow accepts only these in param/metric/tag names
-
-
-def redact_url(text: str) -> str:
-    """`text` with every URL password replaced by *** (postgresql://u:pw@h/db -> postgresql://u:***@h/db).
-
-    A string that is one URL is rendered by SQLAlchemy with its password hidden; text that embeds URLs (an error
-    message, a log line), and a URL whose unencoded '@' SQLAlchemy would split inside the password, go through
-    _URL_PASSWORD."""
-    try:
-        url = make_url(text)
-    except (ArgumentError, ValueError):
-        url = None
-    if url is not None and "@" not in (url.host or ""):
-        return url.render_as_string(hide_password=True) if url.password is not None else text
-    return _URL_PASSWORD.sub(lambda m: f"{m['head']}:***@" if m["pw"] else m[0], text)
-
-
-def redact_values(values: dict[str, Any]) -> dict[str, Any]:
-    """Copy of `values` with URL passwords hidden in string values and secret-named keys (password, db_password,
-    token, …) masked."""
-    out = {}
-    for key, value in values.items():
-        leaf = re.split(r"[./]", str(key))[-1].lower()
-        if (leaf in _SECRET_KEYS or leaf.endswith(_SECRET_SUFFIXES)) and value not in (None, ""):
-            out[key] = "***"
-        else:
-            out[key] = redact_url(value) if isinstance(value, str) else value
-    return out
 
 
 def clean_key(key: str) -> str:
@@ -217,30 +177,6 @@ def best_metric(objective: str) -> str:
     return f"best/{objective}"
 
 
-@functools.lru_cache(maxsize=1)
-def git_commit() -> str | None:
-    """HEAD of the latentsweep checkout, or None outside a git checkout."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def source_tags(name: str) -> dict[str, str]:
-    """MLflow's source tags (Source and User columns of its UI): source name and type, git commit, user."""
-    tags = {SOURCE_NAME_TAG: name, SOURCE_TYPE_TAG: "LOCAL"}
-    commit = git_commit()
-    if commit:
-        tags[GIT_COMMIT_TAG] = commit
-    try:
-        tags[USER_TAG] = getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry (some containers)
-        pass
-    return tags
-
-
 @dataclass(frozen=True)
 class DatasetRecord:
     """A dataset input of a run, as mlflow.log_input records it (its Datasets column)."""
@@ -296,18 +232,3 @@ def close_figure(figure: Any) -> None:
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None and isinstance(figure, pyplot.Figure):
         pyplot.close(figure)
-
-
-def default_artifact_root(tracking_uri: str) -> str | None:
-    """Artifact root for a tracking URI: <db dir>/artifacts for a SQLite file, None (server decides) otherwise."""
-    if tracking_uri.startswith("sqlite:///"):
-        db = tracking_uri[len("sqlite:///"):].split("?")[0]
-        return (Path(db).expanduser().resolve().parent / "artifacts").as_uri()
-    return None
-
-
-def artifact_location(root: str, experiment: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "study"
-    if "://" in root or root.startswith("file:"):
-        return f"{root.rstrip('/')}/{name}"
-    return (Path(root).expanduser().resolve() / name).as_uri()

@@ -84,15 +84,16 @@ class InMemoryTracker:
         self.runs[run_id]["params"].update(clean_items(params, PARAM_VALUE_MAX))
         return run_id
 
-    def log_epoch(self, run_id: str, metrics: dict[str, float], step: int) -> None:
-        for key, value in clean_metrics(metrics).items():
-            self.runs[run_id]["metrics"].setdefault(key, []).append((int(step), value))
+    def log(self, run_id: str, *, metrics: dict[str, float] | None = None, step: int = 0,
+            params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None) -> None:
+        run = self.runs[run_id]
+        for key, value in clean_metrics(metrics or {}).items():
+            run["metrics"].setdefault(key, []).append((int(step), value))
+        run["params"].update(clean_items(params or {}, PARAM_VALUE_MAX))
+        run["tags"].update(clean_items(tags or {}, TAG_VALUE_MAX))
 
     def log_dataset(self, run_id: str, dataset: DatasetRecord) -> None:
         self.runs[run_id]["inputs"].append(dataset)
-
-    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
-        self.runs[run_id]["tags"].update(clean_items(tags, TAG_VALUE_MAX))
 
     def log_artifacts(self, run_id: str, paths: list[Path], artifact_path: str | None = None) -> None:
         prefix = f"{artifact_path}/" if artifact_path else ""
@@ -131,11 +132,6 @@ class InMemoryTracker:
         return [rid for rid, run in self.runs.items()
                 if run["tags"].get(ROLE_TAG) == "trial" and run["tags"].get(PARENT_TAG) == self.parent_run_id]
 
-    def find_trial_run(self, number: int) -> str | None:
-        self._require_study()
-        found = [rid for rid in self.trial_runs() if self.runs[rid]["tags"][TRIAL_TAG] == str(int(number))]
-        return found[-1] if found else None
-
     def close_stale_runs(self, alive_numbers: set[int]) -> list[str]:
         self._require_study()
         closed = []
@@ -159,12 +155,6 @@ class InMemoryTracker:
 
     def start_run(self, run_name: str, tags: dict[str, Any]) -> str:
         return self._new_run(run_name, clean_items(tags, TAG_VALUE_MAX))
-
-    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
-        self.runs[run_id]["params"].update(clean_items(params, PARAM_VALUE_MAX))
-
-    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        self.log_epoch(run_id, metrics, step)
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.runs[run_id]["status"] = status

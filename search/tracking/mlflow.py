@@ -36,19 +36,18 @@ from search.tracking.base import (
     DatasetRecord,
     LoggedModel,
     ModelSpec,
-    artifact_location,
     clean_items,
     clean_metrics,
     close_figure,
-    default_artifact_root,
     experiment_tags,
     parent_tags,
-    redact_url,
     split_settings,
     status_of,
     summary_entries,
     trial_tags,
 )
+from search.redact import redact_url
+from search.tracking.paths import artifact_location, default_artifact_root
 from trainers.errors import ConfigError, LatentsweepError
 
 def dataset_input(dataset: DatasetRecord) -> DatasetInput:
@@ -142,17 +141,18 @@ class MlflowTracker:
         self._log_batch(run_id, params=clean_items(params, PARAM_VALUE_MAX), tags=user)
         return run_id
 
-    def log_epoch(self, run_id: str, metrics: dict[str, float], step: int) -> None:
-        """Log one epoch's metrics. What it raises is classified by the caller (search.failures): an outage stops the
-        worker in one line and the trial is retried; anything else is a bug."""
-        self.log_metrics(run_id, metrics, step)
+    def log(self, run_id: str, *, metrics: dict[str, float] | None = None, step: int = 0,
+            params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None) -> None:
+        """Metrics at `step`, params and tags in one batched call. What it raises is classified by the caller
+        (search.failures): an outage stops the worker in one line and the trial is retried; anything else is a bug."""
+        now = _now_ms()
+        self._log_batch(run_id, params=clean_items(params or {}, PARAM_VALUE_MAX),
+                        tags=clean_items(tags or {}, TAG_VALUE_MAX),
+                        metrics=[Metric(k, v, now, int(step)) for k, v in clean_metrics(metrics or {}).items()])
 
     def log_dataset(self, run_id: str, dataset: DatasetRecord) -> None:
         """mlflow.log_input through the client: the run's Datasets column (name, digest, context)."""
         self.client.log_inputs(run_id, [dataset_input(dataset)])
-
-    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
-        self._log_batch(run_id, tags=clean_items(tags, TAG_VALUE_MAX))
 
     def log_artifacts(self, run_id: str, paths: list[Path], artifact_path: str | None = None) -> None:
         """Files go under artifact_path; a directory goes under artifact_path/<its name>."""
@@ -177,13 +177,6 @@ class MlflowTracker:
         self.client.set_terminated(run_id, status=status)
 
     # ----- reaper support
-
-    def find_trial_run(self, number: int) -> str | None:
-        self._require_study()
-        runs = self.client.search_runs(
-            [self.experiment_id], f"tags.`{ROLE_TAG}` = 'trial' and tags.`{TRIAL_TAG}` = '{int(number)}'",
-            max_results=1, order_by=["attributes.start_time DESC"])
-        return runs[0].info.run_id if runs else None
 
     def close_stale_runs(self, alive_numbers: set[int]) -> list[str]:
         """Mark FAILED (tag latentsweep.reaped=true) every RUNNING trial run whose trial is not alive."""
@@ -218,13 +211,6 @@ class MlflowTracker:
         """A RUNNING run in the bound experiment (nested under another when tags carry mlflow.parentRunId)."""
         return self.client.create_run(self.experiment_id, run_name=run_name,
                                       tags=clean_items(tags, TAG_VALUE_MAX)).info.run_id
-
-    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
-        self._log_batch(run_id, params=clean_items(params, PARAM_VALUE_MAX))
-
-    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        now = _now_ms()
-        self._log_batch(run_id, metrics=[Metric(k, v, now, int(step)) for k, v in clean_metrics(metrics).items()])
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)

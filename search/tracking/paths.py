@@ -1,4 +1,5 @@
-"""A movable state directory: MLflow stores absolute file:// artifact URIs, so they are re-rooted when it moved.
+"""Where artifacts live: the artifact root of a tracking URI, each experiment's location under it, and a movable
+state directory (MLflow stores absolute file:// artifact URIs, so they are re-rooted when it moved).
 
 MLflow's SQL store makes every artifact location absolute when an experiment is created (mlflow.utils.uri.
 resolve_uri_if_local), and runs, logged models and model versions copy it. The experiments the tracker creates live
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sqlite3
 from pathlib import Path
 
@@ -79,3 +81,18 @@ def resolve_in_state(path: str | Path | None, state_dir: Path) -> Path | None:
         return None
     path = Path(path)
     return path if path.is_absolute() else Path(state_dir) / path
+
+
+def default_artifact_root(tracking_uri: str) -> str | None:
+    """Artifact root for a tracking URI: <db dir>/artifacts for a SQLite file, None (server decides) otherwise."""
+    if tracking_uri.startswith("sqlite:///"):
+        db = tracking_uri[len("sqlite:///"):].split("?")[0]
+        return (Path(db).expanduser().resolve().parent / "artifacts").as_uri()
+    return None
+
+
+def artifact_location(root: str, experiment: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "study"
+    if "://" in root or root.startswith("file:"):
+        return f"{root.rstrip('/')}/{name}"
+    return (Path(root).expanduser().resolve() / name).as_uri()

@@ -9,7 +9,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.credentials import get_default_host_creds
 from mlflow.utils.rest_utils import http_request
 
-from search.tracking.base import redact_url
+from search.redact import redact_url
 from trainers.errors import LatentsweepError
 
 # Seconds to wait for a tracking store's first answer before calling it unreachable (MLflow's client would retry an
