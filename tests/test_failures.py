@@ -171,9 +171,10 @@ def fail_in_loss(monkeypatch, errors: list) -> None:
 
 def test_config_and_memory_failures_count_and_the_study_goes_on(synthetic, tmp_path, faulty_tracking, fault,
                                                                  monkeypatch, caplog):
-    # trial 0: a config error whose run cannot be closed (end_trial raises after the error is known): counted once,
-    # not retried, its run closed by the next claim; trial 1: a real CPU allocation failure; trial 2 completes.
-    fault("end:outage:1")
+    # trial 0: a config error whose run cannot be closed (end_trial raises on both attempts after the error is known):
+    # counted once, not retried, its run closed by the next claim; trial 1: a real CPU allocation failure; trial 2
+    # completes.
+    fault("end:outage:1-2")
     fail_in_loss(monkeypatch, [ConfigError("loss.queue.size must divide the batch size"),
                                lambda: torch.empty(1 << 50)])
     name, state = "configmem", tmp_path / "state"
@@ -190,6 +191,19 @@ def test_config_and_memory_failures_count_and_the_study_goes_on(synthetic, tmp_p
     assert by_name["trial-0"].info.status == "FAILED" and by_name["trial-0"].data.tags["latentsweep.reaped"] == "true"
     assert [by_name[f"trial-{n}"].info.status for n in (1, 2)] == ["FAILED", "FINISHED"]
     assert "RUNNING" not in {r.info.status for r in by_name.values()}
+
+
+def test_a_run_whose_end_fails_once_is_ended_by_the_second_attempt(synthetic, tmp_path, faulty_tracking, fault,
+                                                                    caplog):
+    # An interrupt inside a store call can leave that connection unusable for the run's end: one more attempt.
+    fault("end:outage:1")
+    name, state = "endonce", tmp_path / "state"
+    with caplog.at_level(logging.WARNING, logger="latentsweep"):
+        assert run_study(study_file(tmp_path, name, n_trials=1, epochs=1), synthetic, state, faulty_tracking) == 0
+    assert [t.state.name for t in study(state, name).trials] == ["COMPLETE"]
+    run = runs(faulty_tracking[0], name)["trial-0"]
+    assert run.info.status == "FINISHED" and "latentsweep.reaped" not in run.data.tags
+    assert not [r for r in caplog.records if "could not close" in r.getMessage()]
 
 
 def test_a_bug_in_the_tracker_stops_two_workers_loudly(synthetic, tmp_path):

@@ -27,6 +27,8 @@ from trainers.io import atomic_write
 from trainers.loop import DeadlineReached, EpochReport, train
 
 log = logging.getLogger("latentsweep")
+# Attempts to end a trial's MLflow run before the failure is warned about and left to the reaper (see _end).
+CLOSE_ATTEMPTS = 2
 ERROR_ATTR = "latentsweep.error"  # set on trials that failed for good (not retried; they count in the budget)
 # A study user attr, set when a bug stopped a worker: the other workers stop before claiming their next trial.
 HALT_ATTR = "latentsweep.halted"
@@ -221,8 +223,21 @@ class TrialRunner:
                 raise
             log.warning("could not log the artifacts of %s (%s)", out.name, first_line(exc))
         finally:
-            self.tracker.end_trial(run_id, state)
+            self._end(run_id, state)
             self.open_run = None
+
+    def _end(self, run_id: str, state: str) -> None:
+        """End the run, a second time when the first attempt failed with anything but a bug: an interrupt (Ctrl-C)
+        that landed inside a store call can leave that connection unusable for the next call, and the pool then
+        hands out a fresh one. A second failure is raised to the caller, which warns (`study reap` closes it)."""
+        for attempt in range(CLOSE_ATTEMPTS):
+            try:
+                self.tracker.end_trial(run_id, state)
+                return
+            except Exception as exc:
+                if kind_of(exc) is Kind.BUG or attempt == CLOSE_ATTEMPTS - 1:
+                    raise
+                log.debug("ending run %s failed once (%s); trying again", run_id, first_line(exc))
 
     def retry(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
         """A trial failed by the machine, a store or an interrupt is retried, exactly like a trial whose worker died
