@@ -46,9 +46,14 @@ def predict(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Eval-mode outputs ("pred") of `model` for x [N, D_in], in chunks; restores the previous mode."""
     was_training = model.training
     model.eval()
-    out = torch.cat([model(x[i : i + EVAL_CHUNK])["pred"].float() for i in range(0, len(x), EVAL_CHUNK)])
+    out = None  # [N, D_out] float32, filled chunk by chunk: a list of chunks and their cat held the output twice
+    for i in range(0, len(x), EVAL_CHUNK):
+        chunk = model(x[i : i + EVAL_CHUNK])["pred"]
+        if out is None:
+            out = torch.empty((len(x), chunk.shape[1]), dtype=torch.float32, device=chunk.device)
+        out[i : i + len(chunk)] = chunk
     model.train(was_training)
-    return out
+    return out if out is not None else model(x[:0])["pred"].float()
 
 
 class Task:
@@ -123,7 +128,10 @@ class TranslateTask(Task):
         # and by the all-images bank, so they are held (normalised from a transient copy: bit-identical to before).
         self.images = Rows(torch.as_tensor(data.image, device=device), torch.as_tensor(train_img, device=device))
         self.images_n = F.normalize(self.images.materialize(), dim=1)
-        self.val_x, self.val_img = self._captions(data, val_img)
+        # Val captions as rows of the loaded array too (a copy was 0.1 GB at challenge size).
+        val_caps, val_local = captions_and_local_images(data.cap2img, val_img)
+        self.val_x = Rows(text, torch.as_tensor(val_caps, device=device))  # [Nv, Dt]
+        self.val_img = torch.as_tensor(val_local, device=device)  # [Nv] local val image index
         self.val_images = torch.as_tensor(data.image[val_img], device=device)
         self.dim_in, self.dim_out = data.text.shape[1], data.image.shape[1]
         self.text_mean = (self.x.column_stat(lambda x: x.mean(0)) if cfg.data.center_text
@@ -134,10 +142,6 @@ class TranslateTask(Task):
         self.by_image = order
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
                                   torch.bincount(self.img, minlength=len(self.images)).cumsum(0)])
-
-    def _captions(self, data: TrainSet, img_idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        caps, local = captions_and_local_images(data.cap2img, img_idx)
-        return torch.as_tensor(data.text[caps], device=self.device), torch.as_tensor(local, device=self.device)
 
     def model_context(self) -> ModelContext:
         return ModelContext(self.dim_in, self.dim_out, fit=self._fit_pairs, device=self.device)
