@@ -1,10 +1,10 @@
 """Faults injected below the code under test: MLflow's own SQL tracking store, subclassed and registered for sqlite://
 in MLflow's tracking-store registry (where a plugin's store goes), fails the calls LATENTSWEEP_FAULT names.
 
-LATENTSWEEP_FAULT = "<call>:<what>[:<n>]" (several joined by ","): the n-th (default 1st, "*" every, "n-m" the n-th to
-the m-th) matching call in each process raises. Calls: start (create_run of a trial), epoch (log_batch of a trial's metrics: an epoch), note (log_batch
-of the "Complete:" note, after training), end (update_run_info to a terminal status: end_trial), parent_end (the
-parent run's end). What: bug (a TypeError, as a bug of ours would), outage (the call runs on an engine whose
+LATENTSWEEP_FAULT = "<call>:<what>[:<n>]" (several joined by ","): every (no n, or "*"), the n-th, or the n-th to the
+m-th ("n-m") matching call in each process raises. Calls: start (create_run of a trial), epoch (log_batch of a
+trial's metrics: an epoch), note (log_batch of the "Complete:" note, after training), end (update_run_info to a
+terminal status: end_trial), parent_end (the parent run's end). What: bug (a TypeError, as a bug of ours would), outage (the call runs on an engine whose
 database cannot be opened: MLflow's own OperationalError -> MlflowException(TEMPORARILY_UNAVAILABLE) path).
 The variable is read at call time, so spawned workers that import this module (HOOK) fail the same way.
 """
@@ -28,8 +28,10 @@ def _fires(call: str) -> str | None:
         if where != call:
             continue
         _calls[call] += 1
-        first, _, last = (nth[0] if nth else "1").partition("-")
-        if first == "*" or int(first) <= _calls[call] <= int(last or first):
+        if not nth or nth[0] == "*":
+            return what
+        first, _, last = nth[0].partition("-")
+        if int(first) <= _calls[call] <= int(last or first):
             return what
     return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -85,6 +86,9 @@ def test_storage_full_during_a_trial_stops_in_one_line_and_reap_closes_every_run
     assert "Traceback" not in proc.stderr and err[-1].startswith("latentsweep: error: "), proc.stderr
     assert "full" in err[-1] or "No space left" in err[-1], err[-1]
     (small_fs / "filler").unlink()  # the user frees the space, then reaps
+    # once the dead worker's last heartbeat is older than --grace (2 s): reaping within it finds the trial alive, and
+    # a suite run once did
+    time.sleep(3)
     assert main(["study", "reap", name, "--state-dir", str(state), *HEARTBEAT]) == 0
     states = trials(state, name)
     assert "RUNNING" not in states and "COMPLETE" not in states[:1]
