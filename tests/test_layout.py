@@ -3,6 +3,8 @@ trainers/ free of search, optuna and mlflow, and no module over MAX_LINES lines.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +173,22 @@ def test_every_command_handler_is_named_after_its_command():
     names = {" ".join(path): parser.get_default("func").__name__ for path, parser in leaf_commands(build_parser())}
     assert {c: n for c, n in names.items() if n != "cmd_" + c.replace(" ", "_").replace("-", "_")} == {}
     assert len(names) >= 14
+
+
+def test_each_command_builds_from_its_own_module_only():
+    """MODULE_OF names the module that adds each top-level command, and a command's parser imports no other."""
+    import argparse
+    import importlib
+
+    from search.cli.main import COMMAND_MODULES, MODULE_OF
+
+    owner = {}
+    for name in COMMAND_MODULES:
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(f"search.cli.{name}").add_parser(sub)
+        owner.update({command: name for command in sub.choices})
+    assert MODULE_OF == owner
+    code = ("import sys; from search.cli.main import build_parser; build_parser('train'); "
+            "print(sorted(m for m in ('mlflow', 'pandas', 'search.pick', 'search.cli.study') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]"

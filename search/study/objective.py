@@ -9,7 +9,7 @@ import optuna
 from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 
-from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
+from search.failures import Failure, Kind, MachineFailed, StoreFailed, StudyHalted, classify, first_line, kind_of
 from search.study.progress import emit
 from search.study.space import sample
 from search.redact import redact_url
@@ -36,10 +36,6 @@ HALT_ATTR = "latentsweep.halted"
 # one-budget run its split with; and, on a trial the deadline cut short, where it stopped.
 TIMING_ATTR = "timing"
 DEADLINE_ATTR = "latentsweep.stopped_at_deadline"
-
-
-class StudyHalted(Exception):
-    """Another worker of this study stopped on a bug: this one stops before claiming a trial (not a user error)."""
 
 
 def relative_to_state(path: Path, state_dir: str | Path) -> str:

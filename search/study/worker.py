@@ -15,7 +15,8 @@ from optuna.trial import TrialState
 
 from search.failures import Kind, classify
 from search.study.budget import SearchBudget
-from search.study.objective import ERROR_ATTR, HALT_ATTR, StudyHalted, TrialRunner
+from search.failures import StudyHalted
+from search.study.objective import ERROR_ATTR, HALT_ATTR, TrialRunner
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
 from search.study.storage import (
     RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url, schema_lock, storage_of,
