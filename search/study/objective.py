@@ -9,7 +9,7 @@ import optuna
 from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 
-from search.failures import Failure, Kind, MachineFailed, StoreFailed, StudyHalted, classify, first_line, kind_of
+from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
 from search.study.progress import emit
 from search.study.space import sample
 from search.redact import redact_url
