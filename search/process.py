@@ -52,14 +52,29 @@ def configure_process() -> None:
     quiet_mlflow()
 
 
+# Signals received inside an interrupt_on block. Their KeyboardInterrupt can be lost: raised while a finalizer or a
+# weakref callback runs (SQLAlchemy's run at garbage collection), Python prints "Exception ignored" and goes on, and
+# a Ctrl-C was once lost that way in a study; raise_if_interrupted raises it again at the next check.
+_received: set[int] = set()
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt when a signal of the current interrupt_on block arrived (whether or not its first
+    KeyboardInterrupt got through): the study's runner asks between epochs and before claiming a trial."""
+    if _received:
+        raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def interrupt_on(*signals: int | None) -> Iterator[None]:
     """Inside the block, each of `signals` (None entries are skipped) raises KeyboardInterrupt, so a run stops as on
-    Ctrl-C; the previous handlers are restored after. Handlers can only be set in the main thread; elsewhere this
-    does nothing."""
+    Ctrl-C, and is remembered for raise_if_interrupted; the previous handlers are restored after. Handlers can only
+    be set in the main thread; elsewhere this does nothing."""
     def interrupt(signum, _frame):
+        _received.add(signum)
         raise KeyboardInterrupt
 
+    _received.clear()
     in_main = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, interrupt) for sig in signals if sig is not None and in_main}
     try:

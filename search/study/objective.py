@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
 from search.study.progress import emit
 from search.study.space import sample
+from search.process import raise_if_interrupted
 from search.redact import redact_url
 from search.study.storage import retry_callback, storage_of, trial_id
 from search.study.studyfile import StudyFile
@@ -167,6 +168,7 @@ class TrialRunner:
     def _report(self, trial: optuna.Trial, run_id: str, best: dict, report: EpochReport) -> None:
         """Log the epoch, report it to the pruner. `best` (per trial) holds the best epoch so far: its objective
         is logged each epoch as best/<objective>, so its last value is the trial's value in Optuna."""
+        raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt a finalizer swallowed stops the trial here
         if self.study_file.objective not in report.metrics:
             raise LatentsweepError(f"objective '{self.study_file.objective}' is not a logged metric; "
                                    f"available: {', '.join(k for k in report.metrics if k.startswith('val/'))}")

@@ -41,7 +41,7 @@ def run_worker(spec: RunSpec, create: bool = False, study: optuna.Study | None =
     `study`/`tracker` may be passed in by a caller that already opened them (saves MLflow's slow first connection).
     SIGTERM (docker stop, a scheduler) behaves like Ctrl-C meanwhile: the running trial is closed and retried.
     """
-    with interrupt_on(signal.SIGTERM):
+    with interrupt_on(signal.SIGINT, signal.SIGTERM):
         return _run_worker(spec, create, study, tracker)
 
 

@@ -13,9 +13,9 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from search.failures import Kind, classify
+from search.failures import Kind, StudyHalted, classify
+from search.process import raise_if_interrupted
 from search.study.budget import SearchBudget
-from search.failures import StudyHalted
 from search.study.objective import ERROR_ATTR, HALT_ATTR, TrialRunner
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
 from search.study.storage import (
@@ -285,6 +285,7 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
     start, ran = time.monotonic(), 0
     poll = min(WAIT_POLL_S, storage_of(study).get_heartbeat_interval() or WAIT_POLL_S)
     while spec.timeout is None or time.monotonic() - start < spec.timeout:
+        raise_if_interrupted()
         check_halted(study)
         end = runner.search_end_now(study)
         if end is not None and time.time() >= end:
