@@ -16,6 +16,7 @@ from trainers.errors import LatentsweepError
 class StudyHalted(Exception):
     """Another worker of this study stopped on a bug: this one stops before claiming a trial (not a user error)."""
 
+
 # Compared with Optuna's `study.optimize(catch=...)`: CONFIG and MEMORY are what a `catch` tuple would hold (the trial
 # is FAIL, it counts, the study goes on); BUG is an exception outside `catch` (FAIL, re-raised: the study stops, and
 # here every other worker stops before its next trial too); INTERRUPT is Optuna's KeyboardInterrupt (FAIL,

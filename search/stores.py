@@ -8,8 +8,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from search.tracking.paths import default_artifact_root
-from search.tracking.paths import ARTIFACTS, relocate_mlflow
+from search.tracking.paths import ARTIFACTS, default_artifact_root, relocate_mlflow
 from trainers.errors import LatentsweepError
 
 ENV_VAR = "LATENTSWEEP_STATE_DIR"

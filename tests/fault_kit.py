@@ -4,8 +4,9 @@ in MLflow's tracking-store registry (where a plugin's store goes), fails the cal
 LATENTSWEEP_FAULT = "<call>:<what>[:<n>]" (several joined by ","): every (no n, or "*"), the n-th, or the n-th to the
 m-th ("n-m") matching call in each process raises. Calls: start (create_run of a trial), epoch (log_batch of a
 trial's metrics: an epoch), note (log_batch of the "Complete:" note, after training), end (update_run_info to a
-terminal status: end_trial), parent_end (the parent run's end). What: bug (a TypeError, as a bug of ours would), outage (the call runs on an engine whose
-database cannot be opened: MLflow's own OperationalError -> MlflowException(TEMPORARILY_UNAVAILABLE) path).
+terminal status: end_trial), parent_end (the parent run's end). What: bug (a TypeError, as a bug of ours would),
+outage (the call runs on an engine whose database cannot be opened: MLflow's own OperationalError ->
+MlflowException(TEMPORARILY_UNAVAILABLE) path).
 The variable is read at call time, so spawned workers that import this module (HOOK) fail the same way.
 """
 from __future__ import annotations

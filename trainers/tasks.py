@@ -73,6 +73,12 @@ class Task:
         """Raise a one-line error when the split of `data` cannot train this task (the split itself checks sizes)."""
         split_images(cfg, data)
 
+    def _caption_rows(self, text: torch.Tensor, cap2img: np.ndarray, images: np.ndarray) -> tuple[Rows, torch.Tensor]:
+        """(every caption of `images` as rows of `text` [N, Dt], each caption's image as an index into `images`
+        [N])."""
+        caps, local = captions_and_local_images(cap2img, images)
+        return Rows(text, torch.as_tensor(caps, device=self.device)), torch.as_tensor(local, device=self.device)
+
     def model_context(self) -> ModelContext:
         raise NotImplementedError
 
@@ -121,17 +127,13 @@ class TranslateTask(Task):
         # The training captions stay where they are: all captions [Nc, Dt] (on the CPU the loaded array itself, no
         # copy) and the training ones' rows [N]; a batch gathers its rows. A copy was 0.46 GB at challenge size.
         text = torch.as_tensor(data.text, device=device)
-        caps, local = captions_and_local_images(data.cap2img, train_img)
-        self.x = Rows(text, torch.as_tensor(caps, device=device))  # [N, Dt]
-        self.img = torch.as_tensor(local, device=device)  # [N] local train image index
+        self.x, self.img = self._caption_rows(text, data.cap2img, train_img)  # [N, Dt] rows, [N] local train image
         # Raw images likewise ([Ni, Di] rows of the loaded [Ni_all, Di]); the normalised ones are read by every batch
         # and by the all-images bank, so they are held (normalised from a transient copy: bit-identical to before).
         self.images = Rows(torch.as_tensor(data.image, device=device), torch.as_tensor(train_img, device=device))
         self.images_n = F.normalize(self.images.materialize(), dim=1)
         # Val captions as rows of the loaded array too (a copy was 0.1 GB at challenge size).
-        val_caps, val_local = captions_and_local_images(data.cap2img, val_img)
-        self.val_x = Rows(text, torch.as_tensor(val_caps, device=device))  # [Nv, Dt]
-        self.val_img = torch.as_tensor(val_local, device=device)  # [Nv] local val image index
+        self.val_x, self.val_img = self._caption_rows(text, data.cap2img, val_img)  # [Nv, Dt] rows, [Nv]
         self.val_images = torch.as_tensor(data.image[val_img], device=device)
         self.dim_in, self.dim_out = data.text.shape[1], data.image.shape[1]
         self.text_mean = (self.x.column_stat(lambda x: x.mean(0)) if cfg.data.center_text

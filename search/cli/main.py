@@ -14,8 +14,8 @@ from search.process import configure_process
 # code and is named after its command: `latentsweep study run` -> cmd_study_run (tests/test_layout.py checks it).
 COMMAND_MODULES = ("data", "submission", "train", "study", "pick", "run", "ui")
 # The module of each top-level command (tests/test_layout.py checks it against the parsers): a command imports only its
-# own module, so `latentsweep train` does not load MLflow, Optuna and pandas through the others (0.17 GB of RSS,
-# benchmarks/memory_peak.py). --help, --version and an unknown command build every parser.
+# own module, so `latentsweep train` does not load MLflow, pandas and the picker through the others (0.13 GB of RSS
+# at start, README "Challenge-size training memory"). --help, --version and an unknown command build every parser.
 MODULE_OF = {"data": "data", "submission": "submission", "train": "train", "predict": "train", "study": "study",
              "worker": "study", "pick": "pick", "run": "run", "ui": "ui"}
 

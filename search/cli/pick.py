@@ -5,7 +5,7 @@ from __future__ import annotations
 from search.pick.ensemble import METHODS
 from search.pick.options import SELECTIONS, parse_budget
 from search.pick.picker import PickOptions, run_pick
-from search.pick.selection import WHERE
+from search.pick.selection import WHERE, spread_text
 from search.stores import add_state_arg, safe_name
 from search.study.progress import is_terminal
 
@@ -76,8 +76,7 @@ def print_result(result) -> None:
     print(table.to_string(index=False, na_rep="", float_format=lambda v: f"{v:.4f}"))
     where = WHERE.get(result.selection)
     if where:
-        spread = f" +/- {result.gain_se:.4f} (standard error over the folds)" if result.gain_se == result.gain_se else ""
-        print(f"gain ensemble - best single ({where}): {result.gain:+.4f}{spread} MRR")
+        print(f"gain ensemble - best single ({where}): {result.gain:+.4f}{spread_text(result.gain_se)} MRR")
     print(f"submission: {result.submission}\nmanifest:   {result.manifest}\nreport:     {result.report}")
     print(f"MLflow run {result.run_id}; pyfunc model {result.model_uri}"
           + (f"; registered {result.registered['name']} v{result.registered['version']}" if result.registered

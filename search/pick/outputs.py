@@ -25,7 +25,7 @@ from search.pick.candidates import Candidate
 from search.pick.jobs import SubmissionModel
 from search.pick.options import Paths, PickOptions
 from search.pick.pyfunc_model import ModelCard, log_ensemble, model_name
-from search.pick.selection import WHERE, Selection
+from search.pick.selection import WHERE, Selection, spread_text
 from search.study.worker import PARENT_ATTR
 from search.redact import redact_url
 from search.tracking.base import NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker
@@ -138,8 +138,8 @@ def describe(study_name: str, method: str, sel, models, dims: tuple[int, int]) -
     """The pick run's and the model's description: members, weights, the honest gain and what made the submission."""
     members = ", ".join(f"{name} {w:.2f}" for name, w in zip(sel.table["name"], sel.weights) if w > 0)
     where = WHERE.get(sel.kind)
-    spread = f" +/- {sel.gain_se:.4f} (standard error over the folds)." if sel.gain_se == sel.gain_se else "."
-    gain = f" Gain over the best single member ({sel.best_single}), {where}: {sel.gain:+.4f}{spread}" if where else ""
+    gain = (f" Gain over the best single member ({sel.best_single}), {where}: {sel.gain:+.4f}"
+            f"{spread_text(sel.gain_se)}." if where else "")
     if sel.ensemble_used is False:
         gain += " That is not above its standard error, so the submission is the best single member."
     origins = sorted({m.origin for m in models})

@@ -32,7 +32,7 @@ class Selection:
     details: dict[str, Any]  # facts for the manifest only (nothing downstream reads them)
     fold_models: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)  # oof: (job, checkpoint) each
     notes: list[str] = field(default_factory=list)  # what the pick gave up or changed, in the order it happened
-    ensemble_used: bool | None = None  # False: the gain was not above its standard error, the best single member is submitted
+    ensemble_used: bool | None = None  # False: gain not above its standard error, the best single member submitted
     plan: Plan | None = None  # oof: the fold plan that fitted the budget
 
 
@@ -118,6 +118,11 @@ WHERE = {
     "oof": "nested folds of every labelled image: each fold scored by a selection made on the other folds",
     "halves": "the report half of the study's val split, never seen by the selection",
 }
+
+
+def spread_text(gain_se: float) -> str:
+    """" +/- SE (standard error over the folds)" for a measured standard error, "" where none was (halves)."""
+    return f" +/- {gain_se:.4f} (standard error over the folds)" if gain_se == gain_se else ""
 
 
 def select_val(cands: list[Candidate], data, opts: PickOptions, device) -> Selection:

@@ -12,10 +12,9 @@ import optuna
 import torch
 from tqdm.auto import tqdm
 
-from search.failures import Kind, classify, one_line
+from search.failures import Kind, StudyHalted, classify, one_line
 from search.process import configure_process, interrupt_on
 
-from search.failures import StudyHalted
 from search.study.objective import TrialRunner
 from search.study.progress import emit, trial_line
 from search.study.report import load_existing_study, study_summary

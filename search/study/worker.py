@@ -15,12 +15,12 @@ from optuna.trial import TrialState
 
 from search.failures import Kind, StudyHalted, classify
 from search.process import raise_if_interrupted
+from search.redact import redact_url
 from search.study.budget import SearchBudget
 from search.study.objective import ERROR_ATTR, HALT_ATTR, TrialRunner
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
 from search.study.storage import (
-    RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, redact_url, schema_lock, storage_of,
-    trial_id,
+    RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, schema_lock, storage_of, trial_id,
 )
 from search.stores import safe_name
 from search.study.studyfile import StudyFile

@@ -30,7 +30,7 @@ REAPED_TAG = "latentsweep.reaped"
 TRIAL_TAG = "optuna.trial_number"
 STATE_TAG = "optuna.state"
 PARENT_TAG = "mlflow.parentRunId"
-# MLflow's own tag names (mlflow/utils/mlflow_tags.py), so its UI fills the Source, User and Description fields.
+# MLflow's own tag name (mlflow/utils/mlflow_tags.py), so its UI fills the Description field.
 NOTE_TAG = "mlflow.note.content"
 SEARCHED_TAG = "latentsweep.searched"  # comma-separated knobs the study samples (the rest of the params is the base)
 SEARCH_PARAM_PREFIX = "search."  # sampled values are also params search.<knob>, apart from the resolved config
