@@ -41,7 +41,7 @@ def child_load(path: str) -> dict:
 
     baseline = _peak_rss_bytes()  # interpreter + numpy, before any data
     start, cpu_start = time.perf_counter(), time.process_time()
-    ts = load_train(path)
+    ts = load_train(path, texts=True)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     peak = _peak_rss_bytes()
     start = time.perf_counter()

@@ -97,7 +97,7 @@ def challenge_modules(train_path: Path) -> dict[str, types.ModuleType]:
     from scipy import sparse
 
     def load_data(path):  # the notebook's data/train/train.npz -> the demo data, challenge key names
-        data = load_train(train_path)
+        data = load_train(train_path, texts=True)
         label = sparse.csr_matrix((np.ones(len(data.cap2img), np.float32),
                                    (np.arange(len(data.cap2img)), data.cap2img)),
                                   shape=(len(data.cap2img), len(data.image)))

@@ -72,12 +72,13 @@ def expect_error(loader, path, *fragments):
 def test_round_trip_through_our_writer(tmp_path, syn):
     tr = syn["train"]
     path = write_train_npz(tmp_path / "train.npz", **tr)
-    ts = load_train(path)
+    ts = load_train(path, texts=True)
     np.testing.assert_array_equal(ts.cap2img, tr["cap2img"])
     np.testing.assert_array_equal(ts.text, tr["text"])
     np.testing.assert_array_equal(ts.image, tr["image"])
     np.testing.assert_array_equal(ts.caption_ids, tr["caption_ids"])
     assert list(ts.caption_text) == list(tr["caption_text"]) and list(ts.image_names) == list(tr["image_names"])
+    assert load_train(path).caption_text is None  # training never reads the texts: dropped unless asked for
     np.testing.assert_array_equal(ts.image_labels, tr["image_labels"])
     assert list(ts.label_names) == ["label_00", "label_01", "label_02"]
     assert ts.text.dtype == np.float32 and ts.cap2img.dtype == np.int64

@@ -20,7 +20,7 @@ FILES = ("train.npz", "test.clean.npz", "answers.npz")
 
 @pytest.fixture(scope="module")
 def train():
-    return load_train(demo.default_train_path())
+    return load_train(demo.default_train_path(), texts=True)
 
 
 @pytest.fixture(scope="module")

@@ -267,3 +267,27 @@ def test_label_retrieval_matches_naive_oracle(chunk):
     assert got["mrr"] == pytest.approx(mrr)
     assert got["recall@5"] == pytest.approx(recall)
     assert got["queries"] == n
+
+
+def test_queries_made_block_by_block_give_the_same_ranks_and_metrics():
+    """A Queries (made one block at a time, e.g. a model's predictions) ranks exactly as the held tensor, degenerate
+    rows included, and the metrics ask for each block once and never for more rows than one block."""
+    rng = np.random.default_rng(11)
+    image = rng.standard_normal((70, 16)).astype(np.float32)
+    cap2img = rng.integers(0, 70, size=230)
+    pred = image[cap2img] + rng.standard_normal((230, 16)).astype(np.float32)
+    pred[150] = 0.0                                # degenerate rows inside a later block
+    pred[201, 3] = np.nan
+    asked = []
+
+    def make(start, stop):
+        asked.append((start, stop))
+        return torch.from_numpy(pred[start:stop])
+
+    lazy = M.Queries(len(pred), pred.shape[1], "cpu", make)
+    assert M.evaluate(lazy, image, cap2img, gallery_size=25, seed=3, chunk=64) == \
+        M.evaluate(pred, image, cap2img, gallery_size=25, seed=3, chunk=64)
+    assert asked == [(0, 64), (64, 128), (128, 192), (192, 230)]
+    got = M.ranks(M.Queries(len(pred), pred.shape[1], "cpu", make), image, cap2img, chunk=100)
+    np.testing.assert_array_equal(got, M.ranks(pred, image, cap2img))
+    assert got[150] == got[201] == 70              # the worst rank, as for a held tensor

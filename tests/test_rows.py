@@ -96,3 +96,34 @@ def test_noise_scale_from_rows_equals_the_copy(data):
     task = TASKS.get("translate")(cfg, data, torch.device("cpu"))
     from_rows = BatchAugment(cfg, task.x).sigma
     assert torch.equal(from_rows, BatchAugment(cfg, task.x.materialize()).sigma)
+
+
+def test_targets_are_normalised_per_batch_unless_the_all_images_loss_reads_them_all(data):
+    """Without the all-images bank the task holds no normalised copy of the training images; each batch's y_n equals
+    the rows of the whole normalised matrix to the last bit (so training is unchanged). With the bank it is held."""
+    task = TASKS.get("translate")(with_values(Config(), SMALL), data, torch.device("cpu"))
+    assert task.images_n is None
+    whole = torch.nn.functional.normalize(task.images.materialize(), dim=1)
+    for batch in list(task.batches(torch.Generator().manual_seed(1)))[:3]:
+        assert torch.equal(batch["y_n"], whole[batch["img"]])
+    banked = TASKS.get("translate")(with_values(Config(), {**SMALL, "loss.all_images_infonce.weight": 1.0}), data,
+                                    torch.device("cpu"))
+    assert banked.bank and torch.equal(banked.images_n, whole)
+
+
+def test_validation_ranks_predictions_block_by_block(tmp_path):
+    """evaluate() asks the model for one metrics block of val captions at a time (never all of them at once) and
+    gets the same metrics as ranking the held predictions."""
+    from trainers import metrics
+    from trainers.tasks import predict
+
+    path, _, _ = write_synthetic(tmp_path, 600, dim_text=30, dim_image=20)
+    task = TASKS.get("translate")(with_values(Config(), SMALL), load_train(path), torch.device("cpu"))
+    model = build_model(with_values(Config(), SMALL), task.model_context())
+    sizes = []
+    model.register_forward_hook(lambda module, args, out: sizes.append(len(args[0])))
+    got = task.evaluate(model)
+    assert len(task.val_x) > 2 * metrics.DEFAULT_CHUNK  # several blocks
+    assert max(sizes) == metrics.DEFAULT_CHUNK and sum(sizes) == len(task.val_x)
+    held = metrics.evaluate(predict(model, task.val_x.materialize()), task.val_images, task.val_img)
+    assert got == {f"val/{k}": v for k, v in held.items()}

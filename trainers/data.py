@@ -15,7 +15,9 @@ from numpy.lib import format as npformat
 from trainers.errors import DataError, closest
 
 # Dense-label bytes decoded (or encoded) per step: the real label is 125000 x 25000 bools = 3.1 GB, so it is streamed.
-LABEL_CHUNK_BYTES = 32 << 20
+# zipfile's read joins its decompressed pieces, so a step briefly holds about 3x this (at 32 MB the load peaked
+# 0.10 GB above what it keeps; benchmarks/memory_peak.py).
+LABEL_CHUNK_BYTES = 8 << 20
 # Rows per step for finiteness checks, so the temporary bool mask stays at ROW_CHUNK x dim.
 ROW_CHUNK = 8192
 # Sparse label convention (CSR, scipy.sparse.save_npz names behind the prefix "captions/label_"):
@@ -35,7 +37,7 @@ class TrainSet:
     path: str
     fingerprint: str
     caption_ids: np.ndarray  # int64 [Nc]
-    caption_text: np.ndarray  # str [Nc]
+    caption_text: np.ndarray | None  # str [Nc]; None unless load_train(texts=True): training never reads it
     text: np.ndarray  # float32 [Nc, Dt]
     image: np.ndarray  # float32 [Ni, Di]
     cap2img: np.ndarray  # int64 [Nc], image index of each caption
@@ -290,13 +292,18 @@ def _check_metadata(npz: _Npz, expected: dict[str, tuple[int, str]]) -> None:
                 raise npz.error(key, f"says {int(arr.reshape(-1)[0])} but {source} gives {value}")
 
 
-def load_train(path, *, label_chunk_rows: int | None = None) -> TrainSet:
-    """Read and validate a challenge train.npz; the dense label is streamed, never held whole."""
+def load_train(path, *, texts: bool = False, label_chunk_rows: int | None = None) -> TrainSet:
+    """Read and validate a challenge train.npz; the dense label is streamed, never held whole.
+
+    texts: keep the caption texts (a holdout writes them); they are always checked, but otherwise dropped, since
+    numpy stores them at the longest caption's width (4 bytes a character: 0.2 GB for 125,000 captions of up to 400).
+    """
     with _Npz(path) as npz:
         text = npz.matrix("captions/embeddings")
         nc = len(text)
         ids = _unique_ids(npz, "captions/ids", npz.vector("captions/ids", "i", nc, "captions/embeddings"))
         caption_text = npz.vector("captions/text", "U", nc, "captions/embeddings")
+        caption_text = caption_text if texts else None
         image = npz.matrix("images/embeddings")
         ni = len(image)
         if ni < 2:  # `data check` must not pass a file that every `train` rejects at the split

@@ -18,9 +18,12 @@ Protocols:
     `gallery_size`; each caption is ranked against the images of its own chunk (used by submission scoring).
 
 Inputs may be numpy arrays or torch tensors; work happens in float32 torch on the device of the prediction tensor
-(numpy inputs run on the CPU), chunked over queries so that memory stays bounded. Only gallery rows are normalised:
-dividing a query's similarity row by its (positive) norm cannot change which items are strictly higher, so the
-queries are used as they are (saving a copy of the largest input). The leaderboard similarities are read out of the
+(numpy inputs run on the CPU), chunked over queries so that memory stays bounded. The queries may also be a
+`Queries`, made one block at a time (a model's predictions of a chunk of captions), so that evaluation never holds
+them all: at challenge size the val predictions are [25,000 x 1536], 0.15 GB. Only the gallery side is scaled: dividing
+a query's similarity row by its (positive) norm cannot change which items are strictly higher, so the queries are used
+as they are (saving a copy of the largest input), and each block's similarities are divided column by column by the
+gallery's norms, which gives the cosine without a normalised copy of the gallery. The leaderboard similarities are read out of the
 same blocks as the global ones, so `evaluate` gets both protocols from one matmul pass.
 """
 from __future__ import annotations
@@ -28,8 +31,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# Queries per similarity block: a block holds chunk x G float32, 1024 x 25000 = 100 MB at full challenge scale.
-DEFAULT_CHUNK = 1024
+# Queries per similarity block: a block holds chunk x G float32, 256 x 25000 = 26 MB at full challenge scale. At 1024
+# rows a challenge-size `train` peaked 0.1 GB higher (glibc kept the larger freed blocks in its heap) for about 4% less
+# time (benchmarks/memory_peak.py).
+DEFAULT_CHUNK = 256
 # Recall cut-offs and the NDCG depth reported for the challenge (MRR is the leaderboard metric).
 RECALL_AT = (1, 5, 10, 50)
 NDCG_DEPTH = 100
@@ -39,8 +44,24 @@ GALLERY_SIZE = 100
 METRIC_KEYS = ("mrr", "r1", "r5", "r10", "r50", "ndcg100", "median_rank", "p75_rank")
 
 
+class Queries:
+    """Queries [n, dim] on `device` made block by block: `make(start, stop)` returns rows start..stop as float32
+    [stop - start, dim] (e.g. a model's predictions of those captions). Indexing takes a slice of rows."""
+
+    ndim = 2
+
+    def __init__(self, n: int, dim: int, device: torch.device, make):
+        self.shape, self.device, self._make = torch.Size((n, dim)), torch.device(device), make
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, _ = rows.indices(self.shape[0])
+        return self._make(start, stop).float()
+
+
 def _as_tensor(x, device=None) -> torch.Tensor:
-    """float32 tensor on `device` (default: the tensor's own device, CPU for numpy)."""
+    """float32 tensor on `device` (default: the tensor's own device, CPU for numpy); a Queries stays as it is."""
+    if isinstance(x, Queries):
+        return x
     # detach: evaluation never builds an autograd graph; ascontiguousarray: from_numpy rejects negative strides.
     t = x.detach() if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
     return t.to(device=device if device is not None else t.device, dtype=torch.float32)
@@ -59,19 +80,25 @@ def _usable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return norm, torch.isfinite(norm) & (norm > 0)
 
 
-def _normalise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2-normalised gallery rows [N, D] and their usable mask [N].
+def _gallery_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gallery row norms [N] to divide similarities by, and their usable mask [N].
 
-    Unusable rows become all-NaN: their similarities compare False, so as distractors they never outrank anything,
-    and the rank functions give the worst rank to a query whose target is one of them.
+    An unusable row's norm is NaN: its similarities are NaN and compare False, so as a distractor it never outranks
+    anything, and the rank functions give the worst rank to a query whose target is one.
     """
     norm, valid = _usable(x)
-    scale = torch.where(valid, norm, torch.full_like(norm, float("nan")))
-    return x / scale[:, None], valid
+    return torch.where(valid, norm, torch.full_like(norm, float("nan"))), valid
 
 
-def _block_ranks(q, q_ok, g, g_ok, target, chunk, galleries=None, query_gallery=None):
-    """Ranks of target[i] [Q] for queries q [Q, D] against normalised gallery g [G, D], in blocks of `chunk` queries.
+def _normalise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalised rows [N, D] (all-NaN where unusable, see `_gallery_norms`) and their usable mask [N]."""
+    norm, valid = _gallery_norms(x)
+    return x / norm[:, None], valid
+
+
+def _block_ranks(q, g, g_norm, g_ok, target, chunk, galleries=None, query_gallery=None):
+    """Ranks of target[i] [Q] for queries q [Q, D] (tensor or Queries) against gallery g [G, D] with its norms g_norm
+    [G] (`_gallery_norms`), in blocks of `chunk` queries (each block of a Queries is made, ranked and dropped).
 
     With galleries [B, S] (rows of g) and query_gallery [Q] (each query's gallery, which holds its target) it also
     returns the rank inside the query's S gallery columns, read from the same similarity block.
@@ -82,17 +109,15 @@ def _block_ranks(q, q_ok, g, g_ok, target, chunk, galleries=None, query_gallery=
     lb = None if galleries is None else torch.empty(n, dtype=torch.int64, device=q.device)
     for start in range(0, n, chunk):
         rows = slice(start, min(start + chunk, n))
-        sims = q[rows] @ g.T                                          # [c, G]
+        block = q[rows]                                               # [c, D]
+        sims = (block @ g.T).div_(g_norm)                             # [c, G], cosine up to the query's norm
         true = sims.gather(1, target[rows, None])                     # [c, 1], same row as the comparison
-        out[rows] = 1 + (sims > true).sum(dim=1)
+        # A degenerate query or target (NaN true similarity compares False everywhere) gets the worst rank.
+        bad = ~_usable(block)[1] | ~g_ok[target[rows]]
+        out[rows] = torch.where(bad, g.shape[0], 1 + (sims > true).sum(dim=1))
         if lb is not None:
             cols = galleries[query_gallery[rows]]                     # [c, S] columns of each query's gallery
-            lb[rows] = 1 + (sims.gather(1, cols) > true).sum(dim=1)
-    # A degenerate query or target (NaN true similarity compares False everywhere) gets the worst rank.
-    bad = ~q_ok | ~g_ok[target]
-    out = torch.where(bad, torch.full_like(out, g.shape[0]), out)
-    if lb is not None:
-        lb = torch.where(bad, torch.full_like(lb, galleries.shape[1]), lb)
+            lb[rows] = torch.where(bad, galleries.shape[1], 1 + (sims.gather(1, cols) > true).sum(dim=1))
     return out, lb
 
 
@@ -113,8 +138,7 @@ def ranks(queries, gallery, target, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
         raise ValueError(f"ranks: target out of range [0, {g.shape[0]})")
     if chunk < 1:
         raise ValueError(f"ranks: chunk must be >= 1, got {chunk}")
-    gn, g_ok = _normalise(g)
-    out, _ = _block_ranks(q, _usable(q)[1], gn, g_ok, torch.from_numpy(tgt).to(q.device), chunk)
+    out, _ = _block_ranks(q, g, *_gallery_norms(g), torch.from_numpy(tgt).to(q.device), chunk)
     return out.cpu().numpy()
 
 
@@ -199,8 +223,7 @@ def _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, fn):
     gal_of = np.full(img.shape[0], -1, dtype=np.int64)                # owning gallery of each captioned image
     gal_of[galleries[owner]] = np.nonzero(owner)[0]
     dev = p.device
-    gn, g_ok = _normalise(img)
-    glob, lb = _block_ranks(p, _usable(p)[1], gn, g_ok, torch.from_numpy(c2i).to(dev), chunk,
+    glob, lb = _block_ranks(p, img, *_gallery_norms(img), torch.from_numpy(c2i).to(dev), chunk,
                             torch.from_numpy(galleries).to(dev), torch.from_numpy(gal_of[c2i]).to(dev))
     return glob.cpu().numpy(), lb.cpu().numpy(), views, owner
 
@@ -245,17 +268,16 @@ def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GA
         raise ValueError(f"leaderboard_from_ordered: pred {tuple(p.shape)} and images {tuple(img.shape)} differ")
     if p.shape[0] == 0 or gallery_size < 1:
         raise ValueError(f"leaderboard_from_ordered: {p.shape[0]} captions, gallery_size {gallery_size}")
-    p_ok = _usable(p)[1]
-    gn, g_ok = _normalise(img)
+    g_norm, g_ok = _gallery_norms(img)
     out = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
     for start in range(0, p.shape[0], gallery_size):                  # one small matmul per chunk of captions
         rows = slice(start, min(start + gallery_size, p.shape[0]))
         slot = torch.arange(rows.stop - start, device=p.device)        # caption j's true image is row j of its chunk
-        out[rows] = _block_ranks(p[rows], p_ok[rows], gn[rows], g_ok[rows], slot, DEFAULT_CHUNK)[0]
+        out[rows] = _block_ranks(p[rows], img[rows], g_norm[rows], g_ok[rows], slot, DEFAULT_CHUNK)[0]
     return summarize(out.cpu().numpy())
 
 
-__all__ = ["ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "evaluate", "leaderboard_galleries",
+__all__ = ["Queries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "evaluate", "leaderboard_galleries",
            "leaderboard_from_ordered", "METRIC_KEYS", "GALLERY_SIZE", "DEFAULT_CHUNK"]
 
 

@@ -1,6 +1,7 @@
 """Tasks: how a TrainSet becomes device tensors, batches and per-epoch validation metrics (translate, multilabel)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator
 
 import numpy as np
@@ -39,6 +40,24 @@ def check_split(cfg: Config, data: TrainSet) -> None:
     """Fail before training when `data` cannot be split for cfg's task, so a study learns it before its first
     trial instead of failing every trial."""
     TASKS.get(cfg.data.task).check_data(cfg, data)
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """The model in eval mode without autograd for the block; its previous mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
+
+
+def queries(model: torch.nn.Module, x: torch.Tensor | Rows, dim_out: int) -> metrics.Queries:
+    """The model's predictions of x [N, D_in] as metrics.Queries [N, dim_out], made one block at a time while the
+    metrics rank them (call inside `eval_mode(model)`): validation never holds every prediction."""
+    return metrics.Queries(len(x), dim_out, x.device, lambda start, stop: model(x[start:stop])["pred"])
 
 
 @torch.no_grad()
@@ -131,15 +150,17 @@ class TranslateTask(Task):
         # Raw images likewise ([Ni, Di] rows of the loaded [Ni_all, Di]); the normalised ones are read by every batch
         # and by the all-images bank, so they are held (normalised from a transient copy: bit-identical to before).
         self.images = Rows(torch.as_tensor(data.image, device=device), torch.as_tensor(train_img, device=device))
-        self.images_n = F.normalize(self.images.materialize(), dim=1)
+        # The exact all-images loss reads every normalised training image each batch, so only then are they held
+        # ([Ni, Di], 0.12 GB at challenge size); otherwise each batch normalises its own rows (the same values:
+        # F.normalize works row by row).
+        self.bank = "bank" in batch_keys(cfg)
+        self.images_n = F.normalize(self.images.materialize(), dim=1) if self.bank else None
         # Val captions as rows of the loaded array too (a copy was 0.1 GB at challenge size).
         self.val_x, self.val_img = self._caption_rows(text, data.cap2img, val_img)  # [Nv, Dt] rows, [Nv]
         self.val_images = torch.as_tensor(data.image[val_img], device=device)
         self.dim_in, self.dim_out = data.text.shape[1], data.image.shape[1]
         self.text_mean = (self.x.column_stat(lambda x: x.mean(0)) if cfg.data.center_text
                           else torch.zeros(self.dim_in, device=device))
-        # The exact all-images loss reads the whole split's images each batch (a reference, no copy).
-        self.bank = "bank" in batch_keys(cfg)
         order = torch.argsort(self.img, stable=True)  # CSR of captions by image, for image sampling
         self.by_image = order
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
@@ -167,7 +188,9 @@ class TranslateTask(Task):
             idx = rows[start : start + b]
             img = self.img[idx]
             # image_idx: each caption's training image, which augmentation leaves alone (img may be remapped)
-            batch = {"x": self.x[idx], "y": self.images[img], "y_n": self.images_n[img], "img": img, "image_idx": img}
+            y = self.images[img]  # [B, Di]
+            y_n = F.normalize(y, dim=1) if self.images_n is None else self.images_n[img]
+            batch = {"x": self.x[idx], "y": y, "y_n": y_n, "img": img, "image_idx": img}
             yield batch | ({"bank": self._bank(self.images), "bank_idx": img} if self.bank else {})
 
     def _bank(self, images: torch.Tensor) -> torch.Tensor:
@@ -200,16 +223,18 @@ class TranslateTask(Task):
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         if len(self.val_x) == 0:  # data.split = "all": nothing held out, the loop keeps the last epoch
             return {}
-        pred = predict(model, self.val_x)
         e = self.cfg.eval
-        scores = metrics.evaluate(pred, self.val_images, self.val_img, gallery_size=e.gallery_size, seed=e.seed)
+        with eval_mode(model):
+            scores = metrics.evaluate(queries(model, self.val_x, self.dim_out), self.val_images, self.val_img,
+                                      gallery_size=e.gallery_size, seed=e.seed)
         return {f"val/{k}": float(v) for k, v in scores.items()}
 
     def val_ranks(self, model: torch.nn.Module):
         """Exact ranks of every val caption's image among all val images (global protocol), for the rank plot."""
         if len(self.val_x) == 0:
             return None
-        return metrics.ranks(predict(model, self.val_x), self.val_images, self.val_img.cpu().numpy())
+        with eval_mode(model):
+            return metrics.ranks(queries(model, self.val_x, self.dim_out), self.val_images, self.val_img.cpu().numpy())
 
 
 @TASKS.register("multilabel")

@@ -80,7 +80,7 @@ def _answers_lines(path: str) -> list[str]:
 
 
 def cmd_data_holdout(args) -> int:
-    h = write_holdout(load_train(args.path), args.fraction, args.seed, args.out)
+    h = write_holdout(load_train(args.path, texts=True), args.fraction, args.seed, args.out)
     print(f"train:   {h.files[0]} ({h.train_images} images, {h.train_captions} captions)")
     print(f"test:    {h.files[1]} ({h.test_captions} captions of {h.test_images} held-out images, "
           f"{h.galleries} galleries)")

@@ -42,7 +42,8 @@ def subset(data: TrainSet, images: np.ndarray) -> TrainSet:
     caps, local = captions_and_local_images(data.cap2img, images)
     labels = None if data.image_labels is None else data.image_labels[images]
     return replace(data, fingerprint=subset_fingerprint(data, images), caption_ids=data.caption_ids[caps],
-                   caption_text=data.caption_text[caps], text=data.text[caps], image=data.image[images],
+                   caption_text=None if data.caption_text is None else data.caption_text[caps],
+                   text=data.text[caps], image=data.image[images],
                    cap2img=local, image_names=data.image_names[images], image_labels=labels)
 
 
