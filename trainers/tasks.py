@@ -60,19 +60,16 @@ def queries(model: torch.nn.Module, x: torch.Tensor | Rows, dim_out: int) -> met
     return metrics.Queries(len(x), dim_out, x.device, lambda start, stop: model(x[start:stop])["pred"])
 
 
-@torch.no_grad()
 def predict(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Eval-mode outputs ("pred") of `model` for x [N, D_in], in chunks; restores the previous mode."""
-    was_training = model.training
-    model.eval()
-    out = None  # [N, D_out] float32, filled chunk by chunk: a list of chunks and their cat held the output twice
-    for i in range(0, len(x), EVAL_CHUNK):
-        chunk = model(x[i : i + EVAL_CHUNK])["pred"]
-        if out is None:
-            out = torch.empty((len(x), chunk.shape[1]), dtype=torch.float32, device=chunk.device)
-        out[i : i + len(chunk)] = chunk
-    model.train(was_training)
-    return out if out is not None else model(x[:0])["pred"].float()
+    with eval_mode(model):
+        out = None  # [N, D_out] float32, filled chunk by chunk: a list of chunks and their cat held the output twice
+        for i in range(0, len(x), EVAL_CHUNK):
+            chunk = model(x[i : i + EVAL_CHUNK])["pred"]
+            if out is None:
+                out = torch.empty((len(x), chunk.shape[1]), dtype=torch.float32, device=chunk.device)
+            out[i : i + len(chunk)] = chunk
+        return out if out is not None else model(x[:0])["pred"].float()
 
 
 class Task:
@@ -147,8 +144,7 @@ class TranslateTask(Task):
         # copy) and the training ones' rows [N]; a batch gathers its rows. A copy was 0.46 GB at challenge size.
         text = torch.as_tensor(data.text, device=device)
         self.x, self.img = self._caption_rows(text, data.cap2img, train_img)  # [N, Dt] rows, [N] local train image
-        # Raw images likewise ([Ni, Di] rows of the loaded [Ni_all, Di]); the normalised ones are read by every batch
-        # and by the all-images bank, so they are held (normalised from a transient copy: bit-identical to before).
+        # Raw images likewise ([Ni, Di] rows of the loaded [Ni_all, Di]).
         self.images = Rows(torch.as_tensor(data.image, device=device), torch.as_tensor(train_img, device=device))
         # The exact all-images loss reads every normalised training image each batch, so only then are they held
         # ([Ni, Di], 0.12 GB at challenge size); otherwise each batch normalises its own rows (the same values:
