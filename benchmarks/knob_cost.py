@@ -84,8 +84,8 @@ def challenge_data(work: Path, fraction: float):
     train, _, _ = write_synthetic(work, 25_000, captions_per_image=5, seed=0)
     data = load_train(train)
     keep = np.sort(np.random.default_rng(0).permutation(len(data.cap2img))[: int(fraction * len(data.cap2img))])
-    return replace(data, caption_ids=data.caption_ids[keep], caption_text=None,
-                   text=data.text[keep], cap2img=data.cap2img[keep]), 1.0 / fraction
+    return replace(data, caption_ids=data.caption_ids[keep], text=data.text[keep],
+                   cap2img=data.cap2img[keep]), 1.0 / fraction
 
 
 def epoch_seconds(cfg, data) -> float:

@@ -23,8 +23,8 @@ Inputs may be numpy arrays or torch tensors; work happens in float32 torch on th
 them all: at challenge size the val predictions are [25,000 x 1536], 0.15 GB. Only the gallery side is scaled: dividing
 a query's similarity row by its (positive) norm cannot change which items are strictly higher, so the queries are used
 as they are (saving a copy of the largest input), and each block's similarities are divided column by column by the
-gallery's norms, which gives the cosine without a normalised copy of the gallery. The leaderboard similarities are read out of the
-same blocks as the global ones, so `evaluate` gets both protocols from one matmul pass.
+gallery's norms, which gives the cosine without a normalised copy of the gallery. The leaderboard similarities are
+read out of the same blocks as the global ones, so `evaluate` gets both protocols from one matmul pass.
 """
 from __future__ import annotations
 
@@ -277,8 +277,8 @@ def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GA
     return summarize(out.cpu().numpy())
 
 
-__all__ = ["Queries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "evaluate", "leaderboard_galleries",
-           "leaderboard_from_ordered", "METRIC_KEYS", "GALLERY_SIZE", "DEFAULT_CHUNK"]
+__all__ = ["Queries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "evaluate",
+           "leaderboard_galleries", "leaderboard_from_ordered", "METRIC_KEYS", "GALLERY_SIZE", "DEFAULT_CHUNK"]
 
 
 def label_retrieval(emb, labels, k: int = 10, chunk: int = DEFAULT_CHUNK) -> dict[str, float]:

@@ -55,9 +55,13 @@ def eval_mode(model: torch.nn.Module):
 
 
 def queries(model: torch.nn.Module, x: torch.Tensor | Rows, dim_out: int) -> metrics.Queries:
-    """The model's predictions of x [N, D_in] as metrics.Queries [N, dim_out], made one block at a time while the
-    metrics rank them (call inside `eval_mode(model)`): validation never holds every prediction."""
-    return metrics.Queries(len(x), dim_out, x.device, lambda start, stop: model(x[start:stop])["pred"])
+    """The model's eval-mode predictions of x [N, D_in] as metrics.Queries [N, dim_out], made one block at a time
+    while the metrics rank them: validation never holds every prediction."""
+    def block(start: int, stop: int) -> torch.Tensor:
+        with eval_mode(model):
+            return model(x[start:stop])["pred"]
+
+    return metrics.Queries(len(x), dim_out, x.device, block)
 
 
 def predict(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -220,17 +224,15 @@ class TranslateTask(Task):
         if len(self.val_x) == 0:  # data.split = "all": nothing held out, the loop keeps the last epoch
             return {}
         e = self.cfg.eval
-        with eval_mode(model):
-            scores = metrics.evaluate(queries(model, self.val_x, self.dim_out), self.val_images, self.val_img,
-                                      gallery_size=e.gallery_size, seed=e.seed)
+        scores = metrics.evaluate(queries(model, self.val_x, self.dim_out), self.val_images, self.val_img,
+                                  gallery_size=e.gallery_size, seed=e.seed)
         return {f"val/{k}": float(v) for k, v in scores.items()}
 
     def val_ranks(self, model: torch.nn.Module):
         """Exact ranks of every val caption's image among all val images (global protocol), for the rank plot."""
         if len(self.val_x) == 0:
             return None
-        with eval_mode(model):
-            return metrics.ranks(queries(model, self.val_x, self.dim_out), self.val_images, self.val_img.cpu().numpy())
+        return metrics.ranks(queries(model, self.val_x, self.dim_out), self.val_images, self.val_img.cpu().numpy())
 
 
 @TASKS.register("multilabel")
