@@ -93,12 +93,6 @@ class Task:
         """Raise a one-line error when the split of `data` cannot train this task (the split itself checks sizes)."""
         split_images(cfg, data)
 
-    def _caption_rows(self, text: torch.Tensor, cap2img: np.ndarray, images: np.ndarray) -> tuple[Rows, torch.Tensor]:
-        """(every caption of `images` as rows of `text` [N, Dt], each caption's image as an index into `images`
-        [N])."""
-        caps, local = captions_and_local_images(cap2img, images)
-        return Rows(text, torch.as_tensor(caps, device=self.device)), torch.as_tensor(local, device=self.device)
-
     def model_context(self) -> ModelContext:
         raise NotImplementedError
 
@@ -165,6 +159,12 @@ class TranslateTask(Task):
         self.by_image = order
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
                                   torch.bincount(self.img, minlength=len(self.images)).cumsum(0)])
+
+    def _caption_rows(self, text: torch.Tensor, cap2img: np.ndarray, images: np.ndarray) -> tuple[Rows, torch.Tensor]:
+        """(every caption of `images` as rows of `text` [N, Dt], each caption's image as an index into `images`
+        [N])."""
+        caps, local = captions_and_local_images(cap2img, images)
+        return Rows(text, torch.as_tensor(caps, device=self.device)), torch.as_tensor(local, device=self.device)
 
     def model_context(self) -> ModelContext:
         return ModelContext(self.dim_in, self.dim_out, fit=self._fit_pairs, device=self.device)
