@@ -146,18 +146,6 @@ def test_candidates_must_share_the_val_split():
     candidates.check_agreement([cand("a"), cand("b", **{"data.val_ratio": 0.3})], same_split=False)
 
 
-def test_default_refit_seeds_fill_the_reserved_refits_and_an_explicit_count_wins():
-    from search.pick.options import REFIT_SEEDS, PickOptions
-    from search.study.budget import RESERVE_REFITS
-
-    default = PickOptions(study="s")
-    # one member gets every reserved refit; several share them, never fewer than REFIT_SEEDS each
-    assert default.refit_seeds_for(1) == RESERVE_REFITS == 8
-    assert [default.refit_seeds_for(m) for m in (2, 3, 5)] == [4, REFIT_SEEDS, REFIT_SEEDS]
-    assert PickOptions(study="s", seeds=2).refit_seeds_for(1) == 2
-    assert PickOptions(study="s", refit=False).refit_seeds_for(1) == 0
-
-
 # ---------------------------------------------------------------------------------------------- a real tiny study
 
 @pytest.fixture(scope="module")
@@ -439,21 +427,3 @@ def test_an_ensemble_gain_not_above_its_standard_error_is_not_used():
     weights, notes = submitted_weights(selection([0.015, 0.017, 0.014]), ["trial-1", "trial-2"])
     assert weights.tolist() == [0.5, 0.5] and notes == []  # a real gain keeps the ensemble
     assert not selection([-0.002, -0.001]).gain_is_real
-
-
-@pytest.mark.slow
-def test_a_default_pick_refits_its_members_until_the_reserved_models_are_made(world, tmp_path):
-    from trainers.checkpoint import load_model
-
-    out = tmp_path / "submission.csv"
-    assert main(["pick", STUDY, "--state-dir", str(world.state), "--budget", "none", "--out", str(out),
-                 "--quiet"]) == 0
-    manifest = json.loads(out.with_name("submission.manifest.json").read_text())
-    made = manifest["submission_models"]
-    members = {m["member"] for m in made}
-    per_member = max(3, -(-8 // len(members)))  # ceil(8 / members), at least 3
-    assert all(m["origin"] == "refit" for m in made) and len(made) == per_member * len(members)
-    for member in members:  # distinct seeds of each member, its weight shared equally
-        mine = [m for m in made if m["member"] == member]
-        assert len({load_model(m["checkpoint"])[1].train.seed for m in mine}) == per_member
-        assert len({m["weight"] for m in mine}) == 1

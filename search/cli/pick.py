@@ -3,11 +3,10 @@ from __future__ import annotations
 
 
 from search.pick.ensemble import METHODS
-from search.pick.options import REFIT_SEEDS, SELECTIONS, parse_budget
+from search.pick.options import SELECTIONS, parse_budget
 from search.pick.picker import PickOptions, run_pick
 from search.pick.selection import WHERE, spread_text
 from search.stores import add_state_arg, safe_name
-from search.study.budget import RESERVE_REFITS
 from search.study.progress import is_terminal
 
 
@@ -37,9 +36,8 @@ def add_parser(sub) -> None:
                    help="make the submission from the trials' checkpoints instead of refitting the chosen members "
                         "on every labelled image")
     p.add_argument("--seeds", type=int, default=None,
-                   help=f"refit: seeds per chosen member (default: enough for {RESERVE_REFITS} models in all, at least "
-                        f"{REFIT_SEEDS} each); with --no-refit --selection halves: retrain the best min(K, 3) configs"
-                        " with this many more seeds as extra candidates (default 0)")
+                   help="refit: seeds per chosen member (default 3); with --no-refit --selection halves: retrain "
+                        "the best min(K, 3) configs with this many more seeds as extra candidates (default 0)")
     p.add_argument("--budget", default="auto", metavar="SECONDS|auto|none",
                    help="time bound for the whole pick: folds, candidates and seeds are planned to fit, the plan and "
                         "its estimate are printed before any training, and no job starts once it is spent (default "

@@ -1,18 +1,15 @@
 """The options of `latentsweep pick` and the paths they resolve to, all checked before any training."""
 from __future__ import annotations
 
-import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from search.pick.ensemble import METHODS
 from search.stores import resolve_stores, state_dir, writable_dir
-from search.study.budget import RESERVE_REFITS
 from trainers.errors import LatentsweepError
 
-# Refit seeds per chosen member by default, at least: averaging 3 seeds was worth about +0.015 MRR on challenge-format
-# data.
+# Refit seeds per chosen member by default: averaging 3 seeds was worth about +0.015 MRR on challenge-format data.
 REFIT_SEEDS = 3
 SELECTIONS = ("val", "oof", "halves")
 AUTO = "auto"  # --budget default: derived from the study's wall time (search.pick.plan.default_budget)
@@ -30,8 +27,8 @@ class PickOptions:
     top: int = 5
     method: str = "greedy"
     size: int = 10
-    seeds: int | None = None  # refit: seeds per chosen member (default: refit_seeds_for); --no-refit --selection
-    # halves: extra seed re-runs of the best configs as candidates (default 0, the behaviour before refits existed)
+    seeds: int | None = None  # refit: seeds per chosen member (default 3); --no-refit --selection halves: extra
+    # seed re-runs of the best configs as candidates (default 0, the behaviour before refits existed)
     selection: str = "val"  # "val": cross-fitted on the trials' val predictions (no training); "oof": k-fold
     # out-of-fold on every labelled image (fold jobs); "halves": halves of the val split
     folds: int = 5
@@ -47,17 +44,8 @@ class PickOptions:
 
     @property
     def refit_seeds(self) -> int:
-        """Seeds per refit member planned before the members are known (--seeds, default REFIT_SEEDS); 0 without
-        refits."""
+        """Seeds per refit member; 0 without refits."""
         return (REFIT_SEEDS if self.seeds is None else self.seeds) if self.refit else 0
-
-    def refit_seeds_for(self, members: int) -> int:
-        """Seeds per member once `members` are chosen: --seeds, or by default as many as make RESERVE_REFITS models
-        in all (at least REFIT_SEEDS each), the refits the one-budget run keeps time for; the clock still stops
-        them when the budget ends. 0 without refits."""
-        if not self.refit or self.seeds is not None:
-            return self.refit_seeds
-        return max(REFIT_SEEDS, math.ceil(RESERVE_REFITS / max(1, members)))
 
 
 @dataclass(frozen=True)

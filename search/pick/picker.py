@@ -111,9 +111,8 @@ def submission_models(opts: PickOptions, cands: list[Candidate], sel: Selection,
     trials' own checkpoints (--no-refit, or when not even one refit fits)."""
     chosen = [(c, float(w)) for c, w in zip(cands, sel.weights) if w > 0]
     if opts.refit:
-        seeds = opts.refit_seeds_for(len(chosen))
-        refit_plan(chosen, seeds, data, paths, clock)
-        models, notes = refit_members(chosen, sel.fold_models, seeds, data, paths.picks, device, clock,
+        refit_plan(chosen, opts.refit_seeds, data, paths, clock)
+        models, notes = refit_members(chosen, sel.fold_models, opts.refit_seeds, data, paths.picks, device, clock,
                                       opts.progress)
         if models:
             return models, notes
@@ -172,7 +171,7 @@ def estimate_pick(opts: PickOptions, budget: float | None) -> float | None:
             return None
         sel = select_val(inp.pool, inp.data, opts, device)
         chosen = [(c, float(w)) for c, w in zip(inp.pool, sel.weights) if w > 0]
-        queue = refit_queue(chosen, opts.refit_seeds_for(len(chosen)), inp.data, inp.paths.picks) if opts.refit else []
+        queue = refit_queue(chosen, opts.refit_seeds, inp.data, inp.paths.picks) if opts.refit else []
         clock, spent, admitted = Clock(None), time.monotonic() - started, 0
         for job in queue:  # the jobs the pick's clock would admit, in the pick's order
             clock.models = admitted + 1
