@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trainers.demo import default_train_path  # noqa: E402
-from trainers.metrics import GALLERY_SIZE, ranks  # noqa: E402
+from end_to_end import reciprocal_ranks  # noqa: E402  (this script's directory is on sys.path)
 
 VARIANTS = {"base": {}, "ema": {"ema": 0.995}, "noise": {"noise": 0.5}, "cos": {"cos": True},
             "wide": {"hidden": 2048, "drop": 0.5}}
@@ -67,15 +67,6 @@ def train_one(x, img, y, seed: int, v: dict) -> torch.nn.Module:
             for e, p in zip(ema, net.parameters()):
                 p.copy_(e)
     return net.eval()
-
-
-def reciprocal_ranks(pred: np.ndarray, answers: Path) -> np.ndarray:
-    """[N] 1/rank per test caption (id order) in its leaderboard chunk of GALLERY_SIZE, as `submission score`."""
-    z = np.load(answers)
-    truth = z["images/embeddings"][np.argsort(z["captions/ids"], kind="stable")].astype(np.float32)
-    return np.concatenate([1.0 / ranks(pred[s:s + GALLERY_SIZE], truth[s:s + GALLERY_SIZE],
-                                       np.arange(len(truth[s:s + GALLERY_SIZE])))
-                           for s in range(0, len(truth), GALLERY_SIZE)])
 
 
 def train_holdout(h: Path, out: Path) -> None:
