@@ -1,14 +1,21 @@
 """A Ctrl-C whose KeyboardInterrupt Python drops (raised inside a finalizer: "Exception ignored in ...") still stops
-a study: search.process remembers the signal and the runner asks between epochs and before each claim."""
+a study: search.process remembers the signal and the runner asks between epochs and before each claim. A Ctrl-C that
+lands inside a store write leaves no SQLite lock behind once search.failures.release_interrupted ran."""
 from __future__ import annotations
 
 import os
+import random
 import signal
+import sqlite3
 import sys
+import threading
 import time
 
 import pytest
+import sqlalchemy as sa
+import sqlalchemy.orm
 
+from search.failures import release_interrupted
 from search.process import interrupt_on, raise_if_interrupted
 
 
@@ -32,3 +39,71 @@ def test_a_swallowed_interrupt_is_raised_again_at_the_next_check(monkeypatch):
     with interrupt_on(signal.SIGINT):
         raise_if_interrupted()  # a new block starts clean
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def write_lock_held(db) -> bool:
+    """Whether some connection holds the database's write lock (another connection cannot begin writing at once)."""
+    con = sqlite3.connect(db, timeout=0)
+    try:
+        con.execute("BEGIN IMMEDIATE")
+        con.rollback()
+        return False
+    except sqlite3.OperationalError:  # "database is locked"
+        return True
+    finally:
+        con.close()
+
+
+def insert_then_interrupt(engine) -> None:
+    """A write whose session is still open when the KeyboardInterrupt is raised: only this frame references it."""
+    session = sa.orm.Session(engine)
+    session.execute(sa.text("INSERT INTO t VALUES (1)"))
+    raise KeyboardInterrupt
+
+
+def test_release_frees_the_write_lock_an_interrupted_session_holds(tmp_path):
+    db = tmp_path / "x.db"
+    engine = sa.create_engine(f"sqlite:///{db}")
+    with engine.begin() as con:
+        con.execute(sa.text("CREATE TABLE t (x INTEGER)"))
+    try:
+        insert_then_interrupt(engine)
+    except KeyboardInterrupt as exc:
+        assert write_lock_held(db)  # the traceback's frame keeps the session and its transaction alive
+        release_interrupted(exc)
+        assert not write_lock_held(db)
+    engine.dispose()
+
+
+def test_release_leaves_a_bugs_traceback_alone(tmp_path):
+    def fails():
+        evidence = "kept"  # noqa: F841 - what a debugger or a traceback with locals would show
+        raise TypeError("ours")
+
+    try:
+        fails()
+    except TypeError as exc:
+        release_interrupted(exc)
+        assert exc.__traceback__.tb_next.tb_frame.f_locals["evidence"] == "kept"
+
+
+def test_ctrl_c_inside_mlflow_writes_leaves_no_lock_after_release(tmp_path):
+    """The real store at random moments: without the release, about 1 in 8 of these interrupts left the lock held
+    (12 of 100, `study run` then failed to close the trial's run: "database is locked"); P(no leak in 40) < 1%."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    db = tmp_path / "mlflow.db"
+    client = MlflowClient(f"sqlite:///{db}")
+    run = client.create_run(client.create_experiment("e")).info.run_id
+    rng = random.Random(0)
+    for i in range(40):
+        with interrupt_on(signal.SIGINT):
+            threading.Timer(rng.uniform(0.0, 0.03), os.kill, (os.getpid(), signal.SIGINT)).start()
+            try:
+                while True:
+                    raise_if_interrupted()
+                    client.log_batch(run, metrics=[Metric(f"m{k}", 1.0, 0, i) for k in range(5)])
+            except KeyboardInterrupt as exc:
+                release_interrupted(exc)
+                assert not write_lock_held(db), f"interrupt {i} left the store's write lock held"

@@ -210,7 +210,7 @@ def test_ctrl_c_fails_trial_kills_run_and_resume_retries_it(tmp_path, state, syn
     assert trials[0].state == optuna.trial.TrialState.FAIL
     assert trials[1].state == optuna.trial.TrialState.WAITING  # the retry, run first on resume
     _, _, runs = child_runs(state, "interrupt")
-    assert [r.info.status for r in runs] == ["KILLED"]
+    assert [r.info.status for r in runs] == ["KILLED"], err
     text = sf.read_text().replace("epochs = 400", "epochs = 2")
     sf.write_text(text)
     assert run([str(sf), "--data", str(synthetic), "--state-dir", str(state)]) == 0

@@ -21,6 +21,7 @@ import numpy as np
 import optuna
 import pandas as pd
 
+from search.failures import Kind, first_line, kind_of, release_interrupted
 from search.pick.candidates import Candidate
 from search.pick.jobs import SubmissionModel
 from search.pick.options import Paths, PickOptions
@@ -242,7 +243,8 @@ def write_outputs(tracker: Tracker, r: PickRun) -> PickResult:
             os.replace(tmp, final)
     except BaseException as exc:
         # Ctrl-C is the user's stop, not a failure: MLflow's KILLED (as `mlflow run` marks an interrupted run)
-        _undo(tracker, run_id, created, "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED")
+        release_interrupted(exc)
+        _undo(tracker, run_id, created, "KILLED" if kind_of(exc) is Kind.INTERRUPT else "FAILED")
         raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -258,9 +260,8 @@ def _undo(tracker: Tracker, run_id: str | None, created: list[Path], status: str
         try:
             tracker.end_run(run_id, status)
         except Exception as exc:  # noqa: BLE001 - the original error is the one to report; this one in a line
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            logging.getLogger("latentsweep").warning("could not mark the pick's MLflow run %s %s (%s: %s)",
-                                                     run_id, status, type(exc).__name__, first)
+            logging.getLogger("latentsweep").warning("could not mark the pick's MLflow run %s %s (%s)",
+                                                     run_id, status, first_line(exc))
     for directory in reversed(created):
         try:
             directory.rmdir()
