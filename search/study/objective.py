@@ -9,8 +9,7 @@ import optuna
 from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 
-from search.failures import (Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of,
-                             release_interrupted)
+from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
 from search.study.progress import emit
 from search.study.space import sample
 from search.process import raise_if_interrupted
@@ -136,7 +135,6 @@ class TrialRunner:
         the study halted, so the other workers stop). The Optuna outcome is decided by `exc` alone: a tracker that
         cannot close the run is said in one line (`study reap` closes it later), unless that is a bug of its own."""
         failure = classify(exc)
-        release_interrupted(exc)
         run_id, self.open_run = self.open_run, None
         if run_id is not None:
             failure = self._close_failed(trial, run_id, failure)

@@ -12,7 +12,7 @@ import optuna
 import torch
 from tqdm.auto import tqdm
 
-from search.failures import Kind, StudyHalted, classify, one_line
+from search.failures import Kind, StudyHalted, classify, one_line, release_interrupted
 from search.process import configure_process, interrupt_on
 
 from search.study.objective import TrialRunner
@@ -141,8 +141,9 @@ def run_study(spec: RunSpec, workers: int = 1) -> dict:
         else:
             _run_spawned(spec, study, workers, tracker)
             check_halted(study)  # a worker stopped on a bug: so does `study run`, after closing what is open
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         interrupted = True
+        release_interrupted(exc)  # it may have landed inside a store call: finish() writes next
     finally:
         summary = finish(study, tracker)
         dispose_study(study)

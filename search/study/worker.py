@@ -13,7 +13,7 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from search.failures import Kind, StudyHalted, classify
+from search.failures import Kind, StudyHalted, classify, release_interrupted
 from search.process import raise_if_interrupted
 from search.redact import redact_url
 from search.study.budget import SearchBudget
@@ -315,6 +315,7 @@ def fail_or_stop(study: optuna.Study, runner: TrialRunner, trial: optuna.Trial |
     """The frozen failed trial when the worker goes on (search.failures.GOES_ON); otherwise raises what stops it:
     the bug or interrupt itself, or a one-line error. An error while failing the trial is classified too."""
     frozen = None
+    release_interrupted(exc)  # before failing the trial writes to the stores (a no-op unless `exc` is an interrupt)
     try:
         failure, frozen = runner.fail(study, trial, exc) if trial is not None else (classify(exc), None)
     except BaseException as inner:  # noqa: BLE001 - failing the trial failed too (the storage is gone): one error
