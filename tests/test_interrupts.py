@@ -99,8 +99,8 @@ def test_ctrl_c_inside_mlflow_writes_leaves_no_lock_after_release(tmp_path):
     rng = random.Random(0)
     for i in range(40):
         with interrupt_on(signal.SIGINT):
-            threading.Timer(rng.uniform(0.0, 0.03), os.kill, (os.getpid(), signal.SIGINT)).start()
-            try:
+            try:  # the timer starts inside: its signal can land before the first write on a loaded machine
+                threading.Timer(rng.uniform(0.0, 0.03), os.kill, (os.getpid(), signal.SIGINT)).start()
                 while True:
                     raise_if_interrupted()
                     client.log_batch(run, metrics=[Metric(f"m{k}", 1.0, 0, i) for k in range(5)])
