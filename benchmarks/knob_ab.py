@@ -15,7 +15,6 @@ An arm is NAME=KEY=VALUE[,KEY=VALUE...]; `--change KEY=VALUE,...` is added to ev
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,9 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trainers.demo import default_train_path  # noqa: E402
-from end_to_end import BOOT, paired, submission_rr  # noqa: E402  (this script's directory is on sys.path)
-
-CLI = [sys.executable, "-m", "search"]
+from end_to_end import BOOT, CLI, paired, sh, submission_rr  # noqa: E402  (this script's directory is on sys.path)
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -38,23 +35,19 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
 
 def holdout(work: Path, seed: int) -> Path:
     out = work / f"holdout-{seed}"
-    if not (out / "answers.npz").is_file():
-        subprocess.run([*CLI, "data", "holdout", str(default_train_path()), "--seed", str(seed), "--out", str(out)],
-                       check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    sh([*CLI, "data", "holdout", default_train_path(), "--seed", seed, "--out", out], work / "log.txt",
+       out / "answers.npz")
     return out
 
 
 def arm_rr(h: Path, study: str, name: str, sets: list[str], seed: int) -> np.ndarray:
-    """Reciprocal ranks of one arm on one holdout (trained once; a rerun reuses its submission)."""
-    out = h / f"{name}-s{seed}"
-    if not (out / "sub.csv").is_file():
-        args = [*CLI, "train", study, "--data", str(h / "train.npz"), "--quiet", "--seed", str(seed),
-                "--out", str(out), "--state-dir", str(h / "state")]
-        for s in sets:
-            args += ["--set", s]
-        subprocess.run(args, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
-        subprocess.run([*CLI, "predict", str(out / "best.pt"), "--test", str(h / "test.clean.npz"),
-                        "--out", str(out / "sub.csv")], check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    """Reciprocal ranks of one arm on one holdout (trained once; a rerun reuses its submission). Commands' output
+    goes to the holdout's log.txt."""
+    out, log = h / f"{name}-s{seed}", h / "log.txt"
+    sh([*CLI, "train", study, "--data", h / "train.npz", "--quiet", "--seed", seed, "--out", out,
+        "--state-dir", h / "state", *[a for s in sets for a in ("--set", s)]], log, out / "best.pt")
+    sh([*CLI, "predict", out / "best.pt", "--test", h / "test.clean.npz", "--out", out / "sub.csv"], log,
+       out / "sub.csv")
     return submission_rr(out / "sub.csv", h / "answers.npz")
 
 
