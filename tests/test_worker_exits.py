@@ -2,6 +2,7 @@
 `study reap` never changes a finished study. Real Optuna on SQLite, real MLflow on SQLite."""
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import optuna
@@ -141,3 +142,28 @@ def test_reap_leaves_a_finished_study_unchanged(state, synthetic, tmp_path, caps
     assert runs(state, "reapdone") == before_runs and set(before_runs.values()) == {"FINISHED"}
     assert optuna.load_study(study_name="reapdone",
                              storage=f"sqlite:///{state / 'optuna.db'}").user_attrs == before_attrs
+
+
+def test_interrupt_between_trials_of_a_lone_worker_still_closes_the_parent_run(state, synthetic, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """A Ctrl-C landing in a store call between trials (here: while a connection holds MLflow's write lock) must not
+    keep that lock through the worker's exit, where the last worker out closes the study's parent run."""
+    import search.study.worker
+
+    sf = study_file(tmp_path, "idleint", n_trials=2)
+    base = [str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet"]
+    assert main(["study", "create", *base]) == 0
+    real = search.study.worker.check_halted
+    calls = []
+
+    def interrupted_in_a_write(study):  # the second check follows trial 0
+        calls.append(1)
+        if len(calls) == 2:
+            held = sqlite3.connect(state / "mlflow.db", isolation_level=None)
+            held.execute("BEGIN IMMEDIATE")  # only this frame references it, as in an interrupted MLflow write
+            raise KeyboardInterrupt
+        return real(study)
+
+    monkeypatch.setattr(search.study.worker, "check_halted", interrupted_in_a_write)
+    assert main(["worker", *base]) == 130
+    assert runs(state, "idleint") == {"study-idleint": "FINISHED", "trial-0": "FINISHED"}, capsys.readouterr().err

@@ -61,6 +61,9 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
         reap(study, tracker)
         runner = TrialRunner(study_file, spec, data, tracker, study_dir(spec.state_dir, spec.name))
         return worker_loop(study_file, spec, study, runner, on_trial=on_trial)
+    except KeyboardInterrupt as exc:  # between trials (the halted check, the search-end estimate): no trial failed it
+        release_interrupted(exc)  # it may have landed inside a store call: closing the parent run writes next
+        raise
     finally:
         if bar:
             bar.close()
