@@ -33,7 +33,7 @@ from search.study.report import load_existing_study
 from search.tracking.probe import probe_tracking_store
 from search.tracking import make_tracker
 from search.tracking.base import Tracker
-from trainers.data import TestSet, TrainSet, load_test, load_train
+from trainers.data import TestSet, TrainSet, load_test, load_train_shared
 from trainers.loop import resolve_device
 
 
@@ -153,7 +153,7 @@ def load_inputs(opts: PickOptions, downloads: Path, device) -> PickInputs:
     data_path, test_path = resolve_data(opts, pool)
     test = load_test(test_path)
     check_test(pool, test)
-    data = load_train(data_path)
+    data = load_train_shared(data_path)  # a one-budget run's search read it already
     check_data(pool, data)
     return PickInputs(paths, study, tracker, pool, data, test)
 

@@ -16,7 +16,7 @@ from search.tracking.base import DB_SCHEMES
 from search.tracking.paths import default_artifact_root
 from search.tracking.probe import probe_tracking_store
 from trainers.config import with_values
-from trainers.data import load_train
+from trainers.data import load_train_shared
 from trainers.errors import LatentsweepError, closest
 from trainers.loop import resolve_device
 from trainers.tasks import TASKS, check_split
@@ -55,7 +55,7 @@ def preflight(spec: RunSpec) -> None:
         raise LatentsweepError(f"{study_file.path}: study.objective '{study_file.objective}' is not a metric task "
                                f"'{study_file.base.data.task}' logs{closest(study_file.objective, keys)}; "
                                f"valid: {', '.join(keys)}")
-    check_split(with_values(study_file.base, {"data.path": spec.data_path}), load_train(spec.data_path))
+    check_split(with_values(study_file.base, {"data.path": spec.data_path}), load_train_shared(spec.data_path))
     check_stores(StoreSpec.of(spec))
     check_existing(study_file, spec)
 

@@ -26,7 +26,7 @@ from search.study.worker import (
 from search.tracking import make_tracker
 from search.tracking.base import Tracker
 from search.tracking.plots import study_figures
-from trainers.data import load_train
+from trainers.data import load_train_shared
 from trainers.errors import LatentsweepError
 
 log = logging.getLogger("latentsweep")
@@ -46,7 +46,7 @@ def run_worker(spec: RunSpec, create: bool = False, study: optuna.Study | None =
 
 def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker: Tracker | None) -> int:
     study_file = load_study_file(spec.study_file)
-    data = load_train(spec.data_path)
+    data = load_train_shared(spec.data_path)  # the pre-flight check read it already
     owned = study is None
     tracker = tracker or open_tracker(spec)
     study = study or load_or_create(study_file, spec, tracker, create=create)

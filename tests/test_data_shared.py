@@ -1,0 +1,50 @@
+"""trainers.data.load_train_shared: one read of a train file per process while its bytes stay the same; a study run
+reads its file once (its pre-flight check and its trials share the read)."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import trainers.data
+from conftest import tiny_study_file
+from search.cli.main import main
+from trainers.data import load_train_shared
+from trainers.errors import DataError
+from trainers.synthetic import write_synthetic
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list[str]:
+    """Every real read of a train file (trainers.data.load_train) by path, from here on."""
+    seen, real = [], trainers.data.load_train
+
+    def counted(path, **kwargs):
+        seen.append(str(path))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(trainers.data, "load_train", counted)
+    return seen
+
+
+def test_the_same_bytes_are_read_once_and_new_bytes_again(tmp_path, reads):
+    a, _, _ = write_synthetic(tmp_path / "a", 30, dim_text=8, dim_image=12, n_test=5)
+    b, _, _ = write_synthetic(tmp_path / "b", 30, dim_text=8, dim_image=12, n_test=5, seed=1)
+    first = load_train_shared(a)
+    assert load_train_shared(a) is first and reads == [str(a)]
+    shutil.copyfile(b, a)  # same path, other bytes
+    second = load_train_shared(a)
+    assert second is not first and reads == [str(a), str(a)]
+    assert np.array_equal(second.text, trainers.data.load_train(b).text)
+    a.unlink()
+    with pytest.raises(DataError):  # a file gone since is said as load_train says it, not served from memory
+        load_train_shared(a)
+
+
+def test_a_study_run_reads_its_train_file_once(tmp_path, reads):
+    train, _, _ = write_synthetic(tmp_path / "syn", 60, dim_text=8, dim_image=12, n_test=10)
+    sf = tiny_study_file(tmp_path, "readonce", n_trials=2)
+    assert main(["study", "run", str(sf), "--data", str(train), "--state-dir", str(tmp_path / "state"),
+                 "--quiet"]) == 0
+    assert reads == [str(train)]
