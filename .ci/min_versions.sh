@@ -25,7 +25,8 @@ python3 .ci/floors.py >"$pins"
 
 # The subset (~4 min on 2 cores) imports and exercises every direct dependency: the torch APIs, training, the config
 # and study files, Optuna storage/heartbeat/retry, MLflow tracking, a pick's LoggedModel, the UI servers.
-"$venv/bin/python" -m pytest -q -p no:cacheprovider \
+# -m: the slow tests of these files too (the UI servers' are slow-marked), which the suite's addopts leave out.
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not wheel" \
     tests/test_torch_api.py tests/test_rows.py tests/test_config.py tests/test_studyfile.py tests/test_space.py \
     tests/test_loop.py tests/test_optim.py tests/test_tracking.py tests/test_study.py tests/test_worker_exits.py \
     tests/test_tracking_e2e.py tests/test_ui.py "$@"
