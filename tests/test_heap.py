@@ -5,9 +5,11 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository: the probe imports trainers from it
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 
 # Run in a fresh interpreter: the heap state of the test process (its earlier tests) must not decide the outcome.
@@ -35,5 +37,5 @@ print(before - rss())
 
 def test_release_returns_freed_heap_pages_glibc_kept():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert int(out.stdout) > 15 << 20  # most of the 20 MB freed; glibc alone had kept it all
