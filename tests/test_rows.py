@@ -76,7 +76,7 @@ def test_fit_pairs_are_built_only_for_the_models_that_read_them(data):
 
     def counted():
         calls.append(1)
-        return task._fit_pairs()
+        return task._fit_set()
 
     build_model(with_values(Config(), {**SMALL, "model.kind": "mlp"}), ModelContext(task.dim_in, task.dim_out,
                                                                                     fit=counted))

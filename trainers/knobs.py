@@ -58,6 +58,9 @@ class ModelCfg:
                                      "MLP output (a learned tau)")
     adapter_hidden: int = _f(512, low=1, high=MAX_WIDTH)
     adapter_dropout: float = _f(0.1, low=0.0, high=0.9)
+    knn_k: int = _f(64, low=1, doc="knn model: nearest training captions mixed per prediction")
+    knn_tau: float = _f(0.0, low=0.0, doc="knn model: softmax temperature over their cosines; 0 = chosen by "
+                                          "leave-one-image-out MRR on the training captions")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from trainers.cost import Timing, mean_epoch
 from trainers.data import TrainSet
 from trainers.errors import LatentsweepError
 from trainers.losses import Criterion
-from trainers.models import build_model
+from trainers.models import build_model, has_trained_part
 from trainers.optim import MONITOR_MODES, build_optimizer
 from trainers.records import EpochLog
 from trainers.regularise import BatchAugment, build_average
@@ -114,7 +114,11 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     gen = seed_everything(cfg.train.seed)
     task = TASKS.get(cfg.data.task)(cfg, data, device)
     model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
+    clock = _RunClock(started, _train_size(cfg, data), False)
+    if not has_trained_part(model):
+        return _fit_untrained(cfg, data, task, model, out_dir, callback, clock)
     criterion = Criterion(cfg, task.dim_out).to(device)
+    clock.per_image = criterion.cost_per_image
     steps = task.steps_per_epoch()
     opt, schedule = build_optimizer(cfg, model, criterion, steps)
     amp = cfg.train.amp and device.type == "cuda"
@@ -127,7 +131,6 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     best, best_state, best_epoch, stale = -math.inf, None, -1, 0
     sign = 1.0 if MONITOR_MODES[cfg.train.monitor] == "max" else -1.0  # monitored value as higher-is-better
     best_monitored = -math.inf
-    clock = _RunClock(started, _train_size(cfg, data), criterion.cost_per_image)
     stopped = False
     epochs = tqdm(range(cfg.train.stop_after or cfg.train.epochs), desc="epochs", disable=not progress, leave=False)
     for epoch in epochs:
@@ -178,6 +181,26 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     ckpt = Path(out_dir) / "best.pt" if out_dir is not None else None
     return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, task.val_ranks(model),
                        clock.timing(), stopped)
+
+
+def _fit_untrained(cfg: Config, data: TrainSet, task, model: CenteredModel, out_dir: str | Path | None,
+                   callback: Callable[[EpochReport], None] | None, clock: "_RunClock") -> TrainResult:
+    """A model fitted when built (model.kind knn): one epoch with no training step validates and saves it. No copy
+    of its state is kept for a best epoch: there is one, and at challenge size the state is the training set."""
+    clock.epoch_start()
+    clock.trained()
+    metrics = {**task.evaluate(model), "lr": 0.0}
+    clock.evaluated()
+    log = EpochLog(out_dir)
+    if out_dir is not None:
+        atomic_torch_save(checkpoint_payload(model, cfg, (task.dim_in, task.dim_out),
+                                             {"epoch": 0, "metrics": metrics, "data_fingerprint": data.fingerprint}),
+                          Path(out_dir) / "best.pt")
+    log.append(0, metrics)
+    if callback is not None:
+        callback(EpochReport(0, metrics, True, clock.timing()))
+    ckpt = Path(out_dir) / "best.pt" if out_dir is not None else None
+    return TrainResult(0, log.rows[0], log.rows, model, ckpt, task.val_ranks(model), clock.timing())
 
 
 def _train_size(cfg: Config, data: TrainSet) -> tuple[int, int]:

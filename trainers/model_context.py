@@ -1,42 +1,64 @@
-"""What a model builder may look at besides the config (the dims and, built on first read, the fit pairs)."""
+"""What a model builder may look at besides the config (the dims and, built on first read, the training set)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 
+@dataclass(frozen=True)
+class FitSet:
+    """The training split as the closed-form fits read it: x [N, dim_in] centred captions, img [N] each caption's
+    image as an index into images [Ni, dim_out] (raw, unnormalised image embeddings)."""
+    x: torch.Tensor
+    img: torch.Tensor
+    images: torch.Tensor
+
+    @classmethod
+    def from_pairs(cls, x: torch.Tensor, y: torch.Tensor) -> "FitSet":
+        """Pairs given row by row (x[i] -> y[i]): every row is its own image."""
+        return cls(x, torch.arange(x.shape[0], device=x.device), y)
+
+
 class ModelContext:
-    """What a builder may look at besides the config: the dims, and the fit pairs that only the closed-form geometry
-    fit and the relative model's anchors read: fit_x [N, dim_in] train-split inputs and fit_y [N, dim_out] paired raw
-    (unnormalised) image embeddings, on the training device. A task passes `fit`, which builds the pairs on first
-    read: at challenge size they are 0.5 + 0.7 GB that every other model would hold for nothing. Neither is given
-    when weights come from a checkpoint (fits and anchor picks are skipped and left to `load_state_dict`)."""
+    """What a builder may look at besides the config: the dims, and the training set that only the closed-form
+    models read (geometry's fit, the relative model's anchors, the kernel model's keys): fit_x [N, dim_in] train-split
+    inputs, fit_y [N, dim_out] each one's raw image embedding, or the same as fit_img [N] indices into fit_images
+    [Ni, dim_out], on the training device. A task passes `fit`, which builds the FitSet on first read (at challenge
+    size fit_y alone is 0.7 GB that every other model would hold for nothing). None is given when weights come from
+    a checkpoint (fits and anchor picks are skipped and left to `load_state_dict`)."""
 
     def __init__(self, dim_in: int, dim_out: int, fit_x: torch.Tensor | None = None,
-                 fit_y: torch.Tensor | None = None, *, fit: Callable[[], tuple] | None = None,
+                 fit_y: torch.Tensor | None = None, *, fit: Callable[[], FitSet] | None = None,
                  device: torch.device | None = None):
         self.dim_in, self.dim_out = dim_in, dim_out
-        self._pairs = (fit_x, fit_y) if fit_x is not None else None
+        self._set = FitSet.from_pairs(fit_x, fit_y) if fit_x is not None else None
         self._fit = fit
+        self._pairs_y = fit_y
         self.device = fit_x.device if fit_x is not None else device  # where build_model puts the model
 
     @property
     def has_fit(self) -> bool:
-        return self._pairs is not None or self._fit is not None
+        return self._set is not None or self._fit is not None
 
-    def _built(self) -> tuple:
-        if self._pairs is None and self._fit is not None:
-            self._pairs, self._fit = self._fit(), None
-        return self._pairs or (None, None)
+    def fit_set(self) -> FitSet | None:
+        if self._set is None and self._fit is not None:
+            self._set, self._fit = self._fit(), None
+        return self._set
 
     @property
     def fit_x(self) -> torch.Tensor | None:
-        return self._built()[0]
+        s = self.fit_set()
+        return None if s is None else s.x
 
     @property
     def fit_y(self) -> torch.Tensor | None:
-        return self._built()[1]
+        """[N, dim_out]: built once from the images on first read."""
+        s = self.fit_set()
+        if s is not None and self._pairs_y is None:
+            self._pairs_y = s.images[s.img]
+        return self._pairs_y
 
 
-__all__ = ["ModelContext"]
+__all__ = ["FitSet", "ModelContext"]

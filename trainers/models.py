@@ -152,6 +152,9 @@ def build_mlp(cfg: Config, ctx: ModelContext) -> nn.Module:
 
 # Hidden layers a model kind needs at least (kinds not listed take any number)
 MIN_HIDDEN_LAYERS = {"deep_mlp": 2}
+# Model kinds fitted when built, with nothing to train (trainers/knn.py adds "knn"): the loop validates them once,
+# and a slot head on them would be trained alone, for nothing the prediction uses.
+UNTRAINED_KINDS: set[str] = set()
 
 
 def check_model(cfg: Config) -> None:
@@ -161,6 +164,14 @@ def check_model(cfg: Config) -> None:
     if len(cfg.model.hidden) < need:
         raise ConfigError(f"model.hidden: {cfg.model.kind} needs at least {need} hidden layers, "
                           f"got {list(cfg.model.hidden)}")
+    if cfg.model.kind in UNTRAINED_KINDS and cfg.slots.k > 0:
+        raise ConfigError(f"slots.k = {cfg.slots.k}: model.kind '{cfg.model.kind}' has no trained part for a slot "
+                          "head to regularise; set slots.k = 0")
+
+
+def has_trained_part(model: nn.Module) -> bool:
+    """Whether training would change `model`: some parameter takes gradients (False for a fitted-only model)."""
+    return any(p.requires_grad for p in model.parameters())
 
 
 @MODELS.register("deep_mlp")
@@ -372,3 +383,6 @@ def build_model(cfg: Config, ctx: ModelContext) -> nn.Module:
         head = init_linears(SlotHead(ctx.dim_in, ctx.dim_out, cfg.slots.k, cfg.slots.hidden), cfg.model.init)
         model = WithSlots(model, head)
     return model if ctx.device is None else model.to(ctx.device)
+
+
+from trainers import knn as _knn  # noqa: E402,F401  registers model.kind "knn" (it builds on this module's names)

@@ -10,7 +10,7 @@ import re
 from trainers.config import Config
 from trainers.errors import ConfigError
 from trainers.losses import LOSSES, active_losses
-from trainers.models import check_model
+from trainers.models import UNTRAINED_KINDS, check_model
 from trainers.optim import OPTIMIZERS, SCHEDULERS
 from trainers.regularise import WEIGHT_AVERAGES
 from trainers.tasks import TASKS
@@ -52,7 +52,7 @@ def validate_losses(cfg: Config) -> None:
     """The loss config: at least one loss on; each active loss's declared needs (slots, task) met, and its own
     check of its section (`Loss.check`)."""
     active = active_losses(cfg)
-    if not active:
+    if not active and cfg.model.kind not in UNTRAINED_KINDS:  # a fitted-only model has no loss to train with
         raise ConfigError(f"loss: no loss has a positive weight (set one of loss.<name>.weight > 0; "
                           f"names: {', '.join(LOSSES.names())})")
     for name in active:

@@ -26,6 +26,7 @@ from trainers.errors import DataError, LatentsweepError
 from trainers.tasks import predict
 
 SPLIT_KEYS = ("split", "val_ratio", "salt", "n_folds", "fold")
+KIND_PARAM = "model.kind"  # the Optuna parameter of a study that searches the model kind
 
 
 @dataclass
@@ -58,8 +59,9 @@ def trial_value(trial, maximize: bool) -> float | None:
 
 
 def top_trials(study, k: int) -> list:
-    """The k best trials by value in the study's direction, COMPLETE and PRUNED alike: a trial pruned at a low
-    fidelity can still be a strong member, and out-of-fold selection re-measures every candidate anyway."""
+    """The k best trials by value in the study's direction, COMPLETE and PRUNED alike (a trial pruned at a low
+    fidelity can still be a strong member, and the selection re-measures every candidate anyway), then the best trial
+    of each other model kind the study tried."""
     maximize = study.direction == StudyDirection.MAXIMIZE
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
             if trial_value(t, maximize) is not None]
@@ -68,7 +70,18 @@ def top_trials(study, k: int) -> list:
         raise LatentsweepError(f"study '{study.study_name}' has no complete or pruned trial with a value "
                                f"({', '.join(f'{n} {s}' for s, n in states.items()) or 'no trials at all'})")
     key = lambda t: (-trial_value(t, maximize) if maximize else trial_value(t, maximize), t.number)  # noqa: E731
-    return sorted(done, key=key)[:k]
+    ranked = sorted(done, key=key)
+    top = ranked[:k]
+    return top + [t for t in best_of_each_kind(ranked) if t not in top]
+
+
+def best_of_each_kind(ranked: list) -> list:
+    """The best trial of each searched model.kind (trials in rank order): a kind whose best trial ranks below the top
+    k can still be the member that adds most (the knn model's errors differ from a trained model's)."""
+    seen: dict[str, object] = {}
+    for t in ranked:
+        seen.setdefault(str(t.params.get(KIND_PARAM)), t)
+    return list(seen.values()) if len(seen) > 1 else []
 
 
 def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | None = None

@@ -27,6 +27,7 @@ from trainers.config import Config, dump_toml, with_values
 from trainers.data import TrainSet
 from trainers.io import atomic_write
 from trainers.loop import train
+from trainers.models import UNTRAINED_KINDS
 from trainers.splits import captions_and_local_images, captions_of, fold_assignment
 from trainers.tasks import split_images
 
@@ -135,10 +136,12 @@ def fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path) -> list[J
 
 
 def refit_jobs(cands: list[Candidate], seeds: int, data, picks: Path, seed_offset: int = 0) -> list[Job]:
-    """Refits on every labelled image, seeds train.seed + seed_offset .. + seed_offset + seeds - 1 of each candidate."""
+    """Refits on every labelled image, seeds train.seed + seed_offset .. + seed_offset + seeds - 1 of each candidate;
+    a model kind with nothing to train (knn) gets its first seed only: more would be the same model again."""
     jobs = []
     for c in cands:
-        for s in range(seed_offset, seed_offset + seeds):
+        n = seeds if c.cfg.model.kind not in UNTRAINED_KINDS else max(0, min(seeds, 1 - seed_offset))
+        for s in range(seed_offset, seed_offset + n):
             seed = c.cfg.train.seed + s
             jobs.append(make_job(f"{c.name}/refit-seed-{seed}", c.name, replay_config(c.cfg, c.best_epoch, seed), c,
                                  data, None, picks / "runs" / f"{c.name}-refit-seed-{seed}"))
