@@ -7,6 +7,8 @@ like the leaderboard), in a fresh state directory:
   * best trial refit: the study's best trial alone, refit on every labelled image (one seed);
   * old pick: `pick --selection oof` (fold models bagged with refits, the previous default) on the same study with the
     same budget the new pick had;
+  * fallback never: the default pick with `--fallback never` (the ensemble even when its cross-fitted gain is not
+    above its standard error), same study, same budget;
   * split F: the same study cut at F x T (the trials finished by then, as an Optuna study of their own), then the
     default pick with the (1 - F) x T left: the search/pick split at a fixed ratio, paired with the default run;
   * job kinds: test MRR of the first member's first refit, plus one more seed, plus the second member's first refit,
@@ -176,6 +178,9 @@ def one_holdout(seed: int, args, work: Path) -> dict:
     row["old_pick_s"] = sh([*CLI, "pick", STUDY, "--selection", "oof", "--budget", pick_budget, "--data", data,
                             "--out", work / "old.csv", *common], log, work / "old.csv")
     rr["old_pick"] = submission_rr(work / "old.csv", answers)
+    row["never_s"] = sh([*CLI, "pick", STUDY, "--fallback", "never", "--budget", pick_budget, "--data", data,
+                         "--out", work / "never.csv", *common], log, work / "never.csv")
+    rr["fallback_never"] = submission_rr(work / "never.csv", answers)
     for frac in args.splits:
         name = f"{STUDY}-split{int(frac * 100)}"
         if not (work / f"{name}.csv").is_file():
@@ -221,7 +226,7 @@ def report(work: Path) -> str:
     # (a difference carried by one or two holdouts is a property of those studies' trial choices).
     lines += ["", "| difference (pooled, 95% paired bootstrap) | | per holdout |", "|---|---|---|"]
     for a, b in [("platform", "reference"), ("platform", "best_trial_refit"), ("platform", "old_pick"),
-                 ("platform", "old_rule"),
+                 ("platform", "old_rule"), ("fallback_never", "platform"), ("fallback_never", "reference"),
                  *[("platform", k) for k in keys if k.startswith("split")],
                  ("kind_plus_seed", "kind_one_refit"), ("kind_plus_member", "kind_one_refit"),
                  ("kind_fold_models", "kind_one_refit")]:
@@ -230,7 +235,7 @@ def report(work: Path) -> str:
             lines.append(f"| {a} - {b} | {paired(pooled[a], pooled[b], rng)} | {per} |")
     lines += ["", "| timings | " + " | ".join(f"holdout {r['seed']}" for r in rows) + " |",
               "|---|" + "---|" * len(rows)]
-    for k in ("run_s", "reference_s", "old_pick_s", "trials"):
+    for k in ("run_s", "reference_s", "old_pick_s", "never_s", "trials"):
         lines.append(f"| {k} | " + " | ".join(f"{r[k]:.0f}" if r.get(k) is not None else "-" for r in rows) + " |")
     for k in ("one_refit", "plus_seed", "plus_member", "fold_models"):
         lines.append(f"| job seconds: {k} | " + " | ".join(str(r["job_seconds"].get(k)) for r in rows) + " |")

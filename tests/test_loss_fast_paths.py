@@ -77,7 +77,7 @@ def test_half_precision_pred_is_still_normalised_in_float32():
 
 
 def test_l2_normalize_matches_f_normalize_in_value_and_gradient():
-    from trainers.models import l2_normalize
+    from trainers.translator import l2_normalize
 
     x = torch.randn(64, 48, requires_grad=True)
     g = torch.randn(64, 48)

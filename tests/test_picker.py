@@ -422,8 +422,10 @@ def test_an_ensemble_gain_not_above_its_standard_error_is_not_used():
     assert not noise.gain_is_real and noise.gain_se == pytest.approx(np.std([0.004, -0.004, 0.003], ddof=1) / 3 ** 0.5)
     from search.pick.selection import submitted_weights
 
-    weights, notes = submitted_weights(noise, ["trial-1", "trial-2"])
+    weights, notes = submitted_weights(noise, ["trial-1", "trial-2"], "one-se")
     assert weights.tolist() == [1.0, 0.0] and "best single member, trial-1" in notes[0]  # the fallback, forced
-    weights, notes = submitted_weights(selection([0.015, 0.017, 0.014]), ["trial-1", "trial-2"])
+    weights, notes = submitted_weights(noise, ["trial-1", "trial-2"], "never")
+    assert weights.tolist() == [0.5, 0.5] and notes == []  # --fallback never: the ensemble however small its gain
+    weights, notes = submitted_weights(selection([0.015, 0.017, 0.014]), ["trial-1", "trial-2"], "one-se")
     assert weights.tolist() == [0.5, 0.5] and notes == []  # a real gain keeps the ensemble
     assert not selection([-0.002, -0.001]).gain_is_real

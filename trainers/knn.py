@@ -10,12 +10,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from trainers.config import Config
 from trainers.metrics import GALLERY_SIZE
 from trainers.model_context import FitSet, ModelContext
-from trainers.models import MODELS, UNTRAINED_KINDS, Translator, l2_normalize
+from trainers.translator import Translator, l2_normalize
 
 # Temperatures the leave-one-image-out choice tries when model.knn_tau = 0: 0.001 to 0.2, log-spaced by 1.5x.
 # Cosines between captions span about [-0.2, 1]: below 0.001 the softmax is the nearest key alone, above 0.2 it
@@ -105,7 +104,3 @@ def nearest(q: torch.Tensor, keys: torch.Tensor, key_image: torch.Tensor, k: int
     if exclude is not None:
         sim = sim.masked_fill(key_image[None, :] == exclude[:, None], -math.inf)
     return sim.topk(min(k, sim.shape[1]), dim=1)
-
-
-MODELS.register("knn")(KernelTranslator)
-UNTRAINED_KINDS.add("knn")

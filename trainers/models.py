@@ -1,4 +1,5 @@
-"""The models registry: text->image translators (MLP family, closed-form geometry, relative anchors) and the slot head.
+"""The models registry: text->image translators (MLP family, closed-form geometry, relative anchors, the kernel model of
+trainers/knn.py) and the slot head.
 
 Every model maps x [B, dim_in] to {"pred": [B, dim_out] (L2-normalised iff cfg.model.out_norm), "raw": [B, dim_out]};
 `build_model` adds "slots" [B, K, dim_out] in training mode when cfg.slots.k > 0.
@@ -17,8 +18,10 @@ from trainers.config import Config
 from trainers.errors import ConfigError, closest
 from trainers.geometry import procrustes_fit, ridge_fit
 from trainers.knobs import ModelCfg, add_section
+from trainers.knn import KernelTranslator
 from trainers.model_context import ModelContext
 from trainers.registry import Registry
+from trainers.translator import Translator
 
 MODELS: Registry[Callable[[Config, "ModelContext"], nn.Module]] = Registry("model")
 
@@ -99,27 +102,6 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """F.normalize(x, dim=-1) with the same values and gradients, dividing by the [B, 1] norm without expanding it
-    to [B, D] first: its backward then divides by a [B, 1] tensor instead of a materialised [B, D] one."""
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(eps)
-
-
-class Translator(nn.Module):
-    """Base class: subclasses implement `translate(x) -> raw [B, dim_out]`; forward builds the contract's dict."""
-
-    def __init__(self, out_norm: bool):
-        super().__init__()
-        self.out_norm = out_norm
-
-    def translate(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        raw = self.translate(x)
-        return {"pred": l2_normalize(raw) if self.out_norm else raw, "raw": raw}
-
-
 class MLPTranslator(Translator):
     """x -> MLP(x): the linear map (no hidden layers), the VSE++/official MLP, the deep and MoCo variants."""
 
@@ -152,9 +134,9 @@ def build_mlp(cfg: Config, ctx: ModelContext) -> nn.Module:
 
 # Hidden layers a model kind needs at least (kinds not listed take any number)
 MIN_HIDDEN_LAYERS = {"deep_mlp": 2}
-# Model kinds fitted when built, with nothing to train (trainers/knn.py adds "knn"): the loop validates them once,
-# and a slot head on them would be trained alone, for nothing the prediction uses.
-UNTRAINED_KINDS: set[str] = set()
+# Model kinds fitted when built, with nothing to train: the loop validates them once, the pick refits them once, and
+# a slot head on them would be trained alone, for nothing the prediction uses.
+UNTRAINED_KINDS = frozenset({"knn"})
 
 
 def check_model(cfg: Config) -> None:
@@ -327,6 +309,7 @@ class RelativeTranslator(Translator):
 
 
 MODELS.register("relative")(RelativeTranslator)
+MODELS.register("knn")(KernelTranslator)
 
 
 class SlotHead(nn.Module):
@@ -383,6 +366,3 @@ def build_model(cfg: Config, ctx: ModelContext) -> nn.Module:
         head = init_linears(SlotHead(ctx.dim_in, ctx.dim_out, cfg.slots.k, cfg.slots.hidden), cfg.model.init)
         model = WithSlots(model, head)
     return model if ctx.device is None else model.to(ctx.device)
-
-
-from trainers import knn as _knn  # noqa: E402,F401  registers model.kind "knn" (it builds on this module's names)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 from search.pick.ensemble import METHODS
-from search.pick.options import SELECTIONS, parse_budget
+from search.pick.options import FALLBACKS, SELECTIONS, parse_budget
 from search.pick.picker import PickOptions, run_pick
 from search.pick.selection import WHERE, spread_text
 from search.stores import add_state_arg, safe_name
@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
                         "that do not share a val split); halves: choose on one half of the val split, report on the "
                         "other")
     p.add_argument("--folds", type=int, default=PickOptions.folds, help="oof: number of image folds (default 5)")
+    p.add_argument("--fallback", choices=FALLBACKS, default=PickOptions.fallback,
+                   help="val and oof: submit the best single member instead of the ensemble when the ensemble's "
+                        "cross-fitted gain is not above its standard error (one-se), or never "
+                        f"(default {PickOptions.fallback})")
     p.add_argument("--no-refit", dest="refit", action="store_false",
                    help="make the submission from the trials' checkpoints instead of refitting the chosen members "
                         "on every labelled image")
@@ -61,7 +65,8 @@ def cmd_pick(args) -> int:
     safe_name(args.study)  # STATE/picks/<study> is built from it
     opts = PickOptions(study=args.study, state_dir=args.state_dir, storage=args.storage,
                        tracking_uri=args.tracking_uri, top=args.top, method=args.method, size=args.size,
-                       seeds=args.seeds, selection=args.selection, folds=args.folds, refit=args.refit,
+                       seeds=args.seeds, selection=args.selection, folds=args.folds, fallback=args.fallback,
+                       refit=args.refit,
                        budget=parse_budget(args.budget), data=args.data, test=args.test, out=args.out,
                        register=args.register,
                        seed=args.seed, device=args.device, progress=not args.quiet and is_terminal())

@@ -12,6 +12,9 @@ from trainers.errors import LatentsweepError
 # Refit seeds per chosen member by default: averaging 3 seeds was worth about +0.015 MRR on challenge-format data.
 REFIT_SEEDS = 3
 SELECTIONS = ("val", "oof", "halves")
+# When the cross-fitted selection falls back to the best single member: "one-se" when the ensemble's nested gain is
+# not above its standard error (search.pick.oof.OofSelection.gain_is_real), "never" (the ensemble always).
+FALLBACKS = ("one-se", "never")
 AUTO = "auto"  # --budget default: derived from the study's wall time (search.pick.plan.default_budget)
 # Out-of-fold selection screens this many times --top trials (ordered for diversity on the study's val split, from
 # their checkpoints: no training) before the plan keeps --top of them.
@@ -32,6 +35,7 @@ class PickOptions:
     selection: str = "val"  # "val": cross-fitted on the trials' val predictions (no training); "oof": k-fold
     # out-of-fold on every labelled image (fold jobs); "halves": halves of the val split
     folds: int = 5
+    fallback: str = FALLBACKS[0]
     refit: bool = True
     budget: float | str | None = AUTO  # seconds for the whole pick; None = no limit; AUTO = from the study's time
     data: str | None = None
@@ -105,6 +109,8 @@ def check_options(opts: PickOptions) -> None:
         raise LatentsweepError(f"--seeds must be >= {1 if opts.refit else 0}, got {opts.seeds}")
     if opts.selection not in SELECTIONS:
         raise LatentsweepError(f"--selection must be one of {', '.join(SELECTIONS)}, got '{opts.selection}'")
+    if opts.fallback not in FALLBACKS:
+        raise LatentsweepError(f"--fallback must be one of {', '.join(FALLBACKS)}, got '{opts.fallback}'")
     if opts.folds < 2:
         raise LatentsweepError(f"--folds must be >= 2, got {opts.folds}")
     if opts.budget not in (None, AUTO) and not (isinstance(opts.budget, (int, float)) and opts.budget > 0

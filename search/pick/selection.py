@@ -33,6 +33,7 @@ class Selection:
     fold_models: dict[str, list[tuple[str, Path]]] = field(default_factory=dict)  # oof: (job, checkpoint) each
     notes: list[str] = field(default_factory=list)  # what the pick gave up or changed, in the order it happened
     ensemble_used: bool | None = None  # False: gain not above its standard error, the best single member submitted
+    # (never False with --fallback never)
     plan: Plan | None = None  # oof: the fold plan that fitted the budget
 
 
@@ -99,10 +100,11 @@ def screen(cands: list[Candidate], data, device, size: int, seed: int = 0) -> tu
     return [cands[i] for i in order], f"greedy on the study's val split first ({picked}), then by study rank"
 
 
-def submitted_weights(res: oof_mod.OofSelection, names: list[str]) -> tuple[np.ndarray, list[str]]:
-    """(weights, notes): the selection's weights, or the best single member alone when the ensemble's nested gain is
-    not above its standard error over the folds (greedy may also have chosen one member by itself)."""
-    if res.gain_is_real or (res.weights > 0).sum() <= 1:
+def submitted_weights(res: oof_mod.OofSelection, names: list[str], fallback: str) -> tuple[np.ndarray, list[str]]:
+    """(weights, notes): the selection's weights, or with fallback "one-se" the best single member alone when the
+    ensemble's nested gain is not above its standard error over the folds (greedy may also have chosen one member by
+    itself)."""
+    if fallback == "never" or res.gain_is_real or (res.weights > 0).sum() <= 1:
         return res.weights, []
     return np.eye(len(names))[res.best_single], [
         f"ensemble not used: its nested gain {res.gain:+.4f} is not above its standard error over the folds "
@@ -157,7 +159,7 @@ def _crossfit_selection(cands: list[Candidate], res: oof_mod.OofSelection, opts:
                         facts: dict[str, Any]) -> Selection:
     """The Selection of a cross-fitted choice (val folds or out-of-fold): the submitted weights (or the best single
     member when the gain is not above its standard error), its table, metrics and manifest details."""
-    weights, notes = submitted_weights(res, [c.name for c in cands])
+    weights, notes = submitted_weights(res, [c.name for c in cands], opts.fallback)
     for line in notes:
         note(line)
     rows = [{"role": "member", "name": c.name, "weight": float(w), "study_value": c.value, "oof_mrr": float(m)}
@@ -183,4 +185,5 @@ def _crossfit_selection(cands: list[Candidate], res: oof_mod.OofSelection, opts:
                        "best_single_mrr": float(res.member_mrr[res.best_single])},
                }
     return Selection(weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_se, kind,
-                     metrics, details, notes=notes, ensemble_used=res.gain_is_real)
+                     metrics, details, notes=notes,
+                     ensemble_used=res.gain_is_real or opts.fallback == "never")
