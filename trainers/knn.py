@@ -39,14 +39,14 @@ class KernelTranslator(Translator):
     def __init__(self, cfg: Config, ctx: ModelContext):
         super().__init__(cfg.model.out_norm)
         self.k = cfg.model.knn_k
-        fit = ctx.fit_set() if ctx.has_fit else None
+        fit = ctx.take_fit_set() if ctx.has_fit else None
         if fit is None:  # weights from a checkpoint: load_state_dict gives the buffers their sizes
             mean, keys = torch.zeros(ctx.dim_in), torch.zeros(0, ctx.dim_in)
             img, values, tau = torch.zeros(0, dtype=torch.long), torch.zeros(0, ctx.dim_out), 1.0
         else:
-            x = fit.x.float()
-            mean = x.mean(dim=0)
-            keys, img, values = l2_normalize(x - mean), fit.img.long(), l2_normalize(fit.images.float())
+            mean, keys = _unit_keys(fit.x, fit.owned)
+            img, values = fit.img.long(), l2_normalize(fit.images.float())
+            del fit  # an owned fit set's captions are the keys now; its raw images are freed here
             tau = cfg.model.knn_tau or choose_tau(FitSet(keys, img, values), self.k, cfg.train.seed)
         for name, value in zip(_BUFFERS, (mean, keys, img, values, torch.tensor(float(tau)))):
             self.register_buffer(name, value)
@@ -94,6 +94,15 @@ def choose_tau(fit: FitSet, k: int, seed: int) -> float:
             rank = 1 + ((others >= mine[:, None]) & rivals).sum(1)
             rr[t] += (1.0 / rank.float()).sum()
     return TAU_GRID[int(torch.argmax(rr))]
+
+
+def _unit_keys(x: torch.Tensor, owned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean [Dt], the centred unit keys [N, Dt]), made in place in x when the fit set was made for this build
+    (`owned`: at challenge size a copy is 0.4 GB), else in one new tensor (a task may hold the captions it gave)."""
+    mean = x.float().mean(dim=0)
+    keys = x.float().sub_(mean) if owned else x.float() - mean
+    keys.div_(keys.norm(dim=1, keepdim=True).clamp_min(1e-12))
+    return mean, keys
 
 
 def nearest(q: torch.Tensor, keys: torch.Tensor, key_image: torch.Tensor, k: int,

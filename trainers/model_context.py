@@ -14,6 +14,7 @@ class FitSet:
     x: torch.Tensor
     img: torch.Tensor
     images: torch.Tensor
+    owned: bool = False  # x and images were made for this build alone: a builder that takes them may overwrite them
 
     @classmethod
     def from_pairs(cls, x: torch.Tensor, y: torch.Tensor) -> "FitSet":
@@ -46,6 +47,13 @@ class ModelContext:
         if self._set is None and self._fit is not None:
             self._set, self._fit = self._fit(), None
         return self._set
+
+    def take_fit_set(self) -> FitSet | None:
+        """The FitSet, which this context then forgets: freed as soon as the builder drops it (the knn model frees
+        the captions, 0.4 GB at challenge size, before its temperature choice)."""
+        fit = self.fit_set()
+        self._set = self._pairs_y = None
+        return fit
 
     @property
     def fit_x(self) -> torch.Tensor | None:

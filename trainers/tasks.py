@@ -172,7 +172,7 @@ class TranslateTask(Task):
     def _fit_set(self) -> FitSet:
         """Centred training captions [N, Dt], each one's image index [N] and the raw training images [Ni, Di]: built
         only for the models that read them (geometry, relative, knn), 0.5 GB at challenge size."""
-        return FitSet(self.x.materialize().sub_(self.text_mean), self.img, self.images.materialize())
+        return FitSet(self.x.materialize().sub_(self.text_mean), self.img, self.images.materialize(), owned=True)
 
     def epoch_context(self, model: torch.nn.Module) -> EpochContext:
         return EpochContext(embed_train=lambda: predict(model, self.x), n_targets=len(self.images))
