@@ -20,7 +20,7 @@ from trainers.cost import Timing, mean_epoch
 from trainers.data import TrainSet
 from trainers.errors import LatentsweepError
 from trainers.losses import Criterion
-from trainers.models import build_model, has_trained_part
+from trainers.models import UNTRAINED_KINDS, build_model
 from trainers.optim import MONITOR_MODES, build_optimizer
 from trainers.records import EpochLog
 from trainers.regularise import BatchAugment, build_average
@@ -114,11 +114,10 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     gen = seed_everything(cfg.train.seed)
     task = TASKS.get(cfg.data.task)(cfg, data, device)
     model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
-    clock = _RunClock(started, _train_size(cfg, data), False)
-    if not has_trained_part(model):
+    if cfg.model.kind in UNTRAINED_KINDS:
+        clock = _RunClock(started, _train_size(cfg, data), per_image=False)
         return _fit_untrained(cfg, data, task, model, out_dir, callback, clock)
     criterion = Criterion(cfg, task.dim_out).to(device)
-    clock.per_image = criterion.cost_per_image
     steps = task.steps_per_epoch()
     opt, schedule = build_optimizer(cfg, model, criterion, steps)
     amp = cfg.train.amp and device.type == "cuda"
@@ -131,6 +130,7 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     best, best_state, best_epoch, stale = -math.inf, None, -1, 0
     sign = 1.0 if MONITOR_MODES[cfg.train.monitor] == "max" else -1.0  # monitored value as higher-is-better
     best_monitored = -math.inf
+    clock = _RunClock(started, _train_size(cfg, data), criterion.cost_per_image)
     stopped = False
     epochs = tqdm(range(cfg.train.stop_after or cfg.train.epochs), desc="epochs", disable=not progress, leave=False)
     for epoch in epochs:
@@ -159,12 +159,7 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
         if improved:
             best, best_epoch = score, epoch
             best_state = copy.deepcopy(judged.state_dict())
-            if out_dir is not None:
-                atomic_torch_save(checkpoint_payload(judged, cfg, (task.dim_in, task.dim_out),
-                                                     {"epoch": epoch, "metrics": metrics,
-                                                      "data_fingerprint": data.fingerprint},
-                                                     loss_state=criterion.state_dict()),
-                                  Path(out_dir) / "best.pt")
+            _save_best(out_dir, judged, cfg, task, data, epoch, metrics, criterion.state_dict())
         watched = metrics[cfg.train.monitor] if validated else -sign * metrics["train/loss"]
         stale = 0 if sign * watched > best_monitored else stale + 1
         best_monitored = max(best_monitored, sign * watched)
@@ -192,15 +187,23 @@ def _fit_untrained(cfg: Config, data: TrainSet, task, model: CenteredModel, out_
     metrics = {**task.evaluate(model), "lr": 0.0}
     clock.evaluated()
     log = EpochLog(out_dir)
-    if out_dir is not None:
-        atomic_torch_save(checkpoint_payload(model, cfg, (task.dim_in, task.dim_out),
-                                             {"epoch": 0, "metrics": metrics, "data_fingerprint": data.fingerprint}),
-                          Path(out_dir) / "best.pt")
+    ckpt = _save_best(out_dir, model, cfg, task, data, 0, metrics, None)
     log.append(0, metrics)
     if callback is not None:
         callback(EpochReport(0, metrics, True, clock.timing()))
-    ckpt = Path(out_dir) / "best.pt" if out_dir is not None else None
     return TrainResult(0, log.rows[0], log.rows, model, ckpt, task.val_ranks(model), clock.timing())
+
+
+def _save_best(out_dir: str | Path | None, model: CenteredModel, cfg: Config, task, data: TrainSet, epoch: int,
+               metrics: dict[str, float], loss_state: dict | None) -> Path | None:
+    """Write the best epoch's checkpoint to out_dir/best.pt (nothing without out_dir); returns its path or None."""
+    if out_dir is None:
+        return None
+    path = Path(out_dir) / "best.pt"
+    atomic_torch_save(checkpoint_payload(model, cfg, (task.dim_in, task.dim_out),
+                                         {"epoch": epoch, "metrics": metrics, "data_fingerprint": data.fingerprint},
+                                         loss_state=loss_state), path)
+    return path
 
 
 def _train_size(cfg: Config, data: TrainSet) -> tuple[int, int]:

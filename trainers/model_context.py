@@ -25,10 +25,10 @@ class FitSet:
 class ModelContext:
     """What a builder may look at besides the config: the dims, and the training set that only the closed-form
     models read (geometry's fit, the relative model's anchors, the kernel model's keys): fit_x [N, dim_in] train-split
-    inputs, fit_y [N, dim_out] each one's raw image embedding, or the same as fit_img [N] indices into fit_images
-    [Ni, dim_out], on the training device. A task passes `fit`, which builds the FitSet on first read (at challenge
-    size fit_y alone is 0.7 GB that every other model would hold for nothing). None is given when weights come from
-    a checkpoint (fits and anchor picks are skipped and left to `load_state_dict`)."""
+    inputs and fit_y [N, dim_out] each one's raw image embedding, or the whole FitSet (images by index, not repeated
+    per caption: `fit_set`, `take_fit_set`), on the training device. A task passes `fit`, which builds the FitSet on
+    first read (at challenge size fit_y alone is 0.7 GB that every other model would hold for nothing). None is given
+    when weights come from a checkpoint (fits and anchor picks are skipped and left to `load_state_dict`)."""
 
     def __init__(self, dim_in: int, dim_out: int, fit_x: torch.Tensor | None = None,
                  fit_y: torch.Tensor | None = None, *, fit: Callable[[], FitSet] | None = None,

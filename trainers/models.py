@@ -151,11 +151,6 @@ def check_model(cfg: Config) -> None:
                           "head to regularise; set slots.k = 0")
 
 
-def has_trained_part(model: nn.Module) -> bool:
-    """Whether training would change `model`: some parameter takes gradients (False for a fitted-only model)."""
-    return any(p.requires_grad for p in model.parameters())
-
-
 @MODELS.register("deep_mlp")
 def build_deep_mlp(cfg: Config, ctx: ModelContext) -> nn.Module:
     """The MLP with >= 2 hidden layers and a norm between them (LayerNorm when model.norm is 'none')."""

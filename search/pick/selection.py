@@ -100,11 +100,16 @@ def screen(cands: list[Candidate], data, device, size: int, seed: int = 0) -> tu
     return [cands[i] for i in order], f"greedy on the study's val split first ({picked}), then by study rank"
 
 
+def ensemble_kept(res: oof_mod.OofSelection, fallback: str) -> bool:
+    """Whether the selection's ensemble stands: always with --fallback never; with one-se only when its nested gain
+    is above its standard error over the folds."""
+    return fallback == "never" or res.gain_is_real
+
+
 def submitted_weights(res: oof_mod.OofSelection, names: list[str], fallback: str) -> tuple[np.ndarray, list[str]]:
-    """(weights, notes): the selection's weights, or with fallback "one-se" the best single member alone when the
-    ensemble's nested gain is not above its standard error over the folds (greedy may also have chosen one member by
-    itself)."""
-    if fallback == "never" or res.gain_is_real or (res.weights > 0).sum() <= 1:
+    """(weights, notes): the selection's weights, or the best single member alone when the ensemble does not stand
+    (`ensemble_kept`; greedy may also have chosen one member by itself)."""
+    if ensemble_kept(res, fallback) or (res.weights > 0).sum() <= 1:
         return res.weights, []
     return np.eye(len(names))[res.best_single], [
         f"ensemble not used: its nested gain {res.gain:+.4f} is not above its standard error over the folds "
@@ -185,5 +190,4 @@ def _crossfit_selection(cands: list[Candidate], res: oof_mod.OofSelection, opts:
                        "best_single_mrr": float(res.member_mrr[res.best_single])},
                }
     return Selection(weights, pd.DataFrame(rows), cands[res.best_single].name, res.gain, res.gain_se, kind,
-                     metrics, details, notes=notes,
-                     ensemble_used=res.gain_is_real or opts.fallback == "never")
+                     metrics, details, notes=notes, ensemble_used=ensemble_kept(res, opts.fallback))
