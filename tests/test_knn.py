@@ -77,7 +77,7 @@ def test_blocks_of_queries_give_the_same_rows_as_one_at_a_time():
 
 def naive_loio_mrr(fit: FitSet, k: int, tau: float, queries: torch.Tensor, gallery: torch.Tensor) -> float:
     """Leave-one-image-out MRR by the definition: each query translated from the other images' captions only
-    (a kernel built without them), ranked against the gallery's other images; ties count against it."""
+    (a kernel built without them), ranked against the gallery's other images; ties count for it (metrics.py)."""
     total = 0.0
     for q in queries.tolist():
         own = int(fit.img[q])
@@ -92,7 +92,7 @@ def naive_loio_mrr(fit: FitSet, k: int, tau: float, queries: torch.Tensor, galle
         pred = w @ values[fit.img[keep][top.indices]]
         mine = float(pred @ values[own])
         rivals = [int(g) for g in gallery if int(g) != own]
-        total += 1.0 / (1 + sum(float(pred @ values[g]) >= mine for g in rivals))
+        total += 1.0 / (1 + sum(float(pred @ values[g]) > mine for g in rivals))
     return total / len(queries)
 
 

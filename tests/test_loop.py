@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,6 +76,21 @@ def test_val_ranks_are_the_best_models_global_ranks(run):
     result, _, _ = run
     assert result.val_ranks is not None and result.val_ranks.min() >= 1
     assert metrics.summarize(result.val_ranks)["mrr"] == pytest.approx(result.best_metrics["val/mrr_global"])
+
+
+def test_val_ranks_come_from_the_best_epoch_not_the_last(data):
+    """The ranks are kept from the best epoch's own validation (no second pass): they must be the returned model's,
+    computed here the naive way, in a run whose last epoch is worse than its best."""
+    result = train(small_cfg(**{"optim.lr": 0.03, "train.epochs": 4}), data)
+    assert result.best_epoch < len(result.history) - 1  # the setup this test needs: a later epoch did worse
+    task = TASKS.get("translate")(small_cfg(), data, torch.device("cpu"))
+    x, images = (v.materialize() if hasattr(v, "materialize") else v for v in (task.val_x, task.val_images))
+    with torch.no_grad():
+        pred = result.model.eval()(x)["pred"]
+    sims = torch.nn.functional.normalize(pred, dim=1) @ torch.nn.functional.normalize(images, dim=1).T
+    true = sims[torch.arange(len(sims)), task.val_img]
+    naive = 1 + (sims > true[:, None]).sum(1)
+    np.testing.assert_array_equal(result.val_ranks, naive.numpy())
 
 
 def test_fixed_seed_reproduces_identical_metrics(run, data):

@@ -291,3 +291,15 @@ def test_queries_made_block_by_block_give_the_same_ranks_and_metrics():
     got = M.ranks(M.Queries(len(pred), pred.shape[1], "cpu", make), image, cap2img, chunk=100)
     np.testing.assert_array_equal(got, M.ranks(pred, image, cap2img))
     assert got[150] == got[201] == 70              # the worst rank, as for a held tensor
+
+
+def test_rank_against_counts_strictly_higher_counted_columns_only():
+    """The one rank rule, on scores with exact ties and a column mask, against a loop by the definition."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 4, (30, 12), generator=gen).float()  # few values: many exact ties
+    true = torch.randint(0, 4, (30, 1), generator=gen).float()
+    counted = torch.rand(30, 12, generator=gen) > 0.3
+    naive = [1 + sum(float(scores[i, j]) > float(true[i]) and bool(counted[i, j]) for j in range(12))
+             for i in range(30)]
+    assert M.rank_against(scores, true, counted).tolist() == naive
+    assert M.rank_against(scores, true).tolist() == [1 + int((scores[i] > true[i]).sum()) for i in range(30)]

@@ -12,6 +12,7 @@ import math
 import torch
 
 from trainers.config import Config
+from trainers import metrics
 from trainers.metrics import GALLERY_SIZE
 from trainers.model_context import FitSet, ModelContext
 from trainers.translator import Translator, l2_normalize
@@ -70,7 +71,7 @@ class KernelTranslator(Translator):
 def choose_tau(fit: FitSet, k: int, seed: int) -> float:
     """The TAU_GRID temperature with the best leave-one-image-out MRR: up to CHOICE_QUERIES training captions, each
     translated from the other images' captions only, ranked against a gallery of GALLERY_SIZE training images as on
-    the leaderboard (its own image and random others); a tie counts against the true image. With one image there is
+    the leaderboard (its own image and random others), under trainers.metrics' rank rule. With one image there is
     nothing to leave out: tau = the grid's middle."""
     keys, img, values = fit.x, fit.img, fit.images
     n_img = values.shape[0]
@@ -91,8 +92,7 @@ def choose_tau(fit: FitSet, k: int, seed: int) -> float:
             w = torch.softmax(sim / tau, dim=1)  # [b, k']
             mine = (w * own_score).sum(1)  # [b]
             others = torch.einsum("bk,bkg->bg", w, gal_score)  # [b, G]
-            rank = 1 + ((others >= mine[:, None]) & rivals).sum(1)
-            rr[t] += (1.0 / rank.float()).sum()
+            rr[t] += (1.0 / metrics.rank_against(others, mine[:, None], rivals).float()).sum()
     return TAU_GRID[int(torch.argmax(rr))]
 
 

@@ -19,6 +19,7 @@ from trainers.config import Config
 from trainers.cost import Timing, mean_epoch
 from trainers.data import TrainSet
 from trainers.errors import LatentsweepError
+from trainers.heap import release_free_heap
 from trainers.losses import Criterion
 from trainers.models import UNTRAINED_KINDS, build_model
 from trainers.optim import MONITOR_MODES, build_optimizer
@@ -103,8 +104,13 @@ def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None
     returns its best finished epoch (`stopped_at_deadline`), or raises DeadlineReached when no epoch has finished."""
     validate(cfg)
     device = resolve_device(cfg.train.device)
-    with torch_threads(cfg.train.threads):
-        return _fit(cfg, data, device, callback, out_dir, progress, deadline)
+    try:
+        with torch_threads(cfg.train.threads):
+            return _fit(cfg, data, device, callback, out_dir, progress, deadline)
+    finally:
+        # The run's freed tensors (optimiser state, batches, validation blocks) would stay resident under glibc and
+        # under whatever the caller does next (a study logs its plots, then trains the next trial).
+        release_free_heap()
 
 
 def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[EpochReport], None] | None,
@@ -128,6 +134,7 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     # Two different bests: `best` is the selection score (val/mrr, the checkpoint kept), `best_monitored` the
     # train.monitor value the schedule and early stopping watch (val/loss for MoCo); they differ by design.
     best, best_state, best_epoch, stale = -math.inf, None, -1, 0
+    best_ranks = None  # [Nval] the best epoch's global val ranks (its rank plot), from that epoch's validation
     sign = 1.0 if MONITOR_MODES[cfg.train.monitor] == "max" else -1.0  # monitored value as higher-is-better
     best_monitored = -math.inf
     clock = _RunClock(started, _train_size(cfg, data), criterion.cost_per_image)
@@ -146,6 +153,7 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
             break
         average.after_epoch(epoch)
         clock.trained()
+        release_free_heap()  # the epoch's freed batches would stay resident under the validation's blocks
         judged = average.model(model)  # the averaged weights when train.average is on: validated and saved
         metrics = {**sums, **criterion.log_values(), **task.evaluate(judged), "lr": opt.param_groups[0]["lr"]}
         validated = task.metric_key in metrics  # False with data.split = "all" (nothing held out)
@@ -158,7 +166,7 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
         improved = score > best or not validated
         if improved:
             best, best_epoch = score, epoch
-            best_state = copy.deepcopy(judged.state_dict())
+            best_state, best_ranks = copy.deepcopy(judged.state_dict()), task.last_ranks
             _save_best(out_dir, judged, cfg, task, data, epoch, metrics, criterion.state_dict())
         watched = metrics[cfg.train.monitor] if validated else -sign * metrics["train/loss"]
         stale = 0 if sign * watched > best_monitored else stale + 1
@@ -174,8 +182,7 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
             break
     model.load_state_dict(best_state)
     ckpt = Path(out_dir) / "best.pt" if out_dir is not None else None
-    return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, task.val_ranks(model),
-                       clock.timing(), stopped)
+    return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, best_ranks, clock.timing(), stopped)
 
 
 def _fit_untrained(cfg: Config, data: TrainSet, task, model: CenteredModel, out_dir: str | Path | None,
@@ -191,7 +198,7 @@ def _fit_untrained(cfg: Config, data: TrainSet, task, model: CenteredModel, out_
     log.append(0, metrics)
     if callback is not None:
         callback(EpochReport(0, metrics, True, clock.timing()))
-    return TrainResult(0, log.rows[0], log.rows, model, ckpt, task.val_ranks(model), clock.timing())
+    return TrainResult(0, log.rows[0], log.rows, model, ckpt, task.last_ranks, clock.timing())
 
 
 def _save_best(out_dir: str | Path | None, model: CenteredModel, cfg: Config, task, data: TrainSet, epoch: int,

@@ -96,6 +96,13 @@ def _normalise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x / norm[:, None], valid
 
 
+def rank_against(scores: torch.Tensor, true: torch.Tensor, counted: torch.Tensor | None = None) -> torch.Tensor:
+    """The rank rule above, in one place: 1 + how many of each row's scores [b, G] are strictly higher than its true
+    item's score true [b, 1] (ties favour the true item), counting only the `counted` [b, G] columns when given."""
+    higher = scores > true
+    return 1 + (higher if counted is None else higher & counted).sum(dim=1)
+
+
 def _block_ranks(q, g, g_norm, g_ok, target, chunk, galleries=None, query_gallery=None):
     """Ranks of target[i] [Q] for queries q [Q, D] (tensor or Queries) against gallery g [G, D] with its norms g_norm
     [G] (`_gallery_norms`), in blocks of `chunk` queries (each block of a Queries is made, ranked and dropped).
@@ -114,10 +121,10 @@ def _block_ranks(q, g, g_norm, g_ok, target, chunk, galleries=None, query_galler
         true = sims.gather(1, target[rows, None])                     # [c, 1], same row as the comparison
         # A degenerate query or target (NaN true similarity compares False everywhere) gets the worst rank.
         bad = ~_usable(block)[1] | ~g_ok[target[rows]]
-        out[rows] = torch.where(bad, g.shape[0], 1 + (sims > true).sum(dim=1))
+        out[rows] = torch.where(bad, g.shape[0], rank_against(sims, true))
         if lb is not None:
             cols = galleries[query_gallery[rows]]                     # [c, S] columns of each query's gallery
-            lb[rows] = torch.where(bad, galleries.shape[1], 1 + (sims.gather(1, cols) > true).sum(dim=1))
+            lb[rows] = torch.where(bad, galleries.shape[1], rank_against(sims.gather(1, cols), true))
     return out, lb
 
 
@@ -249,10 +256,16 @@ def evaluate(pred, image, cap2img, gallery_size: int = GALLERY_SIZE, seed: int =
              chunk: int = DEFAULT_CHUNK) -> dict[str, float]:
     """Per-epoch validation: leaderboard metrics under the plain keys ("mrr", "r1", ...) and the global protocol's
     under the same keys suffixed "_global" ("mrr_global", ...), both from one pass over the similarities."""
+    return evaluate_with_ranks(pred, image, cap2img, gallery_size, seed, chunk)[0]
+
+
+def evaluate_with_ranks(pred, image, cap2img, gallery_size: int = GALLERY_SIZE, seed: int = 0,
+                        chunk: int = DEFAULT_CHUNK) -> tuple[dict[str, float], np.ndarray]:
+    """`evaluate`'s metrics and the global ranks [Q] they summarise (the rank plot's), from the same one pass."""
     glob, lb, views, owner = _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, "evaluate")
     out = _average_views(lb, views, owner)
     out.update({f"{k}_global": v for k, v in summarize(glob).items()})
-    return out
+    return out, glob
 
 
 def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GALLERY_SIZE) -> dict[str, float]:

@@ -114,9 +114,9 @@ class Task:
         """Validation batches (fixed order, train.batch_size rows) for the validation loss (train.monitor)."""
         raise NotImplementedError
 
-    def val_ranks(self, model: torch.nn.Module):
-        """Ranks for the rank-distribution plot; None where the task has no single true item."""
-        return None
+    # Ranks [Nval] of the last evaluate() for the rank-distribution plot (read by the loop for its best epoch, so
+    # that plot costs no second validation pass); None where the task has no single true item or nothing is held out.
+    last_ranks: np.ndarray | None = None
 
 
 @TASKS.register("translate")
@@ -224,15 +224,10 @@ class TranslateTask(Task):
         if len(self.val_x) == 0:  # data.split = "all": nothing held out, the loop keeps the last epoch
             return {}
         e = self.cfg.eval
-        scores = metrics.evaluate(queries(model, self.val_x, self.dim_out), self.val_images, self.val_img,
-                                  gallery_size=e.gallery_size, seed=e.seed)
+        scores, self.last_ranks = metrics.evaluate_with_ranks(queries(model, self.val_x, self.dim_out),
+                                                              self.val_images, self.val_img,
+                                                              gallery_size=e.gallery_size, seed=e.seed)
         return {f"val/{k}": float(v) for k, v in scores.items()}
-
-    def val_ranks(self, model: torch.nn.Module):
-        """Exact ranks of every val caption's image among all val images (global protocol), for the rank plot."""
-        if len(self.val_x) == 0:
-            return None
-        return metrics.ranks(queries(model, self.val_x, self.dim_out), self.val_images, self.val_img.cpu().numpy())
 
 
 @TASKS.register("multilabel")
