@@ -40,8 +40,9 @@ def cfg_of(**values) -> Config:
     return with_values(Config(), {"model.kind": "knn", **values})
 
 
-def naive_kernel(q: torch.Tensor, fit: FitSet, k: int, tau: float) -> torch.Tensor:
-    """One query at a time, in float64: centre, normalise, the k largest cosines, softmax, mix the unit images."""
+def naive_kernel(q: torch.Tensor, fit: FitSet, k: int, tau: float, center: float) -> torch.Tensor:
+    """One query at a time, in float64: centre, normalise, the k largest cosines, softmax, mix the unit images, take
+    `center` x their mean off."""
     x = fit.x.double()
     mean = x.mean(0)
     keys = (x - mean) / (x - mean).norm(dim=1, keepdim=True)
@@ -52,17 +53,18 @@ def naive_kernel(q: torch.Tensor, fit: FitSet, k: int, tau: float) -> torch.Tens
         cos = keys @ (v / v.norm())
         top = sorted(range(len(cos)), key=lambda i: -float(cos[i]))[:k]
         w = torch.softmax(torch.stack([cos[i] for i in top]) / tau, dim=0)
-        out.append(sum(wi * values[fit.img[i]] for wi, i in zip(w, top)))
+        out.append(sum(wi * values[fit.img[i]] for wi, i in zip(w, top)) - center * values.mean(0))
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("k", [1, 5, 1000])
-def test_prediction_is_the_softmax_mix_of_the_nearest_captions_images(k):
+@pytest.mark.parametrize("k, center", [(1, 1.0), (5, 1.0), (1000, 1.0), (5, 0.0), (5, 0.5)])
+def test_prediction_is_the_softmax_mix_of_the_nearest_captions_images(k, center):
     fit = clustered()
-    model = build_model(cfg_of(**{"model.knn_k": k, "model.knn_tau": 0.05}), ModelContext(DIN, DOUT, fit=lambda: fit))
+    cfg = cfg_of(**{"model.knn_k": k, "model.knn_tau": 0.05, "model.knn_center": center})
+    model = build_model(cfg, ModelContext(DIN, DOUT, fit=lambda: fit))
     q = torch.randn(7, DIN)
     raw = model(q)["raw"]
-    assert torch.allclose(raw.double(), naive_kernel(q, fit, k, 0.05), atol=1e-5)
+    assert torch.allclose(raw.double(), naive_kernel(q, fit, k, 0.05, center), atol=1e-5)
 
 
 def test_blocks_of_queries_give_the_same_rows_as_one_at_a_time():
@@ -75,7 +77,8 @@ def test_blocks_of_queries_give_the_same_rows_as_one_at_a_time():
     assert model(q[:0])["pred"].shape == (0, DOUT)
 
 
-def naive_loio_mrr(fit: FitSet, k: int, tau: float, queries: torch.Tensor, gallery: torch.Tensor) -> float:
+def naive_loio_mrr(fit: FitSet, k: int, tau: float, queries: torch.Tensor, gallery: torch.Tensor,
+                   center: float = 0.0) -> float:
     """Leave-one-image-out MRR by the definition: each query translated from the other images' captions only
     (a kernel built without them), ranked against the gallery's other images; ties count for it (metrics.py)."""
     total = 0.0
@@ -89,23 +92,26 @@ def naive_loio_mrr(fit: FitSet, k: int, tau: float, queries: torch.Tensor, galle
         cos = keys[keep] @ keys[q]
         top = torch.topk(cos, min(k, int(keep.sum())))
         w = torch.softmax(top.values / tau, dim=0)
-        pred = w @ values[fit.img[keep][top.indices]]
+        pred = w @ values[fit.img[keep][top.indices]] - center * values.mean(0)
         mine = float(pred @ values[own])
         rivals = [int(g) for g in gallery if int(g) != own]
         total += 1.0 / (1 + sum(float(pred @ values[g]) > mine for g in rivals))
     return total / len(queries)
 
 
-def test_the_temperature_is_the_best_leave_one_image_out_choice():
+@pytest.mark.parametrize("center", [0.0, 1.0])
+def test_the_temperature_is_the_best_leave_one_image_out_choice(center):
     fit = clustered(n_img=40)
     keys = torch.nn.functional.normalize(fit.x - fit.x.mean(0), dim=1)
     unit = torch.nn.functional.normalize(fit.images, dim=1)
     k, seed = 16, 3
-    chosen = knn.choose_tau(FitSet(keys, fit.img, unit), k, seed)
+    chosen = knn.choose_tau(FitSet(keys, fit.img, unit), k, seed, center)
     gen = torch.Generator().manual_seed(seed)  # the same draws as choose_tau
     queries = torch.randperm(len(fit.x), generator=gen)[:knn.CHOICE_QUERIES]
     gallery = torch.randperm(len(fit.images), generator=gen)[:knn.GALLERY_SIZE]
-    scores = [naive_loio_mrr(fit, k, tau, queries, gallery) for tau in knn.TAU_GRID]
+    scores = [naive_loio_mrr(fit, k, tau, queries, gallery, center) for tau in knn.TAU_GRID]
+    got = knn.loio_mrr(FitSet(keys, fit.img, unit), k, seed, center)
+    assert got.tolist() == pytest.approx(scores, abs=1e-6)  # every grid point, not only the argmax
     assert scores[knn.TAU_GRID.index(chosen)] == pytest.approx(max(scores), abs=1e-6)
     assert max(scores) - min(scores) > 0.01  # the grid's ends really differ here: the choice is not a tie
 
@@ -195,11 +201,13 @@ def test_the_pool_takes_the_best_trial_of_each_model_kind():
 def test_naive_oracle_agrees_with_a_hand_computed_case():
     """The oracle itself, on two keys: weights softmax([1, 0] / tau) on the two images."""
     fit = FitSet(torch.tensor([[1.0, 0.0], [-1.0, 0.0]]), torch.tensor([0, 1]), torch.tensor([[1.0, 0.0], [0.0, 2.0]]))
-    got = naive_kernel(torch.tensor([[1.0, 0.0]]), fit, 2, 0.5)[0]
+    got = naive_kernel(torch.tensor([[1.0, 0.0]]), fit, 2, 0.5, 0.0)[0]
     w = np.exp([1 / 0.5, -1 / 0.5])
     w = w / w.sum()
     assert got.tolist() == pytest.approx([w[0], w[1]])
     assert math.isclose(float(got.norm()), float(np.hypot(*w)), rel_tol=1e-9)
+    centred = naive_kernel(torch.tensor([[1.0, 0.0]]), fit, 2, 0.5, 1.0)[0]  # less the unit images' mean (0.5, 0.5)
+    assert centred.tolist() == pytest.approx([w[0] - 0.5, w[1] - 0.5])
 
 
 def test_top_trials_add_the_best_of_each_other_kind_from_a_real_study():

@@ -61,6 +61,8 @@ class ModelCfg:
     knn_k: int = _f(64, low=1, doc="knn model: nearest training captions mixed per prediction")
     knn_tau: float = _f(0.0, low=0.0, doc="knn model: softmax temperature over their cosines; 0 = chosen by "
                                           "leave-one-image-out MRR on the training captions")
+    knn_center: float = _f(1.0, low=0.0, high=1.0, doc="knn model: fraction of the mean unit training image taken "
+                                                        "off each prediction (a mean of images leans to their mean)")
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# Queries per similarity block: a block holds chunk x G float32, 256 x 25000 = 26 MB at full challenge scale. At 1024
+# Queries per similarity block: a block holds chunk x G float32, 128 x 25000 = 13 MB at full challenge scale. At 1024
 # rows a challenge-size `train` peaked 0.1 GB higher (glibc kept the larger freed blocks in its heap) for about 4% less
-# time (benchmarks/memory_peak.py).
-DEFAULT_CHUNK = 256
+# time; at 256 a 1-trial study peaked 0.015-0.027 GB higher than at 128, for 3-7% less validation time (under 1% of a
+# trial; benchmarks/memory_peak.py).
+DEFAULT_CHUNK = 128
 # Recall cut-offs and the NDCG depth reported for the challenge (MRR is the leaderboard metric).
 RECALL_AT = (1, 5, 10, 50)
 NDCG_DEPTH = 100
