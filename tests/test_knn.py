@@ -2,6 +2,7 @@
 checkpoint and the pick's refits."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -187,13 +188,16 @@ def test_a_knn_member_is_refit_once_however_many_seeds(data, tmp_path):
 
 
 class _Trial:
-    def __init__(self, number: int, kind: str | None):
+    def __init__(self, number: int, kind: str | None, side: str | None = None):
         self.number, self.params = number, ({} if kind is None else {"model.kind": kind})
+        self.user_attrs = {} if side is None else {"latentsweep.side": json.dumps({"model.kind": side})}
 
 
 def test_the_pool_takes_the_best_trial_of_each_model_kind():
     ranked = [_Trial(4, "mlp"), _Trial(2, "mlp"), _Trial(7, "geometry"), _Trial(1, "knn"), _Trial(3, "knn")]
     assert [t.number for t in best_of_each_kind(ranked)] == [4, 7, 1]
+    ranked = [_Trial(4, "mlp"), _Trial(0, None, side="knn"), _Trial(2, "mlp")]  # a side trial: its kind is its own
+    assert [t.number for t in best_of_each_kind(ranked)] == [4, 0]
     assert best_of_each_kind([_Trial(0, None), _Trial(1, None)]) == []  # the kind is not searched: one kind
     assert best_of_each_kind([_Trial(0, "mlp"), _Trial(1, "mlp")]) == []
 

@@ -68,7 +68,8 @@ def test_init_renames_the_own_recipe_and_keeps_edits_unless_forced(tmp_path):
     text = (tmp_path / "mine.toml").read_text()
     assert 'recipe = "mine.toml"' in text and 'recipe = "full.toml"' not in text
     assert not (tmp_path / "full.toml").exists()
-    assert len(load_study_file(tmp_path / "mine.toml").enqueue) == 4
+    mine = load_study_file(tmp_path / "mine.toml")
+    assert len(mine.enqueue) == 3 and mine.side == ({"model.kind": "knn"},)
     (tmp_path / "mine.toml").write_text(text.replace("n_trials", "n_trials = 5\n# n_trials", 1))
     with pytest.raises(ConfigError, match="exists and differs"):
         init_preset("full", tmp_path / "mine.toml")

@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 from search.pick.options import PickOptions
 from search.pick.plan import note
 from search.study.objective import TIMING_ATTR
+from search.study.side import side_values
 from search.study.studyfile import resolve_data_path
 from search.tracking.base import Tracker
 from search.tracking.paths import resolve_in_state
@@ -79,8 +80,8 @@ def best_of_each_kind(ranked: list) -> list:
     """The best trial of each searched model.kind (trials in rank order): a kind whose best trial ranks below the top
     k can still be the member that adds most (the knn model's errors differ from a trained model's)."""
     seen: dict[str, object] = {}
-    for t in ranked:
-        seen.setdefault(str(t.params.get(KIND_PARAM)), t)
+    for t in ranked:  # a side trial (the knn of full.toml) has no parameters: its kind is in its side values
+        seen.setdefault(str(t.params.get(KIND_PARAM) or (side_values(t) or {}).get(KIND_PARAM)), t)
     return list(seen.values()) if len(seen) > 1 else []
 
 

@@ -11,6 +11,7 @@ from optuna.trial import TrialState
 
 from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
 from search.study.progress import emit
+from search.study.side import SIDE_ATTR, side_values
 from search.study.space import sample
 from search.process import raise_if_interrupted
 from search.redact import redact_url
@@ -105,8 +106,9 @@ class TrialRunner:
         trial is retried). `self.open_run` names the run until it is closed, so fail() can close it.
         """
         out = self.out_root / f"trial-{trial.number}"
+        side = side_values(trial)  # a side trial's config is its own values: it samples nothing
         try:
-            values = sample(trial, list(self.study_file.space), self.base_values)
+            values = side if side is not None else sample(trial, list(self.study_file.space), self.base_values)
         except ValueError as exc:
             raise LatentsweepError(f"cannot sample the search space: {exc}") from None
         cfg = with_values(self.study_file.base, {**values, "data.path": self.spec.data_path,
@@ -118,7 +120,8 @@ class TrialRunner:
         except OSError as exc:
             raise MachineFailed(f"cannot write {exc.filename or out}: {exc.strerror or exc}") from exc
         params = {k: redact_url(str(v)) for k, v in flatten(cfg).items()}
-        params.update({f"{SEARCH_PARAM_PREFIX}{k}": redact_url(str(v)) for k, v in values.items()})
+        if side is None:  # search.<knob>: what the sampler chose (a side trial's values are in its side tag)
+            params.update({f"{SEARCH_PARAM_PREFIX}{k}": redact_url(str(v)) for k, v in values.items()})
         self.open_run = self.tracker.start_trial(trial.number, params, self._tags(trial, cfg))
         trial.set_user_attr("mlflow_run_id", self.open_run)
         trial.set_user_attr("out_dir", relative_to_state(out, self.spec.state_dir))
@@ -203,6 +206,8 @@ class TrialRunner:
                 "data_path": self.spec.data_path, "optuna.state": "RUNNING"}
         if retry_of is not None:
             tags["latentsweep.retry_of"] = str(retry_of)
+        if SIDE_ATTR in trial.user_attrs:
+            tags[SIDE_ATTR] = trial.user_attrs[SIDE_ATTR]
         return tags
 
     def _close(self, run_id: str, out: Path, state: str, ranks=None, error: str | None = None) -> None:

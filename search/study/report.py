@@ -9,6 +9,7 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from search.redact import redact_url
+from search.study.side import side_values
 from search.study.storage import StorageSettings, dispose, open_storage
 from search.tracking.base import SUMMARY_STEP_KEY
 from trainers.errors import LatentsweepError
@@ -66,7 +67,9 @@ def study_summary(study: optuna.Study) -> dict[str, Any]:
     summary[SUMMARY_STEP_KEY] = sum(t.state.is_finished() for t in trials)
     if summary["trials_complete"] and len(study.directions) == 1:
         best = study.best_trial
-        summary.update(best_value=best.value, best_trial=best.number, best_params=dict(best.params))
+        # a side trial samples nothing: its knob values stand where a sampled trial's parameters would
+        summary.update(best_value=best.value, best_trial=best.number,
+                       best_params=dict(best.params) or side_values(best) or {})
     elif summary["trials_complete"]:
         summary["pareto_front_size"] = len(study.best_trials)
     return summary

@@ -14,6 +14,7 @@ from search.stores import safe_name
 from search.study.branches import check_branches
 from search.study.presets import resolve_study_path
 from search.study.samplers import DEFAULT, check_settings
+from search.study.side import side_entry
 from search.study.space import Param, active_values, config_key, parse_space
 from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml, with_values
 from trainers.demo import default_train_path
@@ -21,7 +22,7 @@ from trainers.errors import ConfigError, LatentsweepError, closest
 from trainers.plugins import load_plugin
 
 STUDY_KEYS = {"name", "objective", "direction", "sampler", "pruner", "n_trials", "timeout", "description", "plugins"}
-TOP_KEYS = {"study", "base", "space", "enqueue"}
+TOP_KEYS = {"study", "base", "space", "enqueue", "side"}
 DIRECTIONS = ("maximize", "minimize")
 
 
@@ -39,6 +40,7 @@ class StudyFile:
     fixed: frozenset[str] = frozenset()  # keys set explicitly in [base]
     space: tuple[Param, ...] = ()
     enqueue: tuple[dict[str, Any], ...] = ()
+    side: tuple[dict[str, Any], ...] = ()  # [[side]]: configs run once beside the search (search/study/side.py)
     description: str = ""
     plugins: tuple[str, ...] = ()  # `PATH#sha256=HEX` of each plugin file (also in base.plugins.files)
 
@@ -60,12 +62,14 @@ def load_study_file(path: str | Path) -> StudyFile:
         base = with_values(base, {"plugins.files": plugins})
     space = parse_space(raw.get("space", {}), fixed, errors, where)
     enqueue = [_enqueue_entry(e, i, path, base, space, errors) for i, e in enumerate(raw.get("enqueue", []))]
+    side = [side_entry(e, i, where, base, errors) for i, e in enumerate(_tables(raw, "side", where, errors))]
     if not errors:  # probing needs a space that parsed; every config it proposes must pass the trainer's check
         check_branches(space, base, [e for e in enqueue if e], errors, where)
     if errors:
         raise ConfigError(f"{len(errors)} problem(s) in {where}:\n  " + "\n  ".join(errors))
     return StudyFile(path=path, base=base, fixed=frozenset(fixed), space=tuple(space),
-                     enqueue=tuple(e for e in enqueue if e), plugins=tuple(plugins), **study)
+                     enqueue=tuple(e for e in enqueue if e), side=tuple(e for e in side if e),
+                     plugins=tuple(plugins), **study)
 
 
 def load_plugins(table: dict, path: Path) -> list[str]:
@@ -116,6 +120,15 @@ def _study_settings(table: dict, path: Path, errors: list[str]) -> dict[str, Any
         errors.append(f"{where}: study.timeout: must be a positive number of seconds, got {timeout!r}")
     out["timeout"] = timeout
     return out
+
+
+def _tables(raw: dict, key: str, where: str, errors: list[str]) -> list[dict]:
+    """The `[[key]]` array of tables (none when absent); one error line when it is something else."""
+    tables = raw.get(key, [])
+    if isinstance(tables, list) and all(isinstance(t, dict) for t in tables):
+        return tables
+    errors.append(f"{where}: {key}: expected [[{key}]] tables, got {type(tables).__name__}")
+    return []
 
 
 def _base(table: dict, where: str, errors: list[str]) -> tuple[Config, set[str]]:

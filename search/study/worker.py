@@ -19,6 +19,7 @@ from search.redact import redact_url
 from search.study.budget import SearchBudget
 from search.study.objective import ERROR_ATTR, HALT_ATTR, TrialRunner
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
+from search.study.side import enqueue_side
 from search.study.storage import (
     RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, schema_lock, storage_of, trial_id,
 )
@@ -113,6 +114,7 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
                     "n_trials": str(spec.n_trials), "data": spec.data_path, "description": study_file.description}
         study.set_user_attr(PARENT_ATTR, tracker.ensure_study(spec.name, settings))
     if not attrs.get(ENQUEUED_ATTR):
+        enqueue_side(study, study_file.side)  # first: one cheap config each (the knn: seconds on the demo)
         for values in study_file.enqueue:
             study.enqueue_trial(values, user_attrs={"latentsweep.enqueued": True}, skip_if_exists=True)
         study.set_user_attr(ENQUEUED_ATTR, True)
