@@ -13,6 +13,7 @@ from mlflow import MlflowClient
 from conftest import tiny_study_file
 from search.cli.main import main
 from search.pick.candidates import best_of_each_kind, top_trials
+from search.study.report import study_table
 from search.study.side import SIDE_ATTR, side_values
 from search.study.studyfile import load_study_file
 from trainers.errors import ConfigError
@@ -64,5 +65,7 @@ def test_a_study_runs_its_side_trial_once_and_never_samples_it(tmp_path, synthet
     run = MlflowClient(f"sqlite:///{state / 'mlflow.db'}").get_run(first.user_attrs["mlflow_run_id"])
     assert json.loads(run.data.tags[SIDE_ATTR]) == {"model.kind": "knn"}
     assert run.data.params["model.kind"] == "knn" and not any(k.startswith("search.") for k in run.data.params)
+    table = study_table(study, varying_only=False)  # `study status`: its values stand in its row
+    assert table.loc[table["number"] == 0, "model.kind"].item() == "knn"
     pool = best_of_each_kind(top_trials(study, len(trials)))
     assert 0 in [t.number for t in pool]  # the pick's pool has it as the best (only) knn trial

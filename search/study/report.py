@@ -42,6 +42,10 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
     value = next(c for c in frame.columns if c == "value" or c.startswith("value_"))  # value_<metric name>
     frame = frame.rename(columns={value: "value", **{c: c[len("params_"):] for c in frame.columns
                                                        if c.startswith("params_")}})
+    for trial in study.get_trials(deepcopy=False):  # a side trial's knob values stand in its row's cells
+        for key, val in (side_values(trial) or {}).items():
+            if key in frame.columns:
+                frame.loc[frame["number"] == trial.number, key] = val
     frame["value"] = pd.to_numeric(frame["value"])  # all None (no trial has a value yet) would be an object column
     # all None (only waiting trials) is an object column: converted, it is NaT, printed empty
     frame["duration_s"] = pd.to_timedelta(frame.pop("duration")).dt.total_seconds().round(1)
