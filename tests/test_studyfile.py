@@ -162,6 +162,12 @@ def test_unknown_table_and_base_key(tmp_path):
     assert any("base: unknown config key 'optim.lrr' (did you mean 'optim.lr'?)" in line for line in lines)
 
 
+def test_enqueue_written_as_one_table_is_one_error_line(tmp_path):
+    """`[enqueue]` instead of `[[enqueue]]` (a table, not an array of them) crashed with a ValueError before."""
+    lines = problems(write(tmp_path, HEAD + '\n[enqueue]\nrecipe = "x.toml"\n'))
+    assert any("enqueue: expected [[enqueue]] tables, got dict" in line for line in lines)
+
+
 def test_several_sections_report_together(tmp_path):
     lines = problems(write(tmp_path, '[study]\nn_trials = 0\nsampler = "tpee"\n' + HEAD
                            + '"optim.beta1" = { type = "float", low = 0.9, high = 0.5 }\n'

@@ -24,13 +24,14 @@ SIDE_ATTR = "latentsweep.side"  # JSON {config key: value} of a side trial
 def side_entry(entry: dict, index: int, where: str, base: Config, errors: list[str]) -> dict[str, Any]:
     """{config key: value} of one `[[side]]` table, checked as a whole config on top of `base`; {} after errors."""
     at = f"{where}: side[{index}]"
+    flat = flatten_tree(entry)
     values: dict[str, Any] = {}
-    for key, value in flatten_tree(entry).items():
+    for key, value in flat.items():
         try:  # an unknown knob fails here, naming the closest valid one
             values[key] = coerce(key, value)
         except ConfigError as exc:
             errors.append(f"{at}: {exc}")
-    if len(values) < len(flatten_tree(entry)):
+    if len(values) < len(flat):
         return {}
     if not values:
         errors.append(f"{at}: sets no knob (a side trial is [base] with at least one knob changed)")

@@ -61,7 +61,8 @@ def load_study_file(path: str | Path) -> StudyFile:
     if plugins:
         base = with_values(base, {"plugins.files": plugins})
     space = parse_space(raw.get("space", {}), fixed, errors, where)
-    enqueue = [_enqueue_entry(e, i, path, base, space, errors) for i, e in enumerate(raw.get("enqueue", []))]
+    enqueue = [_enqueue_entry(e, i, path, base, space, errors)
+               for i, e in enumerate(_tables(raw, "enqueue", where, errors))]
     side = [side_entry(e, i, where, base, errors) for i, e in enumerate(_tables(raw, "side", where, errors))]
     if not errors:  # probing needs a space that parsed; every config it proposes must pass the trainer's check
         check_branches(space, base, [e for e in enqueue if e], errors, where)
