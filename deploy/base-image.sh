@@ -9,6 +9,13 @@
 # DOCKER (docker). Needs root and debootstrap (apt-get install debootstrap).
 set -eu
 
+# The image's file system as a tar stream on stdout. The `./` entry becomes the image's `/`: mktemp -d made ROOTFS
+# 0700, and a 0700 `/` denies every non-root process its own libraries (PostgreSQL: libc.so.6: Permission denied).
+rootfs_tar() {
+    chmod 0755 "$1"
+    tar -C "$1" --numeric-owner -c .
+}
+
 IMAGE=${1:-latentsweep-base:bookworm}
 SUITE=${DEBIAN_SUITE:-bookworm}
 DOCKER=${DOCKER:-docker}
@@ -46,7 +53,7 @@ EOF
 # Downloaded .debs and apt lists are cache, not image content.
 rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/*
 
-tar -C "$ROOTFS" -c . | $DOCKER import \
+rootfs_tar "$ROOTFS" | $DOCKER import \
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'CMD ["bash"]' \
     --message "debootstrap --variant=minbase $SUITE $MIRROR" - "$IMAGE"
