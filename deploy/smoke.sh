@@ -21,21 +21,40 @@ WORKERS=3
 PROJECT=${SMOKE_PROJECT:-latentsweep-smoke}
 TIMEOUT=${SMOKE_TIMEOUT:-1500}
 N_TRIALS=$(sed -n 's/^n_trials *= *\([0-9]*\).*/\1/p' "deploy/smoke/$STUDY.toml")
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/latentsweep-smoke.XXXXXX")
-LOGS=$WORK/logs
-mkdir -p "$LOGS" "$WORK/data"
 
 say() { printf 'smoke: %s\n' "$*"; }
 die() { say "FAILED: $*"; exit 1; }
 
+# ---- what this host lacks, all in one line, before anything is built -----------------------------------------------
+LACKS=()
+if ! command -v docker >/dev/null 2>&1; then
+    LACKS+=("docker (apt-get install docker.io)")
+elif ! docker info >/dev/null 2>&1; then
+    LACKS+=("a Docker engine that answers (start dockerd)")
+fi
 if docker compose version >/dev/null 2>&1; then
     COMPOSE_CLI=(docker compose)
 elif command -v docker-compose >/dev/null 2>&1; then
     COMPOSE_CLI=(docker-compose)
 else
-    die "no Docker Compose (docker compose plugin or docker-compose)"
+    LACKS+=("Docker Compose (the docker compose plugin, or apt-get install docker-compose)")
 fi
-docker info >/dev/null 2>&1 || die "no Docker engine answers (is dockerd running?)"
+# The offline path (Debian-built images) makes its base image with debootstrap, unless it exists or nothing is built.
+needs_debootstrap() {
+    [ "${SMOKE_IMAGES:-debian}" = debian ] && [ "${SMOKE_BUILD:-1}" != 0 ] \
+        && ! docker image inspect "${BASE_IMAGE:-latentsweep-base:bookworm}" >/dev/null 2>&1
+}
+lacks_debootstrap() { needs_debootstrap && ! command -v debootstrap >/dev/null 2>&1; }
+DEBOOTSTRAP_LACK="debootstrap (apt-get install debootstrap; the offline path builds its Debian base image with it)"
+if [ "${#LACKS[@]}" -gt 0 ]; then
+    # without an engine the image source is unknown: name debootstrap too if the offline path would need it
+    lacks_debootstrap && LACKS+=("$DEBOOTSTRAP_LACK")
+    die "this host lacks: $(IFS=';'; printf '%s' "${LACKS[*]}" | sed 's/;/; /g')"
+fi
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/latentsweep-smoke.XXXXXX")
+LOGS=$WORK/logs
+mkdir -p "$LOGS" "$WORK/data"
 
 # ---- how this engine can run the stack ------------------------------------------------------------------------------
 files=(-f docker-compose.yml)
@@ -53,6 +72,7 @@ if [ -z "${SMOKE_IMAGES:-}" ]; then
     fi
 fi
 if [ "$SMOKE_IMAGES" = debian ]; then
+    if lacks_debootstrap; then rm -rf "$WORK"; die "this host lacks: $DEBOOTSTRAP_LACK"; fi
     files+=(-f deploy/compose.offline.yml)
     BASE_IMAGE=${BASE_IMAGE:-latentsweep-base:bookworm}
 else
