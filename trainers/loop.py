@@ -18,6 +18,7 @@ from trainers.checkpoint import CenteredModel, atomic_torch_save, checkpoint_pay
 from trainers.config import Config
 from trainers.cost import Timing, mean_epoch
 from trainers.data import TrainSet
+from trainers.devices import resolve_device
 from trainers.errors import LatentsweepError
 from trainers.heap import release_free_heap
 from trainers.losses import Criterion
@@ -27,7 +28,7 @@ from trainers.records import EpochLog
 from trainers.regularise import BatchAugment, build_average
 from trainers.splits import captions_of
 from trainers.tasks import TASKS, split_images
-from trainers.validate import DEVICE_NAME, validate
+from trainers.validate import validate
 
 
 class TrainingDiverged(LatentsweepError):
@@ -56,20 +57,6 @@ class TrainResult:
     val_ranks: np.ndarray | None = field(default=None, repr=False)  # [Nval] exact ranks of the best model
     timing: Timing | None = None
     stopped_at_deadline: bool = False  # the deadline ended the run early; best_epoch is the best finished epoch
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto | cpu | cuda | cuda:N as a torch device that exists on this machine (one-line error otherwise)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not DEVICE_NAME.fullmatch(name):
-        raise LatentsweepError(f"device '{name}' is not one of auto, cpu, cuda, cuda:N")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LatentsweepError(f"device '{name}' but no CUDA device is available")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise LatentsweepError(f"device '{name}' but this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def seed_everything(seed: int) -> torch.Generator:

@@ -5,18 +5,14 @@ slots it needs), not from lists of loss names.
 """
 from __future__ import annotations
 
-import re
-
 from trainers.config import Config
+from trainers.devices import DEVICE_NAME
 from trainers.errors import ConfigError
 from trainers.losses import LOSSES, active_losses
 from trainers.models import UNTRAINED_KINDS, check_model
 from trainers.optim import OPTIMIZERS, SCHEDULERS
 from trainers.regularise import WEIGHT_AVERAGES
 from trainers.tasks import TASKS
-
-# What train.device and `pick --device` accept besides auto (torch.device parses far more, e.g. 'meta' or 'xla').
-DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]{1,4})?")
 
 
 def validate(cfg: Config) -> None:
