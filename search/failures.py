@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import traceback
 from dataclasses import dataclass
 from enum import Enum
@@ -29,7 +30,7 @@ class StudyHalted(Exception):
 class Kind(Enum):
     CONFIG = "config"  # the configuration cannot train (a bad value found at run time, divergence)
     MEMORY = "memory"  # the configuration does not fit this machine's memory (GPU OOM, CPU allocation failure)
-    MACHINE = "machine"  # the file system refused (disk full, read-only, permissions, a missing file: any OSError)
+    MACHINE = "machine"  # the file system refused (any OSError), the GPU failed, or other processes filled a shared GPU
     OUTAGE = "outage"  # the tracking store or the Optuna storage is unreachable, locked or failing
     INTERRUPT = "interrupt"  # Ctrl-C, SIGTERM
     BUG = "bug"  # anything else: a bug in our code (or a library's), never the configuration's fault
@@ -61,6 +62,18 @@ OUTAGE_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_E
 # torch's CPU allocator raises a plain RuntimeError (c10/core/impl/alloc_cpu.cpp): an oversized config, not a bug.
 CPU_ALLOC_FAILED = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
 MEMORY_ERRORS = (torch.OutOfMemoryError, MemoryError)
+# A CUDA error that is not an allocation failure (a lost or busy device, an ECC or launch failure; torch raises
+# torch.AcceleratorError, which torch 2.13 has and older releases may not) says the GPU failed, not the config: the
+# trial is retried, elsewhere or later, like a full disk. A device-side assert is one too: it is retried at most
+# StorageSettings.max_retry times, then the worker has stopped with its line each time.
+ACCELERATOR_ERRORS = tuple(e for e in (getattr(torch, "AcceleratorError", None),) if e is not None)
+# The caching allocator's message (c10/cuda/CUDACachingAllocator.cpp): "Tried to allocate 2.00 GiB. GPU 0 has a total
+# capacity of 79.19 GiB of which 1.10 GiB is free. Process 4242 has 70.00 GiB memory in use. Including non-PyTorch
+# memory, this process has 8.00 GiB memory in use." The driver names the other processes on the GPU (NVML).
+OOM_ASKED = re.compile(r"Tried to allocate ([0-9.]+) (bytes|KiB|MiB|GiB)")
+OOM_FREE = re.compile(r"of which ([0-9.]+) (bytes|KiB|MiB|GiB) is free")
+OOM_OTHERS = re.compile(r"Process [0-9]+ has ([0-9.]+) (bytes|KiB|MiB|GiB) memory in use")
+UNITS = {"bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
 @dataclass(frozen=True)
@@ -126,14 +139,35 @@ def kind_of(exc: BaseException) -> Kind:
         return Kind.MACHINE
     if isinstance(exc, LatentsweepError):
         return Kind.CONFIG
+    if isinstance(exc, torch.OutOfMemoryError) and shared_gpu_short(str(exc)):
+        return Kind.MACHINE
     if isinstance(exc, MEMORY_ERRORS) or (isinstance(exc, RuntimeError) and any(s in str(exc)
                                                                                 for s in CPU_ALLOC_FAILED)):
         return Kind.MEMORY
+    if isinstance(exc, ACCELERATOR_ERRORS):
+        return Kind.MACHINE
     if outage_in(exc) is not None:
         return Kind.OUTAGE
     if isinstance(exc, OSError):  # the file system's answer (full, read-only, missing, a directory): not our code's
         return Kind.MACHINE
     return Kind.BUG
+
+
+def shared_gpu_short(message: str) -> bool:
+    """Whether a CUDA out-of-memory error is the shared GPU's fault rather than the config's: the driver names other
+    processes on the GPU, and the memory they hold is at least what was missing (asked minus free), so the same
+    allocation would have fit on the GPU alone. Then the trial is retried (MACHINE), not counted as a config that
+    does not fit (MEMORY). Anything else stays MEMORY, as does every CPU allocation failure: a message without the
+    other processes (NVML cannot see them from some containers) cannot tell the two apart."""
+    asked, free = OOM_ASKED.search(message), OOM_FREE.search(message)
+    others = [_bytes(m) for m in OOM_OTHERS.finditer(message)]
+    if asked is None or free is None or not others:
+        return False
+    return sum(others) >= _bytes(asked) - _bytes(free)
+
+
+def _bytes(match: re.Match) -> float:
+    return float(match.group(1)) * UNITS[match.group(2)]
 
 
 def first_line(exc: BaseException, limit: int = 300) -> str:

@@ -57,3 +57,37 @@ def test_the_recorded_device_is_the_machines_gpu():
     assert machine_gpu(torch.device("cuda", 0), visible="2,3") == "cuda:2"  # pinned to GPU 2: its cuda:0 is GPU 2
     assert machine_gpu(torch.device("cuda", 1), visible="2, 3") == "cuda:3"
     assert machine_gpu(torch.device("cuda", 1), visible="") == "cuda:1"  # not pinned: the ordinal is the GPU
+
+
+# The caching allocator's words, as a worker on a GPU shared with another process sees them (sizes made up).
+SHARED_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+              "1.10 GiB is free. Process 4242 has 70.00 GiB memory in use. Including non-PyTorch memory, this process "
+              "has 8.00 GiB memory in use. Of the allocated memory 7.50 GiB is allocated by PyTorch.")
+
+
+def test_a_gpu_filled_by_other_processes_is_the_machines_fault():
+    from search.failures import Kind, classify
+    failure = classify(torch.OutOfMemoryError(SHARED_OOM))
+    assert failure.kind is Kind.MACHINE and failure.retried and not failure.counts
+    assert "\n" not in str(failure.user_error(3)) and "retried" in str(failure.user_error(3))
+
+
+@pytest.mark.parametrize("message", [
+    # alone on the GPU: the config does not fit
+    SHARED_OOM.replace("Process 4242 has 70.00 GiB memory in use. ", ""),
+    # the other process holds less than was missing: the config would not fit on the GPU alone either
+    SHARED_OOM.replace("Tried to allocate 2.00 GiB", "Tried to allocate 75.00 GiB"),
+    "CUDA",  # no sizes to read
+])
+def test_an_oversized_config_stays_a_memory_failure(message):
+    from search.failures import Kind, classify
+    assert classify(torch.OutOfMemoryError(message)).kind is Kind.MEMORY
+
+
+@pytest.mark.skipif(not hasattr(torch, "AcceleratorError"), reason="this torch has no AcceleratorError")
+def test_an_accelerator_error_is_retried():
+    from search.failures import Kind, classify, one_line
+    exc = torch.AcceleratorError("CUDA error: unspecified launch failure\nCUDA kernel errors might be reported later")
+    failure = classify(exc)
+    assert failure.kind is Kind.MACHINE and failure.retried and not failure.counts and not failure.goes_on
+    assert one_line(exc) == "AcceleratorError: CUDA error: unspecified launch failure"
