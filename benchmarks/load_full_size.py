@@ -1,6 +1,7 @@
 """Benchmark: write and load a challenge-size train.npz; report wall time and peak RSS against the float arrays' size.
 
 Usage: python benchmarks/load_full_size.py [--dir DIR] [--small] [--rebuild]
+       python benchmarks/load_full_size.py --smoke     # 100 images x 32 -> 48, in a temp dir (tests)
 The file is built once with trainers.synthetic (cached in DIR, default a temp dir) and loaded in a child process,
 whose peak RSS (resource.getrusage ru_maxrss) is compared with the bytes of the float arrays it must hold.
 """
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Real challenge train.npz: 25,000 images x 5 captions, text dim 1024, image dim 1536 (shared/data-sources.md).
 FULL = {"n_images": 25_000, "captions_per_image": 5, "dim_text": 1024, "dim_image": 1536}
 SMALL = {"n_images": 2_000, "captions_per_image": 5, "dim_text": 1024, "dim_image": 1536}
+SMOKE = {"n_images": 100, "captions_per_image": 5, "dim_text": 32, "dim_image": 48}
 GOAL_RATIO = 1.5  # peak RSS of the loader / bytes of the float arrays
 MB = 2 ** 20
 
@@ -57,26 +59,34 @@ def _run_child(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", help="where to build / find train.npz (default: a fixed temp dir)")
     ap.add_argument("--small", action="store_true", help=f"quick run: {SMALL['n_images']} images instead of 25,000")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the file even if cached")
+    ap.add_argument("--smoke", action="store_true", help="a tiny file in a fresh temp dir: the code path in seconds")
     ap.add_argument("--child-build", nargs=2, metavar=("DIR", "PARAMS"), help=argparse.SUPPRESS)
     ap.add_argument("--child-load", metavar="PATH", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child_build:
         print(json.dumps(child_build(args.child_build[0], json.loads(args.child_build[1]))))
         return 0
     if args.child_load:
         print(json.dumps(child_load(args.child_load)))
         return 0
-
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="load-smoke-") as tmp:
+            return measure(SMOKE, Path(tmp), rebuild=True)
     params = SMALL if args.small else FULL
     out_dir = Path(args.dir or Path(tempfile.gettempdir()) / f"latentsweep-bench-{'small' if args.small else 'full'}")
+    return measure(params, out_dir, args.rebuild)
+
+
+def measure(params: dict, out_dir: Path, rebuild: bool) -> int:
+    """Build (or reuse) out_dir/train.npz with `params`, load it in a child process and print the figures."""
     train, stamp = out_dir / "train.npz", out_dir / "params.json"
     cached = train.exists() and stamp.exists() and json.loads(stamp.read_text()) == params
-    if args.rebuild or not cached:
+    if rebuild or not cached:
         out_dir.mkdir(parents=True, exist_ok=True)
         stamp.unlink(missing_ok=True)
         built = _run_child("--child-build", str(out_dir), json.dumps(params))
