@@ -203,3 +203,28 @@ def test_process_settings_do_not_import_matplotlib_and_figures_still_draw_headle
             "import matplotlib.pyplot as plt; print(plt.get_backend())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.split() == ["False", "Agg"]
+
+
+def test_light_parser_help_lines_match_the_commands_own_parsers():
+    """`latentsweep --help` lists COMMAND_HELP without importing the command modules: the lines must be theirs."""
+    import argparse
+
+    from search.cli.main import COMMAND_HELP, build_parser
+
+    def helps(parser):
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return {choice.dest: choice.help for choice in sub._choices_actions}
+
+    assert helps(build_parser(light=True)) == helps(build_parser()) == COMMAND_HELP
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], [], ["no-such-command"]])
+def test_version_and_help_import_no_heavy_library(argv):
+    """--version, --help, no command and an unknown command answer from the light parser: neither torch nor Optuna
+    nor MLflow nor SQLAlchemy is imported (each costs seconds at start-up; docs/design.md, "Start-up")."""
+    code = ("import sys; from search.cli.main import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'optuna', 'mlflow', 'sqlalchemy', 'requests', 'pandas') "
+            "if m in sys.modules), file=sys.stderr)")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stderr
+    assert err.strip().splitlines()[-1] == "[]"

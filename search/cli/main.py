@@ -7,7 +7,6 @@ import sys
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
-from search.failures import StudyHalted, one_line
 from search.process import configure_process
 
 # Each module of search.cli named here exposes add_parser(subparsers); the handler it sets as `func` returns an exit
@@ -15,9 +14,23 @@ from search.process import configure_process
 COMMAND_MODULES = ("data", "submission", "train", "study", "pick", "run", "ui")
 # The module of each top-level command (tests/test_layout.py checks it against the parsers): a command imports only its
 # own module, so `latentsweep train` does not load MLflow, pandas and the picker through the others (0.13 GB of RSS
-# at start, README "Challenge-size training memory"). --help, --version and an unknown command build every parser.
+# at start, docs/memory.md).
 MODULE_OF = {"data": "data", "submission": "submission", "train": "train", "predict": "train", "study": "study",
              "worker": "study", "pick": "pick", "run": "run", "ui": "ui"}
+# Each top-level command's one-line help, for the parser that `--help`, `--version`, no command and an unknown command
+# get: it imports no command module, so they answer before torch, Optuna, MLflow or SQLAlchemy is loaded (docs/design.md,
+# "Start-up"). tests/test_layout.py checks these lines against the commands' own parsers.
+COMMAND_HELP = {
+    "data": "check and build data files",
+    "submission": "check or score a submission CSV",
+    "train": "train a study file's base config once",
+    "predict": "write a validated submission from one checkpoint",
+    "study": "run and inspect Optuna studies",
+    "worker": "join an existing study as one worker (any machine)",
+    "pick": "ensemble a study's best trials into a submission (out-of-fold selection, refit on every labelled image)",
+    "run": "search and pick within one time budget: the submission, MLflow runs and a registered model at the end",
+    "ui": "serve the MLflow UI and optuna-dashboard until Ctrl-C",
+}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -37,8 +50,9 @@ def version() -> str:
         return "unknown"
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of `command` alone when it is a known top-level command, else of every command."""
+def build_parser(command: str | None = None, light: bool = False) -> argparse.ArgumentParser:
+    """The parser of `command` alone when it is a known top-level command, else of every command (`light`: every
+    command's name and help line only, from COMMAND_HELP, without importing their modules)."""
     parser = OneLineParser(
         prog="latentsweep",
         description="Hyperparameter search and experiment tracking for latent-space translation.",
@@ -46,6 +60,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    if light and command not in MODULE_OF:
+        for name, text in COMMAND_HELP.items():
+            sub.add_parser(name, help=text)
+        return parser
     for name in [MODULE_OF[command]] if command in MODULE_OF else COMMAND_MODULES:
         importlib.import_module(f"search.cli.{name}").add_parser(sub)
     return parser
@@ -54,7 +72,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The `latentsweep` entry point: the one place (with a spawned worker's entry) that sets process-wide state."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(argv[0] if argv else None)
+    parser = build_parser(argv[0] if argv else None, light=True)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or an argument error (2, already printed): an exit code, as for the rest
@@ -65,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("latentsweep: interrupted", file=sys.stderr)
         return 130
-    except StudyHalted as exc:  # a worker's bug, its traceback already printed by that worker: exit 1, not 2
-        print(f"latentsweep: error: {exc}", file=sys.stderr)
-        return 1
     except Exception as exc:  # classified once (search.failures): a bug keeps its traceback, the rest is one line
+        from search.failures import StudyHalted, one_line  # imported here: it loads torch, which --version must not
+
+        if isinstance(exc, StudyHalted):  # a worker's bug, its traceback already printed by that worker: exit 1
+            print(f"latentsweep: error: {exc}", file=sys.stderr)
+            return 1
         line = one_line(exc)
         if line is None:
             raise
