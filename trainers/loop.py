@@ -18,6 +18,7 @@ from trainers.checkpoint import CenteredModel, atomic_torch_save, checkpoint_pay
 from trainers.config import Config
 from trainers.cost import Timing, mean_epoch
 from trainers.data import TrainSet
+from trainers.deadline import Deadline
 from trainers.devices import resolve_device
 from trainers.errors import LatentsweepError
 from trainers.heap import release_free_heap
@@ -82,13 +83,15 @@ def torch_threads(threads: int):
 
 def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None] | None = None,
           out_dir: str | Path | None = None, progress: bool = False,
-          deadline: Callable[[], float | None] | None = None) -> TrainResult:
+          deadline: Callable[[], Deadline | None] | None = None) -> TrainResult:
     """Train `cfg` on `data`; keep the best epoch by val/mrr; `callback` sees every epoch (and may raise to stop).
     Runs with cfg.train.threads torch threads (when > 0), restored on return.
 
-    `deadline()` (a time.time() value, or None for none): read before every step, so the caller may move it while
-    the run goes on (a one-budget run re-estimates it after each epoch); when it passes, the run stops there and
-    returns its best finished epoch (`stopped_at_deadline`), or raises DeadlineReached when no epoch has finished."""
+    `deadline()` (a trainers.deadline.Deadline, or None for none): read before every step, so the caller may move
+    it while the run goes on (a one-budget run re-estimates it after each epoch). Once an epoch has finished, the
+    next epoch, or an epoch's validation, starts only when its last measured seconds fit before the deadline; a step
+    never starts after it. Then the run returns its best finished epoch (`stopped_at_deadline`), or raises
+    DeadlineReached when no epoch has finished (or the deadline had passed before the run started)."""
     validate(cfg)
     device = resolve_device(cfg.train.device)
     try:
@@ -101,9 +104,11 @@ def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None
 
 
 def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[EpochReport], None] | None,
-         out_dir: str | Path | None, progress: bool, deadline: Callable[[], float | None] | None) -> TrainResult:
+         out_dir: str | Path | None, progress: bool, deadline: Callable[[], Deadline | None] | None) -> TrainResult:
     """The body of `train`, under its thread count."""
     started = time.monotonic()
+    if _now_past(deadline):  # nothing built yet: a trial claimed just before the end costs nothing
+        raise DeadlineReached("the deadline had passed before the run started")
     gen = seed_everything(cfg.train.seed)
     task = TASKS.get(cfg.data.task)(cfg, data, device)
     model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
@@ -128,6 +133,9 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     stopped = False
     epochs = tqdm(range(cfg.train.stop_after or cfg.train.epochs), desc="epochs", disable=not progress, leave=False)
     for epoch in epochs:
+        if best_epoch >= 0 and not _fits(deadline, clock.last_epoch()):  # it would be cut before its validation
+            stopped = True
+            break
         model.on_epoch_start(epoch)
         criterion.on_epoch_start(epoch, task.epoch_context(model))
         clock.epoch_start()
@@ -140,6 +148,9 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
             break
         average.after_epoch(epoch)
         clock.trained()
+        if best_epoch >= 0 and not _fits(deadline, clock.eval[-1] if clock.eval else None):
+            stopped = True  # the first epoch is always validated: without it there is no model to keep
+            break
         release_free_heap()  # the epoch's freed batches would stay resident under the validation's blocks
         judged = average.model(model)  # the averaged weights when train.average is on: validated and saved
         metrics = {**sums, **criterion.log_values(), **task.evaluate(judged), "lr": opt.param_groups[0]["lr"]}
@@ -210,6 +221,17 @@ class _PastDeadline(Exception):
     """Raised between two steps when the run's deadline has passed (caught by _fit)."""
 
 
+def _now_past(deadline: Callable[[], Deadline | None] | None) -> bool:
+    end = deadline() if deadline is not None else None
+    return end is not None and end.passed()
+
+
+def _fits(deadline: Callable[[], Deadline | None] | None, seconds: float | None) -> bool:
+    """Whether work measured at `seconds` ends before the run's deadline (always, without one)."""
+    end = deadline() if deadline is not None else None
+    return end is None or end.fits(seconds)
+
+
 class _RunClock:
     """The run's seconds by part (start-up, training and validation of each epoch): trainers.cost.Timing."""
 
@@ -236,6 +258,12 @@ class _RunClock:
         self.eval.append(now - self.mark)
         self.mark = now
 
+    def last_epoch(self) -> float | None:
+        """Seconds of the last epoch, training and validation (None before any)."""
+        if not self.train:
+            return None
+        return self.train[-1] + (self.eval[-1] if self.eval else 0.0)
+
     def timing(self) -> Timing:
         return Timing(self.setup or 0.0, mean_epoch(self.train), mean_epoch(self.eval), *self.size, self.per_image)
 
@@ -255,7 +283,7 @@ class StepParts:
     amp: bool
     augment: BatchAugment
     average: Any  # trainers.regularise.WeightAverage
-    deadline: Callable[[], float | None] | None = None  # time.time() after which no step starts
+    deadline: Callable[[], Deadline | None] | None = None  # after which no step starts
 
 
 def _train_epoch(p: StepParts, epoch: int) -> dict[str, float]:
@@ -265,8 +293,7 @@ def _train_epoch(p: StepParts, epoch: int) -> dict[str, float]:
     sums: dict[str, torch.Tensor] = {}
     n = 0
     for i, real in enumerate(task.batches(p.gen)):
-        end = p.deadline() if p.deadline is not None else None
-        if end is not None and time.time() >= end:
+        if _now_past(p.deadline):
             raise _PastDeadline
         criterion.set_progress((epoch + i / p.steps) / cfg.train.epochs)
         batch = p.augment(real)  # the losses train on this one; their after_step gets the real one

@@ -83,6 +83,9 @@ def print_result(result) -> None:
     if where:
         print(f"gain ensemble - best single ({where}): {result.gain:+.4f}{spread_text(result.gain_se)} MRR")
     print(f"submission: {result.submission}\nmanifest:   {result.manifest}\nreport:     {result.report}")
+    if result.run_id is None:
+        print("MLflow: not written (see the warning above); the submission, manifest and report are in place")
+        return
     print(f"MLflow run {result.run_id}; pyfunc model {result.model_uri}"
           + (f"; registered {result.registered['name']} v{result.registered['version']}" if result.registered
              else ""))

@@ -7,14 +7,14 @@ import sys
 import time
 
 from search.cli.pick import print_result
-from search.cli.study import make_spec
+from search.cli.study import add_worker_args, make_spec, worker_plan
 from search.cli.study_inspect import liveness_args, stores_args
-from search.pick.onebudget import parse_duration, run_one_budget
+from search.pick.onebudget import check_pick_inputs, parse_duration, run_one_budget
 from search.pick.picker import PickOptions
+from search.process import process_started
 from search.stores import safe_name
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.redact import redact_url
-from trainers.errors import LatentsweepError
 
 
 def add_parser(sub) -> None:
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--name", help="study name (default: the file's study.name)")
     p.add_argument("--n-trials", type=int, help="the search also ends after this many finished trials (default: the "
                                                 "file's n_trials)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes on this machine (default 1)")
+    add_worker_args(p)
     p.add_argument("--device", default=PickOptions.device, help="the pick's device: auto | cpu | cuda | cuda:N")
     stores_args(p)
     liveness_args(p)
@@ -40,21 +40,27 @@ def add_parser(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    started = time.time()
+    started = process_started()
     total = parse_duration(args.time)
-    if args.workers < 1:
-        raise LatentsweepError(f"--workers must be >= 1, got {args.workers}")
+    plan = worker_plan(args)  # --workers/--gpus/--per-gpu, checked against this machine before anything is stored
     args.timeout = None  # the budget is the bound
     with no_new_empty_state_dir(args.state_dir):
-        spec = make_spec(args)
+        spec = make_spec(args, plan=plan)
         preflight(spec)
+        pick = check_pick_inputs(PickOptions(
+            study=safe_name(spec.name), state_dir=spec.state_dir, storage=spec.storage.url,
+            tracking_uri=spec.tracking_uri, data=spec.data_path, test=args.test, out=args.out,
+            register=args.register or spec.name, device=args.device, progress=spec.progress), spec.data_path)
     print(f"study '{spec.name}': storage {redact_url(spec.storage.url)}, tracking {redact_url(spec.tracking_uri)}",
           file=sys.stderr)
-    pick = PickOptions(study=safe_name(spec.name), state_dir=spec.state_dir, storage=spec.storage.url,
-                       tracking_uri=spec.tracking_uri, data=spec.data_path, test=args.test, out=args.out,
-                       register=args.register or spec.name, device=args.device, progress=spec.progress)
-    summary, result = run_one_budget(spec, total, pick, args.workers, started)
-    print(json.dumps({"study": spec.name, **summary}, default=str))
-    print_result(result)
-    print(f"wall time {time.time() - started:.0f} s of {total:.0f} s")
+    done = run_one_budget(spec, total, pick, plan.workers, started)
+    print(json.dumps({"study": spec.name, **done.summary}, default=str))
+    if done.pick is not None:
+        print_result(done.pick)
+    else:
+        print(f"submission: {done.answer.path} ({done.answer.source})")
+    wall = time.monotonic() - started
+    print(f"wall time {wall:.0f} s of {total:.0f} s" + (f": over by {done.overrun_s:.0f} s, first in "
+                                                       f"{done.overrun_in}" if done.overrun_s > 0 else ""))
     return 0
+

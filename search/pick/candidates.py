@@ -157,13 +157,18 @@ def resolve_data(opts: PickOptions, cands: list[Candidate]) -> tuple[Path, Path]
     demo test (demo data) or a test.clean.npz beside the train file."""
     recorded = next((c.cfg.data.path for c in cands if c.cfg.data.path), "")
     data = resolve_data_path(opts.data or recorded)
-    if opts.test:
-        return data, Path(opts.test).expanduser()
+    return data, test_path_for(data, opts.test)
+
+
+def test_path_for(data: Path, test: str | None) -> Path:
+    """--test, else the demo test (demo data) or a test.clean.npz beside the train file `data`."""
+    if test:
+        return Path(test).expanduser()
     if data.resolve() == default_train_path().resolve():
-        return data, default_test_path()
+        return default_test_path()
     beside = data.parent / "test.clean.npz"
     if beside.is_file():
-        return data, beside
+        return beside
     raise LatentsweepError(f"--test is required: {data} is not the demo data and has no test.clean.npz beside it")
 
 

@@ -1,9 +1,9 @@
 """What `latentsweep pick` writes: the submission CSV, its manifest JSON and report table (all or none), the MLflow
 run `pick-<method>` holding them with the report metrics, and the ensemble as a pyfunc model (optionally registered).
 
-Files are staged in a hidden directory beside --out and moved into place only after everything (MLflow included)
-succeeded; on any failure the staging directory, any directory created for --out, and nothing else is left behind,
-and the MLflow run is marked FAILED.
+The files are staged in a hidden directory beside --out and moved into place together before anything is tracked:
+the answer never waits for MLflow. A tracking failure after that leaves the files in place, marks the run FAILED and
+is said in one line; a failure before it leaves nothing behind but what was there.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from search.tracking.base import NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, Data
 from search.tracking.source import source_tags
 from search.tracking.plots import ensemble_figure
 from trainers.data import TestSet, TrainSet
+from trainers.io import atomic_write
 from trainers.submission import check_submission, write_submission
 
 PICK_ROLE = "pick"
@@ -49,8 +50,8 @@ class PickResult:
     gain: float  # ensemble - best single, measured as search.pick.selection.WHERE says for its selection
     gain_se: float  # standard error of the gain over the folds (nan for halves)
     selection: str  # "val", "oof", "halves" or "single"
-    run_id: str
-    model_uri: str
+    run_id: str | None  # None: the tracking failed after the files were in place (said in a warning)
+    model_uri: str | None
     tracking_uri: str
     registered: dict[str, str] | None
 
@@ -212,16 +213,54 @@ def manifest(r: PickRun, run: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_outputs(tracker: Tracker, r: PickRun) -> PickResult:
-    """Stage submission + report, log the MLflow run and model, write the manifest, then move the files into place."""
-    opts, paths, study, sel, test = r.opts, r.paths, r.study, r.sel, r.test
+    """The submission, report and manifest first, in place together (staged beside --out, then renamed); then the
+    MLflow run and model, whose failure (a store down, a full disk) leaves the files in place and is said in one
+    line: the answer never waits for the tracking. The manifest is rewritten with the run once it exists."""
+    paths = r.paths
+    doc = _put_files(r)
+    run = _track(tracker, r)
+    if run is not None:
+        doc = manifest(r, run)
+        with atomic_write(paths.manifest) as fh:
+            fh.write(json.dumps(doc, indent=2, default=float) + "\n")
+        _best_effort(lambda: tracker.log_artifacts(run["run_id"], [paths.out, paths.report, paths.manifest]),
+                     "log the pick's files to its MLflow run")
+    registered = run["registered"] if run else None
+    return PickResult(paths.out, paths.manifest, paths.report, r.sel.table, doc["weights"], r.sel.best_single,
+                      float(r.sel.gain), float(r.sel.gain_se), r.sel.kind, run["run_id"] if run else None,
+                      run["model_uri"] if run else None, paths.tracking_uri, registered)
+
+
+def _put_files(r: PickRun) -> dict[str, Any]:
+    """Stage the submission (checked against the test set), report and manifest, then move them into place; on a
+    failure nothing is moved and the directories created for --out are removed. Returns the manifest."""
+    paths = r.paths
     created = _make_dirs(paths.out.parent)
     stage = Path(tempfile.mkdtemp(prefix=".pick-", dir=paths.out.parent))
-    run_id = None
     try:
         staged = {p: stage / p.name for p in (paths.out, paths.report, paths.manifest)}
-        write_submission(staged[paths.out], test.ids, r.test_pred)
-        check_submission(staged[paths.out], test, dim=r.test_pred.shape[1])
-        sel.table.to_csv(staged[paths.report], index=False)
+        write_submission(staged[paths.out], r.test.ids, r.test_pred)
+        check_submission(staged[paths.out], r.test, dim=r.test_pred.shape[1])
+        r.sel.table.to_csv(staged[paths.report], index=False)
+        doc = manifest(r, {"tracking_uri": redact_url(paths.tracking_uri), "run_id": None})
+        staged[paths.manifest].write_text(json.dumps(doc, indent=2, default=float) + "\n")
+        for final, tmp in staged.items():
+            os.replace(tmp, final)
+        return doc
+    except BaseException:
+        _remove_empty(created)
+        raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _track(tracker: Tracker, r: PickRun) -> dict[str, Any] | None:
+    """The pick's MLflow run, its refits' runs and the pyfunc model (registered with --register): the run's record
+    for the manifest, or None when the tracking failed on anything but our own bug (said in one line, the run marked
+    FAILED). An interrupt or a bug marks the run (KILLED, FAILED) and is raised."""
+    opts, study, sel = r.opts, r.study, r.sel
+    run_id = None
+    try:
         exp_id, run_id = start_run(tracker, study, opts.method)
         note = describe(study.study_name, opts.method, sel, r.models, r.cands[0].dims)
         _log_run(tracker, run_id, r, note)
@@ -232,36 +271,44 @@ def write_outputs(tracker: Tracker, r: PickRun) -> PickResult:
                               card, register=opts.register)
         registered = ({"name": logged.registered_name, "version": logged.registered_version}
                       if logged.registered_name else None)
-        run = {"tracking_uri": redact_url(paths.tracking_uri), "experiment_id": exp_id, "run_id": run_id,
-               "model_id": logged.model_id, "model_uri": logged.model_uri, "registered": registered,
-               "refit_runs": refit_runs}
-        doc = manifest(r, run)
-        staged[paths.manifest].write_text(json.dumps(doc, indent=2, default=float) + "\n")
-        tracker.log_artifacts(run_id, list(staged.values()))
         tracker.end_run(run_id)
-        for final, tmp in staged.items():
-            os.replace(tmp, final)
+        return {"tracking_uri": redact_url(r.paths.tracking_uri), "experiment_id": exp_id, "run_id": run_id,
+                "model_id": logged.model_id, "model_uri": logged.model_uri, "registered": registered,
+                "refit_runs": refit_runs}
     except BaseException as exc:
         # Ctrl-C is the user's stop, not a failure: MLflow's KILLED (as `mlflow run` marks an interrupted run)
         release_interrupted(exc)
-        _undo(tracker, run_id, created, "KILLED" if kind_of(exc) is Kind.INTERRUPT else "FAILED")
-        raise
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return PickResult(paths.out, paths.manifest, paths.report, sel.table, doc["weights"], sel.best_single,
-                      float(sel.gain), float(sel.gain_se), sel.kind, run_id, logged.model_uri, paths.tracking_uri,
-                      registered)
+        kind = kind_of(exc)
+        _end_failed(tracker, run_id, "KILLED" if kind is Kind.INTERRUPT else "FAILED")
+        if kind in (Kind.BUG, Kind.INTERRUPT):
+            raise
+        logging.getLogger("latentsweep").warning(
+            "the submission is in place, but its MLflow run and model could not be written (%s)", first_line(exc))
+        return None
 
 
-def _undo(tracker: Tracker, run_id: str | None, created: list[Path], status: str) -> None:
-    """After a failure or an interrupt: end the MLflow run with `status` (FAILED or KILLED) and remove directories
-    created for --out (when still empty)."""
+def _best_effort(call, what: str) -> None:
+    """`call()`, a failure of which (not a bug) is warned about: the files it concerns are already in place."""
+    try:
+        call()
+    except Exception as exc:
+        if kind_of(exc) is Kind.BUG:
+            raise
+        logging.getLogger("latentsweep").warning("could not %s (%s)", what, first_line(exc))
+
+
+def _end_failed(tracker: Tracker, run_id: str | None, status: str) -> None:
+    """After a failure or an interrupt: end the MLflow run with `status` (FAILED or KILLED)."""
     if run_id is not None:
         try:
             tracker.end_run(run_id, status)
         except Exception as exc:  # noqa: BLE001 - the original error is the one to report; this one in a line
             logging.getLogger("latentsweep").warning("could not mark the pick's MLflow run %s %s (%s)",
                                                      run_id, status, first_line(exc))
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the directories created for --out (when still empty), innermost first."""
     for directory in reversed(created):
         try:
             directory.rmdir()

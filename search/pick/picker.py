@@ -24,7 +24,7 @@ from search.pick import plan as plan_mod
 from search.pick.candidates import (
     SPLIT_KEYS, Candidate, check_agreement, check_data, check_test, load_candidates, resolve_data,
 )
-from search.pick.jobs import SubmissionModel, fold_jobs, refit_jobs, refit_members, refit_queue, seed_candidates
+from search.pick.jobs import SubmissionModel, fold_jobs, refit_jobs, refit_members, seed_candidates
 from search.pick.options import AUTO, Paths, PickOptions, check_options, pool_size, resolve_paths
 from search.pick.outputs import PickResult, PickRun, write_outputs
 from search.pick.plan import Clock, note
@@ -156,30 +156,6 @@ def load_inputs(opts: PickOptions, downloads: Path, device) -> PickInputs:
     data = load_train_shared(data_path)  # a one-budget run's search read it already
     check_data(pool, data)
     return PickInputs(paths, study, tracker, pool, data, test)
-
-
-def estimate_pick(opts: PickOptions, budget: float | None) -> float | None:
-    """Seconds the pick would take on the study as it stands within `budget` seconds (loading, selection, the refits
-    its clock would admit, export), found without training; None when its selection would train fold models (then
-    only the pick itself can tell)."""
-    started = time.monotonic()
-    check_options(opts)
-    device = resolve_device(opts.device)
-    with tempfile.TemporaryDirectory(prefix="latentsweep-pick-") as downloads:
-        inp = load_inputs(opts, Path(downloads), device)
-        if opts.selection != "val" or not shares_val_split(inp.pool):
-            return None
-        sel = select_val(inp.pool, inp.data, opts, device)
-        chosen = [(c, float(w)) for c, w in zip(inp.pool, sel.weights) if w > 0]
-        queue = refit_queue(chosen, opts.refit_seeds, inp.data, inp.paths.picks) if opts.refit else []
-        clock, spent, admitted = Clock(None), time.monotonic() - started, 0
-        for job in queue:  # the jobs the pick's clock would admit, in the pick's order
-            clock.models = admitted + 1
-            if budget is not None and spent + clock.expect(job.cost) + clock.export_reserve() > budget:
-                break
-            spent, admitted = spent + clock.expect(job.cost), admitted + 1
-        clock.models = admitted or len(chosen)  # no refit admitted: the trials' own checkpoints are exported
-        return spent + clock.export_reserve()
 
 
 def run_pick(opts: PickOptions) -> PickResult:

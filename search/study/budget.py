@@ -1,9 +1,8 @@
 """The time split of a one-budget run (`latentsweep run --time`): how long its search may go on, given what the pick
-after it needs, re-estimated before every trial from the finished trials' measured costs (trainers.cost)."""
+after it needs, re-estimated before every trial and after every epoch from the trials' measured costs (trainers.cost)."""
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import optuna
@@ -11,58 +10,84 @@ from optuna.trial import TrialState
 
 from search.study.objective import TIMING_ATTR
 from trainers.cost import Timing
+from trainers.deadline import Deadline
 
 # What the pick is reserved: this many refits on every labelled image of the best trials' configs. On the held-out
 # challenge-format set of issue 19, 7 refits (4 members) reached 0.640 test MRR and 12 refits (3 seeds x 4) added
 # nothing, so about 8 refits is what a pick turns into test score.
 RESERVE_REFITS = 8
-# ... plus the pick's own fixed work (candidates' checkpoints, predictions, the export of the model and its MLflow
-# run), measured at 15-25 s on the demo data on 2 cores.
+# ... plus the pick's own fixed work: PICK_FIXED_S (the export of the model and its MLflow run, measured at 15-25 s
+# on the demo data on 2 cores) and one validation pass per candidate it loads (PICK_POOL: --top 5 x the pool factor
+# 2 of search.pick.options), each as long as the best trials' measured validation: what the pick's predictions of
+# the val split cost on this machine and data (at challenge size that, not the export, is most of it).
 PICK_FIXED_S = 30.0
+PICK_POOL = 10
 # The reserve stays within these fractions of the whole budget: before any trial has finished (nothing measured
 # yet) it is the upper bound, so a first slow trial cannot eat the pick's time; and the search always gets half.
 RESERVE_MIN_FRACTION, RESERVE_MAX_FRACTION = 0.1, 0.5
+# ... and never below this many times what the safe answer (search.pick.safe) took on this machine: the answer the
+# job falls back to must always fit after the search.
+SAFE_FACTOR = 2.0
+# How long past its `--timeout` a spawned worker may take before the parent stops it: its running trial stops at its
+# next step and closes (artifacts, figure, end of its MLflow run: under 5 s on the demo data on 2 cores); 30 s is 6x.
+WATCHDOG_GRACE_S = 30.0
 # The trials whose refit costs are averaged: the best few, since those are what the pick refits.
 RESERVE_TRIALS = 3
 
 
 @dataclass(frozen=True)
 class SearchBudget:
-    """The whole job's wall-clock budget: it started at `start` (time.time()) and has `total` seconds."""
-    start: float
+    """The whole job's budget: `total` seconds ending at `deadline` (the one deadline of the job, trainers.deadline);
+    `safe_s` is what the safe answer measured on this machine (the reserve's floor)."""
+    deadline: Deadline
     total: float
-    reserve_s: float | None = None  # a reserve fixed by the caller (the pick's own estimate) instead of the rule
-    @property
-    def end(self) -> float:
-        return self.start + self.total
+    safe_s: float = 0.0
 
     def reserve(self, study: optuna.Study, captions: int, images: int) -> float:
         """Seconds kept for the pick: RESERVE_REFITS refits of the best measured trials on every labelled image
-        (`captions`, `images`), plus PICK_FIXED_S, within RESERVE_MIN/MAX_FRACTION of the total. When not even one
-        refit fits in the largest reserve (a loss whose cost grows with the images, at challenge size), the pick
-        will submit the trials' own checkpoints, so it keeps only the smallest reserve and the search the rest."""
-        if self.reserve_s is not None:
-            return self.reserve_s
+        (`captions`, `images`) plus the pick's fixed work, within RESERVE_MIN/MAX_FRACTION of the total and never
+        below SAFE_FACTOR x the safe answer. Monotone: a slower machine or bigger data never gets a smaller one."""
         costs = refit_costs(study, captions, images)
         low, high = RESERVE_MIN_FRACTION * self.total, RESERVE_MAX_FRACTION * self.total
+        floor = SAFE_FACTOR * self.safe_s
         if not costs:
-            return high
-        refit = statistics.fmean(costs)
-        if refit + PICK_FIXED_S > high:
-            return max(PICK_FIXED_S, low)
-        return min(max(RESERVE_REFITS * refit + PICK_FIXED_S, low), high)
+            return max(high, floor)
+        fixed = PICK_FIXED_S + PICK_POOL * statistics.fmean(c.eval_s for c in costs)
+        wanted = RESERVE_REFITS * statistics.fmean(c.refit_s for c in costs) + fixed
+        return max(min(max(wanted, low), high), floor)
 
-    def search_end(self, study: optuna.Study, captions: int, images: int) -> float:
-        """time.time() at which the search stops: no trial starts after it and a running one stops there."""
-        return self.end - self.reserve(study, captions, images)
+    def hard_stop(self) -> Deadline:
+        """When the search's workers must be gone whatever their trials measured: before the smallest reserve the
+        pick may ever get (the watchdog of search.study.runner enforces it on spawned workers)."""
+        return self.deadline.earlier(max(RESERVE_MIN_FRACTION * self.total, SAFE_FACTOR * self.safe_s))
+
+    def search_end(self, study: optuna.Study, captions: int, images: int) -> Deadline:
+        """When the search stops: no trial starts after it and a running one stops there."""
+        return self.deadline.earlier(self.reserve(study, captions, images))
 
     def left(self) -> float:
-        return max(self.end - time.time(), 0.0)
+        return self.deadline.left()
 
 
-def refit_costs(study: optuna.Study, captions: int, images: int) -> list[float]:
-    """Estimated seconds of a refit on every labelled image for each of the best RESERVE_TRIALS trials that recorded
-    their timings (their best epoch so far + 1 epochs, no validation); running trials count from their first epoch."""
+@dataclass(frozen=True)
+class TrialCost:
+    """One measured trial, as the reserve reads it: its refit on every labelled image and its validation pass."""
+    refit_s: float
+    eval_s: float
+
+
+def workers_stop(budget: SearchBudget | None, timeout: float | None) -> Deadline | None:
+    """When a launcher stops the workers it spawned now (SIGTERM; their trials are retried): a one-budget run's
+    hard stop, or `--timeout` + WATCHDOG_GRACE_S from now, the sooner; None: never."""
+    stops = [d for d in (budget.hard_stop() if budget is not None else None,
+                         Deadline.after(timeout + WATCHDOG_GRACE_S) if timeout is not None else None) if d is not None]
+    return min(stops, key=lambda d: d.end) if stops else None
+
+
+def refit_costs(study: optuna.Study, captions: int, images: int) -> list[TrialCost]:
+    """For each of the best RESERVE_TRIALS trials that recorded their timings: the estimated seconds of its refit on
+    every labelled image (its best epoch so far + 1 epochs, no validation) and its measured validation pass; running
+    trials count from their first epoch."""
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
     done = [t for t in study.get_trials(deepcopy=False, states=states)
             if Timing.from_attrs(t.user_attrs.get(TIMING_ATTR)) and t.intermediate_values]
@@ -72,8 +97,9 @@ def refit_costs(study: optuna.Study, captions: int, images: int) -> list[float]:
     for t in done[:RESERVE_TRIALS]:
         values = t.intermediate_values
         best_epoch = max(values, key=lambda e: sign * values[e])
-        out.append(Timing.from_attrs(t.user_attrs[TIMING_ATTR]).estimate(captions, images, best_epoch + 1))
+        timing = Timing.from_attrs(t.user_attrs[TIMING_ATTR])
+        out.append(TrialCost(timing.estimate(captions, images, best_epoch + 1), timing.eval_s))
     return out
 
 
-__all__ = ["SearchBudget", "refit_costs"]
+__all__ = ["SearchBudget", "TrialCost", "refit_costs", "workers_stop"]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
+import time
 from pathlib import Path
 
 import optuna
@@ -23,7 +25,9 @@ from search.tracking.base import (
 from search.tracking.source import source_tags
 from search.tracking.plots import rank_histogram
 from trainers.config import dump_toml, flatten, with_values
+from trainers.cost import Timing
 from trainers.data import TrainSet
+from trainers.deadline import Deadline
 from trainers.errors import LatentsweepError
 from trainers.io import atomic_write
 from trainers.loop import DeadlineReached, EpochReport, train
@@ -48,6 +52,16 @@ def relative_to_state(path: Path, state_dir: str | Path) -> str:
         return str(Path(path).resolve())
 
 
+def typical_trial_s(study: optuna.Study) -> float | None:
+    """The median measured seconds of one trial's setup, first epoch and its validation (None before any)."""
+    seconds = []
+    for t in study.get_trials(deepcopy=False):
+        timing = Timing.from_attrs(t.user_attrs.get(TIMING_ATTR))
+        if timing is not None:
+            seconds.append(timing.setup_s + timing.train_s + timing.eval_s)
+    return statistics.median(seconds) if seconds else None
+
+
 class TrialRunner:
     """Runs one trial end to end; whatever happens, the MLflow run ends with the state Optuna records."""
 
@@ -55,15 +69,27 @@ class TrialRunner:
         self.study_file, self.spec, self.data, self.tracker, self.out_root = study_file, spec, data, tracker, out_root
         self.base_values = flatten(study_file.base)
         self.open_run: str | None = None  # the MLflow run of the trial in progress, until it is closed
-        # A one-budget run's search end (time.time()), re-estimated after every epoch (search.study.budget)
-        self.search_end: float | None = None
+        # `study run --timeout`: from this worker's start; a one-budget run's search end is re-estimated after every
+        # epoch (search.study.budget). The sooner of the two is the search's end (trainers.deadline).
+        self.timeout_end = Deadline.after(spec.timeout) if spec.timeout is not None else None
+        self.search_end: Deadline | None = self.timeout_end
+        self.close_s = 0.0  # what closing this worker's last trial took (artifacts, figure, end of its run)
 
-    def search_end_now(self, study: optuna.Study) -> float | None:
-        """Re-estimate when the search must end (None outside a one-budget run)."""
+    def search_end_now(self, study: optuna.Study) -> Deadline | None:
+        """Re-estimate when the search must end (None without a timeout or a one-budget run)."""
         budget = self.spec.budget
-        self.search_end = None if budget is None else budget.search_end(study, len(self.data.cap2img),
-                                                                        len(self.data.image))
+        end = None if budget is None else budget.search_end(study, len(self.data.cap2img), len(self.data.image))
+        self.search_end = end.sooner(self.timeout_end) if end is not None else self.timeout_end
         return self.search_end
+
+    def next_trial_fits(self, study: optuna.Study) -> bool:
+        """Whether a trial claimed now would finish one epoch before the search's end: the measured setup, epoch and
+        validation of the study's typical trial (the median) plus this worker's last close. Start nothing that
+        cannot finish: a trial cut before its first validation is time thrown away."""
+        end = self.search_end_now(study)
+        if end is None:
+            return True
+        return end.fits(typical_trial_s(study) + self.close_s if typical_trial_s(study) is not None else None)
 
     def run(self, trial: optuna.Trial) -> tuple[TrialState, float | None]:
         """COMPLETE or PRUNED; any failure (from sampling to recording the result) is raised, for fail(). In a
@@ -213,6 +239,7 @@ class TrialRunner:
     def _close(self, run_id: str, out: Path, state: str, ranks=None, error: str | None = None) -> None:
         """Log whatever artifacts exist, then end the run. An artifact that cannot be logged (a store outage, a full
         disk) is warned about and the run still ends; a bug there is raised, after the run ended."""
+        started = time.monotonic()
         try:
             if error:
                 self.tracker.log(run_id, tags={"latentsweep.error": error[-4000:]})
@@ -226,8 +253,11 @@ class TrialRunner:
                 raise
             log.warning("could not log the artifacts of %s (%s)", out.name, first_line(exc))
         finally:
-            self._end(run_id, state)
-            self.open_run = None
+            try:
+                self._end(run_id, state)
+                self.open_run = None
+            finally:
+                self.close_s = time.monotonic() - started
 
     def _end(self, run_id: str, state: str) -> None:
         """End the run, a second time when the first attempt failed with anything but a bug: an interrupt (Ctrl-C)

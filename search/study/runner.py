@@ -15,6 +15,8 @@ from tqdm.auto import tqdm
 from search.failures import Kind, StudyHalted, classify, one_line, release_interrupted
 from search.process import configure_process, interrupt_on
 
+from search.study.budget import workers_stop
+from search.study.devices import assign_slots, pin_process
 from search.study.objective import TrialRunner
 from search.study.progress import emit, trial_line
 from search.study.report import load_existing_study, study_summary
@@ -30,6 +32,8 @@ from trainers.data import load_train_shared
 from trainers.errors import LatentsweepError
 
 log = logging.getLogger("latentsweep")
+# A worker sent SIGTERM closes its trial's run and fails it for retry: store calls of about a second on 2 cores.
+STOP_GRACE_S = 10.0
 POLL_S = 2.0  # how often the main process refreshes the study bar from the storage when workers run elsewhere
 
 
@@ -91,6 +95,7 @@ def worker_main(spec: RunSpec) -> None:
     if spec.threads:  # the share of this machine's cores of one of several local workers
         torch.set_num_threads(spec.threads)
     try:
+        pin_process(spec.cuda_visible)  # its GPU slot, before anything asks CUDA (the driver reads it once)
         run_worker(spec)
     except KeyboardInterrupt:
         pass
@@ -132,14 +137,15 @@ class _StudyBar:
         self.bar.close()
 
 
-def run_study(spec: RunSpec, workers: int = 1) -> dict:
-    """Create/load the study, run it here with `workers` processes, refresh the parent run; returns the summary."""
+def run_study(spec: RunSpec, workers: int = 1, figures: bool = True) -> dict:
+    """Create/load the study, run it here with `workers` processes, refresh the parent run (with the Optuna figures
+    unless `figures` is False: a one-budget run draws them after its submission); returns the summary."""
     study_file = load_study_file(spec.study_file)
     tracker = open_tracker(spec)
     study = load_or_create(study_file, spec, tracker, create=True)
     interrupted = False
     try:
-        if workers <= 1:
+        if workers <= 1 and not spec.gpus:  # a worker on a GPU of --gpus is spawned: pinned before CUDA starts
             run_worker(spec, study=study, tracker=tracker)
         else:
             _run_spawned(spec, study, workers, tracker)
@@ -148,7 +154,7 @@ def run_study(spec: RunSpec, workers: int = 1) -> dict:
         interrupted = True
         release_interrupted(exc)  # it may have landed inside a store call: finish() writes next
     finally:
-        summary = finish(study, tracker)
+        summary = finish(study, tracker, figures)
         dispose_study(study)
     if interrupted:
         raise KeyboardInterrupt
@@ -158,17 +164,22 @@ def run_study(spec: RunSpec, workers: int = 1) -> dict:
 def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Tracker) -> None:
     ctx = mp.get_context("spawn")  # fork after torch/SQLAlchemy initialisation is unsafe
     child = replace(spec, threads=cpu_threads(workers), progress=False)
-    procs = [ctx.Process(target=worker_main, args=(child,), name=f"worker-{i}") for i in range(workers)]
+    slots = assign_slots(spec.gpus, spec.per_gpu, workers)  # each worker's GPU; all None without --gpus
+    procs = [ctx.Process(target=worker_main, args=(replace(child, cuda_visible=slots[i]),), name=f"worker-{i}")
+             for i in range(workers)]
     for p in procs:
         p.start()
     bar = _StudyBar(spec, study) if spec.progress else None
-    stop = threading.Event()
+    stop, watchdog = threading.Event(), workers_stop(spec.budget, spec.timeout)
     reaped: set[int] = set()
     try:
         while any(p.is_alive() for p in procs):
             _reap_dead_children(study, tracker, procs, reaped)
             if bar:
                 bar.refresh()
+            if watchdog is not None and watchdog.passed():
+                _stop_children(procs)
+                break
             stop.wait(POLL_S)
     except KeyboardInterrupt:
         for p in procs:  # the children got SIGINT too; give them time to close their trials
@@ -181,6 +192,20 @@ def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Trac
         if bar:
             bar.refresh()
             bar.close()
+
+
+def _stop_children(procs) -> None:
+    """The watchdog: workers still running past their stop get SIGTERM (each closes its trial, which is retried, as
+    on Ctrl-C), then SIGKILL after STOP_GRACE_S (a dead worker's trial is reaped by the caller)."""
+    alive = [p for p in procs if p.is_alive()]
+    if alive:
+        log.warning("stopping %d worker(s) still running at the search's end", len(alive))
+    for p in alive:
+        p.terminate()
+    for p in alive:
+        p.join(timeout=STOP_GRACE_S)
+        if p.is_alive():
+            p.kill()
 
 
 def _reap_dead_children(study: optuna.Study, tracker: Tracker, procs, reaped: set[int]) -> None:
@@ -201,11 +226,11 @@ def _reap_dead_children(study: optuna.Study, tracker: Tracker, procs, reaped: se
                             p.name, p.exitcode)
 
 
-def finish(study: optuna.Study, tracker: Tracker) -> dict:
-    """Refresh the parent run (summary + Optuna plots) and return the summary."""
+def finish(study: optuna.Study, tracker: Tracker, figures: bool = True) -> dict:
+    """Refresh the parent run (summary, and the Optuna plots when `figures`) and return the summary."""
     summary = study_summary(study)
     try:
-        tracker.end_study(summary, study_figures(study, study.user_attrs.get("objective")))
+        tracker.end_study(summary, study_figures(study, study.user_attrs.get("objective")) if figures else {})
     except Exception as exc:  # a store down: the study's results are in Optuna either way; a bug is raised
         if classify(exc).kind is Kind.BUG:
             raise

@@ -61,6 +61,9 @@ class RunSpec:
     progress: bool = True  # tqdm bars (a terminal and no --quiet); the per-trial lines are printed regardless
     verbose: bool = False  # one line per epoch when there are no bars
     budget: SearchBudget | None = None  # a one-budget run's clock: trials stop where the pick's reserve begins
+    gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; search.study.devices)
+    per_gpu: int = 1  # local workers per GPU
+    cuda_visible: str | None = None  # the GPU this spawned worker sees (set before its first CUDA call); None: as is
 
 
 def check_plugins(study, study_file: StudyFile, write: bool) -> None:
@@ -276,7 +279,8 @@ class Heartbeat:
 
 def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runner: TrialRunner,
                 on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None) -> int:
-    """Claim and run trials until the budget or the timeout is reached; returns how many this worker ran.
+    """Claim and run trials until the budget is reached, or until a trial would not finish one epoch before the
+    timeout or a one-budget run's search end (TrialRunner.next_trial_fits); returns how many this worker ran.
 
     A trial that fails is handed to runner.fail, which classifies the error (search.failures): the worker goes on
     after a config or memory failure (the trial counts), and stops otherwise, in one line for a store, the machine,
@@ -284,13 +288,12 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
     While the budget is full only because of running trials, the worker waits instead of exiting: a running trial
     whose worker died goes stale after the grace period and its retry still has to run.
     """
-    start, ran = time.monotonic(), 0
+    ran = 0
     poll = min(WAIT_POLL_S, storage_of(study).get_heartbeat_interval() or WAIT_POLL_S)
-    while spec.timeout is None or time.monotonic() - start < spec.timeout:
+    while True:
         raise_if_interrupted()
         check_halted(study)
-        end = runner.search_end_now(study)
-        if end is not None and time.time() >= end:
+        if not runner.next_trial_fits(study):  # the timeout or the search's end (runner.search_end)
             break
         trial = None
         try:

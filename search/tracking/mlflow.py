@@ -127,10 +127,12 @@ class MlflowTracker:
                 self.client.delete_tag(parent, key)
             for name, figure in figures.items():
                 self.log_figure(parent, figure, f"{PLOTS_DIR}/{name}")
-        finally:
-            for figure in figures.values():
-                close_figure(figure)
-        self.client.set_terminated(parent, status="FINISHED")
+        finally:  # the run ends whatever failed above (a bug in our own calls included): never left RUNNING
+            try:
+                for figure in figures.values():
+                    close_figure(figure)
+            finally:
+                self.client.set_terminated(parent, status="FINISHED")
 
     # ----- trials
 
@@ -173,8 +175,10 @@ class MlflowTracker:
 
     def end_trial(self, run_id: str, state: Any) -> None:
         name, status = status_of(state)
-        self.client.set_tag(run_id, STATE_TAG, name)
-        self.client.set_terminated(run_id, status=status)
+        try:
+            self.client.set_tag(run_id, STATE_TAG, name)
+        finally:  # the run ends even when its state tag could not be written
+            self.client.set_terminated(run_id, status=status)
 
     # ----- reaper support
 
