@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 
 from search.pick.options import PickOptions
 from search.pick.plan import note
+from search.study.contract import TrialOutputs
 from search.study.objective import TIMING_ATTR
 from search.study.side import side_values
 from search.study.studyfile import resolve_data_path
@@ -89,12 +90,11 @@ def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | N
                      ) -> tuple[Path, str] | None:
     """(path, origin) of the trial's best.pt: the local path in user_attrs (relative to the state directory `root`),
     else downloaded from its tracked run; None (with a warning naming the trial) if neither."""
-    # a pruned trial records no "checkpoint", but its best epoch's best.pt is in its out_dir
-    out_dir = trial.user_attrs.get("out_dir")
-    local = trial.user_attrs.get("checkpoint") or (f"{out_dir}/best.pt" if out_dir else None)
+    outputs = TrialOutputs.of(trial)
+    local = outputs.local_checkpoint
     if local and resolve_in_state(local, root or Path.cwd()).is_file():
         return resolve_in_state(local, root or Path.cwd()), "local"
-    run_id = trial.user_attrs.get("mlflow_run_id")
+    run_id = outputs.mlflow_run_id
     reason = f"{local or 'no local checkpoint recorded'} is missing"
     if run_id:
         try:

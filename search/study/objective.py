@@ -12,6 +12,7 @@ from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 
 from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
+from search.study.contract import TrialOutputs
 from search.study.progress import emit
 from search.study.side import SIDE_ATTR, side_values
 from search.study.space import sample
@@ -117,8 +118,8 @@ class TrialRunner:
                                                      f"({self.study_file.objective} {value:.4f}) kept in best.pt."})
             self._close(run_id, out, "PRUNED")
             return TrialState.PRUNED, None
-        trial.set_user_attr("best_epoch", result.best_epoch)
-        trial.set_user_attr("checkpoint", relative_to_state(result.checkpoint, self.spec.state_dir))
+        TrialOutputs(checkpoint=relative_to_state(result.checkpoint, self.spec.state_dir),
+                     best_epoch=result.best_epoch).record(trial)
         self.tracker.log(run_id, tags={NOTE_TAG: f"Complete: {self.study_file.objective} {value:.4f} at epoch "
                                                  f"{result.best_epoch} (the best epoch; its checkpoint is best.pt)."})
         self._close(run_id, out, "COMPLETE", ranks=getattr(result, "val_ranks", None))
@@ -149,8 +150,7 @@ class TrialRunner:
         if side is None:  # search.<knob>: what the sampler chose (a side trial's values are in its side tag)
             params.update({f"{SEARCH_PARAM_PREFIX}{k}": redact_url(str(v)) for k, v in values.items()})
         self.open_run = self.tracker.start_trial(trial.number, params, self._tags(trial, cfg))
-        trial.set_user_attr("mlflow_run_id", self.open_run)
-        trial.set_user_attr("out_dir", relative_to_state(out, self.spec.state_dir))
+        TrialOutputs(mlflow_run_id=self.open_run, out_dir=relative_to_state(out, self.spec.state_dir)).record(trial)
         self.tracker.log_dataset(self.open_run, DatasetRecord(
             Path(self.spec.data_path).name, self.data.fingerprint, self.spec.data_path, "train",
             {"images": int(self.data.image.shape[0]), "captions": int(self.data.text.shape[0]),

@@ -17,6 +17,7 @@ from search.failures import Kind, StudyHalted, classify, release_interrupted
 from search.process import raise_if_interrupted
 from search.redact import redact_url
 from search.study.budget import SearchBudget
+from search.study.contract import TrialOutputs
 from search.study.objective import ERROR_ATTR, HALT_ATTR, TrialRunner
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
 from search.study.side import enqueue_side
@@ -228,7 +229,7 @@ def close_dead_runs(study: optuna.Study, tracker: Tracker) -> list[str]:
     callback = storage_of(study).get_heartbeat_stale_trial_callback()
     closed = []
     for trial in callback.drain() if isinstance(callback, RetryAndRecord) else []:
-        run_id = trial.user_attrs.get("mlflow_run_id")  # absent when the worker died before opening the run
+        run_id = TrialOutputs.of(trial).mlflow_run_id  # absent when the worker died before opening the run
         if run_id:
             tracker.log(run_id, tags={REAPED_TAG: "true"})
             tracker.end_trial(run_id, TrialState.FAIL)
