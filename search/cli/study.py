@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 from search.cli import presets, study_inspect
 from search.cli.study_inspect import liveness_args, stores_args
+from search.study.devices import WorkerPlan, pin_worker, plan_workers, workers_arg
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.study.progress import is_terminal
 from search.study.runner import run_study, run_worker
@@ -14,7 +16,6 @@ from search.study.spec import build_spec
 from search.redact import redact_url
 from search.study.studyfile import load_study_file
 from search.study.worker import dispose_study, load_or_create, open_tracker
-from trainers.errors import LatentsweepError
 
 
 def _common(p) -> None:
@@ -36,7 +37,7 @@ def add_parser(sub) -> None:
     ssub.required = True
     run = ssub.add_parser("run", help="create or resume a study and run trials on this machine")
     _common(run)
-    run.add_argument("--workers", type=int, default=1, help="worker processes on this machine (default 1)")
+    add_worker_args(run)
     run.set_defaults(func=cmd_study_run)
     create = ssub.add_parser("create", help="create a study (and its MLflow parent run) without running trials")
     _common(create)
@@ -45,27 +46,46 @@ def add_parser(sub) -> None:
     presets.add_actions(ssub)
     worker = sub.add_parser("worker", help="join an existing study as one worker (any machine)")
     _common(worker)
+    worker.add_argument("--gpus", metavar="LIST", help="the GPUs this worker sees: all, or numbers such as 0,1 (sets "
+                                                       "CUDA_VISIBLE_DEVICES before CUDA starts; default: as is)")
     worker.set_defaults(func=cmd_worker)
 
 
-def make_spec(args, study_file=None):
-    """RunSpec from CLI arguments, the study file and the state-directory defaults."""
-    return build_spec(study_file or load_study_file(args.study), data=getattr(args, "data", None),
+def add_worker_args(p) -> None:
+    """--workers, --gpus and --per-gpu of the commands that start local workers (`study run`, `run`)."""
+    p.add_argument("--workers", type=workers_arg, default=1,
+                   help="worker processes on this machine: a number, or auto (every GPU slot: GPUs x --per-gpu; "
+                        "without GPUs one per 2 cores) (default 1)")
+    p.add_argument("--gpus", metavar="LIST", help="GPUs the workers share: all, or numbers such as 0,1; each worker "
+                                                  "sees one (its cuda:0). Default: none named, nothing pinned")
+    p.add_argument("--per-gpu", type=int, metavar="M", help="workers per GPU of --gpus (default 1)")
+
+
+def worker_plan(args) -> WorkerPlan:
+    """The local workers of --workers/--gpus/--per-gpu, checked against this machine before anything is stored."""
+    return plan_workers(args.workers, args.gpus, args.per_gpu)
+
+
+
+
+def make_spec(args, study_file=None, plan: WorkerPlan | None = None):
+    """RunSpec from CLI arguments, the study file, the state-directory defaults and the local workers' GPUs."""
+    spec = build_spec(study_file or load_study_file(args.study), data=getattr(args, "data", None),
                       n_trials=getattr(args, "n_trials", None), timeout=getattr(args, "timeout", None),
                       name=args.name, state=args.state_dir, storage=args.storage, tracking_uri=args.tracking_uri,
                       artifact_root=args.artifact_root, heartbeat=args.heartbeat, grace=args.grace,
                       progress=not args.quiet and is_terminal(), verbose=args.verbose)
+    return spec if plan is None else replace(spec, gpus=plan.gpus, per_gpu=plan.per_gpu)
 
 
 def cmd_study_run(args) -> int:
-    if args.workers < 1:
-        raise LatentsweepError(f"--workers must be >= 1, got {args.workers}")
+    plan = worker_plan(args)
     with no_new_empty_state_dir(args.state_dir):
-        spec = make_spec(args)
+        spec = make_spec(args, plan=plan)
         preflight(spec)
     print(f"study '{spec.name}': storage {redact_url(spec.storage.url)}, tracking {redact_url(spec.tracking_uri)}",
           file=sys.stderr)
-    summary = run_study(spec, workers=args.workers)
+    summary = run_study(spec, workers=plan.workers)
     print(json.dumps({"study": spec.name, **summary}, default=str))
     return 0
 
@@ -82,6 +102,7 @@ def cmd_study_create(args) -> int:
 
 
 def cmd_worker(args) -> int:
+    pin_worker(args.gpus)  # before the pre-flight check, which asks CUDA first
     with no_new_empty_state_dir(args.state_dir):
         spec = make_spec(args)
         preflight(spec)

@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 
 from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
 from search.study.contract import TrialOutputs
+from search.study.devices import DEVICE_ATTR
 from search.study.progress import emit
 from search.study.side import SIDE_ATTR, side_values
 from search.study.space import sample
@@ -30,6 +31,7 @@ from trainers.cost import Timing
 from trainers.data import TrainSet
 from trainers.deadline import Deadline
 from trainers.errors import LatentsweepError
+from trainers.devices import machine_gpu, resolve_device
 from trainers.io import atomic_write
 from trainers.loop import DeadlineReached, EpochReport, train
 
@@ -229,7 +231,9 @@ class TrialRunner:
                 **source_tags(f"latentsweep study {self.spec.name} ({Path(self.spec.study_file).name})"),
                 SEARCHED_TAG: ",".join(p.key for p in self.study_file.space),
                 "seed": str(cfg.train.seed), "data_fingerprint": self.data.fingerprint,
-                "data_path": self.spec.data_path, "optuna.state": "RUNNING"}
+                "data_path": self.spec.data_path, "optuna.state": "RUNNING",
+                DEVICE_ATTR: machine_gpu(resolve_device(cfg.train.device))}
+        trial.set_user_attr(DEVICE_ATTR, tags[DEVICE_ATTR])  # `study status` reads Optuna, not MLflow
         if retry_of is not None:
             tags["latentsweep.retry_of"] = str(retry_of)
         if SIDE_ATTR in trial.user_attrs:

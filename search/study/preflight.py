@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from search.stores import check_artifact_root, state_dir
+from search.study.space import config_key
 from search.study.storage import (
     StorageSettings, dispose, open_storage, redact_url, tracking_has_experiment,
 )
-from search.study.studyfile import load_study_file
+from search.study.studyfile import StudyFile, load_study_file
 from search.study.worker import RunSpec, check_existing
 from search.tracking.base import DB_SCHEMES
 from search.tracking.paths import default_artifact_root
@@ -18,7 +19,7 @@ from search.tracking.probe import probe_tracking_store
 from trainers.config import with_values
 from trainers.data import load_train_shared
 from trainers.errors import LatentsweepError, closest
-from trainers.loop import resolve_device
+from trainers.devices import check_device, cuda_count
 from trainers.tasks import TASKS, check_split
 from trainers.validate import validate
 
@@ -49,7 +50,7 @@ def preflight(spec: RunSpec) -> None:
     name agrees with the file (direction, distributions of its knobs)."""
     study_file = load_study_file(spec.study_file)
     validate(study_file.base)
-    resolve_device(study_file.base.train.device)
+    check_devices(study_file, spec)
     keys = TASKS.get(study_file.base.data.task).val_keys(study_file.base)
     if study_file.objective not in keys:
         raise LatentsweepError(f"{study_file.path}: study.objective '{study_file.objective}' is not a metric task "
@@ -58,6 +59,30 @@ def preflight(spec: RunSpec) -> None:
     check_split(with_values(study_file.base, {"data.path": spec.data_path}), load_train_shared(spec.data_path))
     check_stores(StoreSpec.of(spec))
     check_existing(study_file, spec)
+
+
+def study_devices(study_file: StudyFile) -> list[tuple[str, str]]:
+    """(where, name) of every train.device a trial of the study can get: [base], each [[side]] and [[enqueue]]
+    entry, and each choice of a searched train.device."""
+    found = [("base: train.device", study_file.base.train.device)]
+    found += [(f"side[{i}]: train.device", v["train.device"]) for i, v in enumerate(study_file.side)
+              if "train.device" in v]
+    found += [(f"enqueue[{i}]: {name}", value) for i, v in enumerate(study_file.enqueue) for name, value in v.items()
+              if config_key(name) == "train.device"]
+    found += [(f"space: {p.name}", c) for p in study_file.space if p.key == "train.device" for c in p.choices or ()]
+    return found
+
+
+def check_devices(study_file: StudyFile, spec: RunSpec) -> None:
+    """Every device the study's trials can ask for exists where they will run: on this machine, or with --gpus on
+    the one GPU each worker sees (its cuda:0)."""
+    count = 1 if spec.gpus else cuda_count()
+    for where, name in study_devices(study_file):
+        try:
+            check_device(str(name), count)
+        except LatentsweepError as exc:
+            pinned = " (with --gpus each worker sees one GPU, as cuda:0)" if spec.gpus else ""
+            raise LatentsweepError(f"{study_file.path}: {where}: {exc}{pinned}") from None
 
 
 def check_stores(spec: StoreSpec) -> None:

@@ -9,6 +9,7 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from search.redact import redact_url
+from search.study.devices import DEVICE_ATTR
 from search.study.side import side_values
 from search.study.storage import StorageSettings, dispose, open_storage
 from search.tracking.base import SUMMARY_STEP_KEY
@@ -34,8 +35,8 @@ def load_existing_study(name: str, storage, heartbeat: int | None = None, grace:
 
 
 def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
-    """number, state, value, duration (s), then the searched knobs (only those that vary when varying_only); complete
-    trials first, best first, then the others by number."""
+    """number, state, value, duration (s), the device each trial trained on (when recorded), then the searched knobs
+    (only those that vary when varying_only); complete trials first, best first, then the others by number."""
     frame = study.trials_dataframe(attrs=("number", "state", "value", "duration", "params"))
     if frame.empty:
         return pd.DataFrame(columns=FIXED)
@@ -49,15 +50,26 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
     frame["value"] = pd.to_numeric(frame["value"])  # all None (no trial has a value yet) would be an object column
     # all None (only waiting trials) is an object column: converted, it is NaT, printed empty
     frame["duration_s"] = pd.to_timedelta(frame.pop("duration")).dt.total_seconds().round(1)
-    knobs = [c for c in frame.columns if c not in FIXED]
+    fixed = FIXED + _devices(study, frame)
+    knobs = [c for c in frame.columns if c not in fixed]
     if varying_only:
         knobs = [c for c in knobs if frame[c].astype(str).nunique(dropna=False) > 1]
-    frame = frame[FIXED + knobs]
+    frame = frame[fixed + knobs]
     maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
     order = frame.assign(_done=frame["state"] != "COMPLETE",
                          _key=-frame["value"] if maximize else frame["value"])
     order = order.sort_values(["_done", "_key", "number"], na_position="last")
     return frame.loc[order.index].reset_index(drop=True)
+
+
+def _devices(study: optuna.Study, frame: pd.DataFrame) -> list[str]:
+    """Add the `device` column (search.study.devices.DEVICE_ATTR of each trial) when any trial recorded one; its
+    name in a list, or none (a study from before devices were recorded)."""
+    devices = {t.number: t.user_attrs.get(DEVICE_ATTR) for t in study.get_trials(deepcopy=False)}
+    if not any(devices.values()):
+        return []
+    frame["device"] = frame["number"].map(devices)
+    return ["device"]
 
 
 def study_summary(study: optuna.Study) -> dict[str, Any]:

@@ -1,0 +1,127 @@
+"""GPU slots of local workers: the GPUs `--gpus` names, what `--workers auto` means, and the one GPU each spawned
+worker sees (its own CUDA_VISIBLE_DEVICES, set before its first CUDA call)."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from trainers.devices import VISIBLE_ENV
+from trainers.errors import LatentsweepError
+
+ALL = "all"
+# The device a trial trained on ('cpu' or 'cuda:K', K the machine's GPU): a tag of its MLflow run and a user attribute
+# of its Optuna trial, shown by `study status`.
+DEVICE_ATTR = "latentsweep.device"
+AUTO = "auto"
+# `--workers auto` on a machine without GPUs: one worker per this many cores, the threads each compose worker gets by
+# default (WORKER_THREADS in docker-compose.yml), so auto never asks for more threads than the machine has.
+CPU_THREADS_PER_WORKER = 2
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """How many local workers, and the CUDA_VISIBLE_DEVICES entries of the GPUs they share (none: left alone)."""
+    workers: int
+    gpus: tuple[str, ...] = ()
+    per_gpu: int = 1
+
+
+def workers_arg(text: str) -> int | str:
+    """argparse type of `--workers`: a whole number, or auto (anything else is argparse's one-line error)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number or auto, got '{text}'") from None
+
+
+def parse_gpus(text: str, count: int) -> tuple[int, ...]:
+    """The GPU ordinals of `--gpus` ('all' or a comma list such as '0,1'), each below `count`, the GPUs this process
+    sees; one-line errors."""
+    if count < 1:
+        raise LatentsweepError(f"--gpus {text}: no CUDA device is available on this machine")
+    if text.strip() == ALL:
+        return tuple(range(count))
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and p.isascii() for p in parts):
+        raise LatentsweepError(f"--gpus must be 'all' or GPU numbers separated by commas (e.g. 0,1), got '{text}'")
+    ordinals = tuple(int(p) for p in parts)
+    if len(set(ordinals)) < len(ordinals):
+        raise LatentsweepError(f"--gpus {text}: a GPU is named twice (use --per-gpu for several workers per GPU)")
+    beyond = [o for o in ordinals if o >= count]
+    if beyond:
+        raise LatentsweepError(f"--gpus {text}: this machine has {count} CUDA device(s) (0 to {count - 1}), "
+                               f"not {', '.join(map(str, beyond))}")
+    return ordinals
+
+
+def machine_ids(ordinals: Sequence[int], visible: str | None) -> tuple[str, ...]:
+    """What a child's CUDA_VISIBLE_DEVICES names for each ordinal: this process's own entry when it is pinned
+    itself (ordinal 1 under CUDA_VISIBLE_DEVICES=2,3 is GPU 3), else the ordinal."""
+    entries = [e.strip() for e in visible.split(",")] if visible else []
+    return tuple(entries[o] if o < len(entries) else str(o) for o in ordinals)
+
+
+def assign_slots(gpus: Sequence[str], per_gpu: int, workers: int) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES of each of `workers` local workers: `per_gpu` slots on each GPU, filled a round at a
+    time (one worker on every GPU, then a second on every GPU...), so fewer workers than slots still spread over all
+    the GPUs; None for every worker when there are no GPUs (nothing is set)."""
+    if not gpus:
+        return [None] * workers
+    slots = [gpu for _ in range(per_gpu) for gpu in gpus]
+    if workers > len(slots):
+        raise LatentsweepError(f"--workers {workers} is more than {len(gpus)} GPU(s) x --per-gpu {per_gpu} = "
+                               f"{len(slots)} slots (raise --per-gpu, or leave --workers auto)")
+    return slots[:workers]
+
+
+def auto_workers(gpus: Sequence[str], per_gpu: int, cpus: int) -> int:
+    """`--workers auto`: every GPU slot, or on a machine without GPUs one worker per CPU_THREADS_PER_WORKER cores."""
+    return len(gpus) * per_gpu if gpus else max(1, cpus // CPU_THREADS_PER_WORKER)
+
+
+def plan_workers(workers: int | str, gpus: str | None, per_gpu: int | None) -> WorkerPlan:
+    """The local workers of `study run|run` from `--workers`, `--gpus` and `--per-gpu`, checked against this
+    machine before anything is stored. Without --gpus nothing changes, except that `--workers auto` on a machine with
+    GPUs uses all of them. torch.cuda.device_count() asks NVML: it does not initialise CUDA in this process."""
+    if per_gpu is not None and per_gpu < 1:
+        raise LatentsweepError(f"--per-gpu must be >= 1, got {per_gpu}")
+    if workers != AUTO and workers < 1:
+        raise LatentsweepError(f"--workers must be >= 1 or auto, got {workers}")
+    count = torch.cuda.device_count()
+    if gpus is None and workers == AUTO and count > 0:
+        gpus = ALL
+    if gpus is None:
+        if per_gpu is not None:
+            raise LatentsweepError("--per-gpu needs --gpus (which GPUs to share among the workers)")
+        return WorkerPlan(auto_workers((), 1, os.cpu_count() or 1) if workers == AUTO else workers)
+    ids = machine_ids(parse_gpus(gpus, count), os.environ.get(VISIBLE_ENV))
+    per_gpu = per_gpu or 1
+    n = auto_workers(ids, per_gpu, os.cpu_count() or 1) if workers == AUTO else workers
+    assign_slots(ids, per_gpu, n)  # the check: no more workers than slots
+    return WorkerPlan(n, ids, per_gpu)
+
+
+def pin_process(visible: str | None) -> None:
+    """Make this process see only `visible` (CUDA_VISIBLE_DEVICES), before its first CUDA call; None leaves it
+    alone. The driver reads the variable once, when CUDA initialises: a process that initialised it already would
+    go on seeing every GPU, which is said in one line instead of training on the wrong GPU."""
+    if visible is None:
+        return
+    os.environ[VISIBLE_ENV] = visible
+    seen = torch.cuda.device_count()
+    if seen and seen != len(visible.split(",")):
+        raise LatentsweepError(f"cannot pin this process to GPU(s) {visible}: CUDA was initialised before "
+                               f"(it sees {seen} GPUs); set {VISIBLE_ENV}={visible} in its environment instead")
+
+
+def pin_worker(gpus: str | None) -> None:
+    """`latentsweep worker --gpus LIST`: this one process sees only LIST (checked against the machine), from before
+    its pre-flight check, which is its first CUDA call."""
+    if gpus is not None:
+        pin_process(",".join(machine_ids(parse_gpus(gpus, torch.cuda.device_count()), os.environ.get(VISIBLE_ENV))))
