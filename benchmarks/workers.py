@@ -4,12 +4,16 @@ Every trial costs the same (only the learning rate is searched), so the figures 
 sampled configurations. Throughput is measured from the first trial's start to the last trial's end as Optuna
 recorded them, which leaves out the workers' start-up (imports); wall time with start-up is printed too. The load
 average is printed next to each figure because a shared machine's load moves the numbers.
+
+    python benchmarks/workers.py [--trials 6] [--epochs 4] [--hidden 1024] [--pg-admin URL]
+    python benchmarks/workers.py --smoke    # 2 trials x 1 epoch per layout on tiny data, SQLite only (tests)
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -43,14 +47,15 @@ LAYOUTS = ((1, 2), (2, 1))  # (worker processes, torch threads each): both use t
 PG_ADMIN = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 
 
-def data_path(tmp: Path) -> Path:
+def data_path(tmp: Path, smoke: bool = False) -> Path:
     from trainers.demo import default_train_path
+    from trainers.synthetic import write_synthetic
 
+    if smoke:
+        return write_synthetic(tmp / "syn", 100, dim_text=32, dim_image=48)[0]
     demo = Path(default_train_path())
     if demo.exists():
         return demo
-    from trainers.synthetic import write_synthetic
-
     # Same order of size as the demo data when it is not built: 750 images x 5 captions, MiniLM/EfficientNet dims.
     return write_synthetic(tmp / "syn", 750, dim_text=384, dim_image=1280)[0]
 
@@ -120,19 +125,24 @@ def run_layout(storage: str, workers: int, threads: int, args, tmp: Path, data: 
             "load": (load_before, load_after)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=6, help="trials per layout (default 6)")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=1024, help="MLP hidden width (default 1024, as quickstart)")
     parser.add_argument("--pg-admin", default=PG_ADMIN, help="an existing PostgreSQL database to create ours from")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="2 trials x 1 epoch per layout, MLP [16], tiny data, SQLite only: the path in seconds")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.trials, args.epochs, args.hidden = 2, 1, 16
 
     with tempfile.TemporaryDirectory(prefix="ls-bench-workers-") as tmp_name:
         tmp = Path(tmp_name)
-        data = data_path(tmp)
+        data = data_path(tmp, args.smoke)
         storages = {"sqlite": f"sqlite:///{tmp / 'optuna.db'}"}
-        pg_url, pg_name = pg_database(args.pg_admin)
+        # --smoke stays off the network, loopback included
+        pg_url, pg_name = (None, "--smoke") if args.smoke else pg_database(args.pg_admin)
         if pg_url is None:
             print(f"PostgreSQL skipped ({pg_name})")
         else:
@@ -159,7 +169,8 @@ def main() -> None:
         for workers, threads in LAYOUTS:
             ratio = results["postgresql", workers]["per_hour"] / results["sqlite", workers]["per_hour"]
             print(f"ratio PostgreSQL / SQLite at {workers}x{threads}: {ratio:.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
