@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import warnings
 from typing import Iterator
 
@@ -90,11 +89,3 @@ def interrupt_on(*signals: int | None) -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
-
-def process_started() -> float:
-    """When this process started, on time.monotonic()'s clock: a one-budget run counts the interpreter's start-up and
-    imports (seconds on a loaded machine) in its budget, since the user's clock does."""
-    import psutil  # imported by the one command that needs it (the CLI's start-up stays light)
-
-    age = time.time() - psutil.Process().create_time()
-    return time.monotonic() - max(age, 0.0)

@@ -10,11 +10,13 @@ from optuna.trial import TrialState, create_trial
 
 from search.pick.onebudget import parse_duration
 from search.study.budget import (
-    PICK_FIXED_S, RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, SearchBudget,
+    PICK_FIXED_S, PICK_POOL, RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, SAFE_FACTOR, SearchBudget,
 )
 from search.study.objective import TIMING_ATTR
 from test_loop import data, small_cfg  # noqa: F401 - the module's data fixture, by name
+from trainers import metrics
 from trainers.cost import Timing, mean_epoch
+from trainers.deadline import Deadline
 from trainers.errors import LatentsweepError
 from trainers.loop import DeadlineReached, train
 
@@ -49,34 +51,90 @@ def test_the_deadline_stops_training_keeping_the_best_finished_epoch(data, tmp_p
 
     def after_epoch(report) -> None:
         if report.epoch == 2:  # from now on the deadline has passed: the next step must not start
-            ends["at"] = time.time()
+            ends["at"] = Deadline.after(0.0)
 
     result = train(cfg, data, callback=after_epoch, out_dir=tmp_path, deadline=lambda: ends["at"])
     assert result.stopped_at_deadline and len(result.history) == 3 and result.best_epoch <= 2
     assert (tmp_path / "best.pt").is_file()
-    with pytest.raises(DeadlineReached):
-        train(cfg, data, deadline=lambda: time.time() - 1)
+    with pytest.raises(DeadlineReached, match="before the run started"):
+        train(cfg, data, deadline=lambda: Deadline.after(-1.0))
 
 
-def _study_with(refit_seconds: list[float], images: int = 100) -> optuna.Study:
-    """A study whose trials each measured a refit of `seconds` on `images` images x 4 captions (1 epoch)."""
+def test_no_epoch_starts_that_would_not_finish_before_the_deadline(data, tmp_path, monkeypatch):  # noqa: F811
+    """Validation is slowed to VAL_S (below the loop: the metrics it calls). After epoch 1 the deadline is set to
+    the measured training epoch plus half a validation: a loop that checks only before each step would train epoch 2
+    and then validate past the deadline; this one must not start epoch 2 at all."""
+    real = metrics.evaluate_with_ranks
+
+    def slow(*args, **kwargs):
+        time.sleep(VAL_S)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(metrics, "evaluate_with_ranks", slow)
+    cfg = small_cfg(**{"train.epochs": 50, "train.early_stop": 0})
+    ends, seen = {"at": None}, []
+
+    def after_epoch(report) -> None:
+        seen.append(report.epoch)
+        if report.epoch == 1:
+            ends["at"] = Deadline.after(report.timing.train_s + VAL_S / 2)
+
+    result = train(cfg, data, callback=after_epoch, out_dir=tmp_path, deadline=lambda: ends["at"])
+    assert result.stopped_at_deadline and seen == [0, 1] and len(result.history) == 2
+
+
+VAL_S = 1.0
+
+
+def test_the_one_deadline():
+    d = Deadline.after(100.0)
+    assert d.bounded and 99.0 < d.left() <= 100.0 and not d.passed() and d.overrun() == 0.0
+    assert d.fits(50.0) and not d.fits(150.0) and d.fits(None)
+    assert d.earlier(100.0).passed() and not d.earlier(50.0).passed()
+    assert d.sooner(Deadline.after(10.0)).left() <= 10.0 and d.sooner(None) is d
+    never = Deadline.never()
+    assert not never.bounded and never.fits(1e12) and never.left() == float("inf") and never.overrun() == 0.0
+    late = Deadline.after(-5.0)
+    assert late.passed() and not late.fits(None) and late.overrun() >= 5.0
+
+
+def _study_with(refit_seconds: list[float], images: int = 100, eval_s: float = 0.0) -> optuna.Study:
+    """A study whose trials each measured a refit of `seconds` on `images` images x 4 captions (1 epoch) and a
+    validation pass of `eval_s`."""
     study = optuna.create_study(direction="maximize")
     for i, seconds in enumerate(refit_seconds):
-        timing = Timing(0.0, seconds, 0.0, 4 * images, images, False)
+        timing = Timing(0.0, seconds, eval_s, 4 * images, images, False)
         study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.5 + i / 100, params={"x": 0.1},
                                      distributions={"x": FloatDistribution(0, 1)}, intermediate_values={0: 0.5},
                                      user_attrs={TIMING_ATTR: timing.as_attrs()}))
     return study
 
 
-def test_the_pick_reserve_follows_the_measured_refit_cost_within_its_bounds():
-    budget = SearchBudget(start=time.time(), total=1000.0)
+def test_the_pick_reserve_follows_the_measured_costs_within_its_bounds():
+    budget = SearchBudget(Deadline.after(1000.0), total=1000.0)
     assert budget.reserve(_study_with([]), 400, 100) == RESERVE_MAX_FRACTION * 1000  # nothing measured yet
     assert budget.reserve(_study_with([1.0]), 400, 100) == RESERVE_MIN_FRACTION * 1000  # cheap refits
     assert budget.reserve(_study_with([20.0, 20.0]), 400, 100) == pytest.approx(RESERVE_REFITS * 20 + PICK_FIXED_S)
-    # one refit does not even fit the largest reserve: the pick will submit checkpoints, the search gets the rest
-    assert budget.reserve(_study_with([900.0]), 400, 100) == max(PICK_FIXED_S, RESERVE_MIN_FRACTION * 1000)
-    assert budget.search_end(_study_with([1.0]), 400, 100) == pytest.approx(budget.end - 100.0)
+    # the candidates' validation is part of the pick's fixed work
+    assert budget.reserve(_study_with([20.0], eval_s=2.0), 400, 100) == pytest.approx(
+        RESERVE_REFITS * 20 + PICK_FIXED_S + PICK_POOL * 2.0)
+    end = budget.search_end(_study_with([1.0]), 400, 100)
+    assert end.end == pytest.approx(budget.deadline.end - 100.0)
+
+
+def test_the_reserve_never_shrinks_as_the_machine_slows_down():
+    """A loaded machine or bigger data measures dearer refits and validations: the pick's share must not fall (it
+    fell from 50% to 10% of the budget once one refit no longer fit in half of it)."""
+    budget = SearchBudget(Deadline.after(240.0), total=240.0)
+    costs = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+    reserves = [budget.reserve(_study_with([c], eval_s=c / 10), 400, 100) for c in costs]
+    assert reserves == sorted(reserves) and reserves[-1] == RESERVE_MAX_FRACTION * 240
+
+
+def test_the_reserve_never_falls_below_what_the_safe_answer_took():
+    slow_floor = SearchBudget(Deadline.after(100.0), total=100.0, safe_s=40.0)
+    assert slow_floor.reserve(_study_with([0.1]), 400, 100) == SAFE_FACTOR * 40.0  # above the 50% cap too
+    assert slow_floor.hard_stop().end <= slow_floor.deadline.end - SAFE_FACTOR * 40.0 + 1e-6
 
 
 @pytest.mark.parametrize("text,seconds", [("30m", 1800), ("1h30m", 5400), ("90s", 90), ("600", 600), ("1.5h", 5400)])
@@ -84,7 +142,7 @@ def test_durations(text, seconds):
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "soon", "10x", "-5m", "5", "30s"])
+@pytest.mark.parametrize("text", ["", "soon", "10x", "-5m", "5", "30s", "9" * 400, "1000h"])
 def test_bad_durations_are_one_line_errors(text):
     with pytest.raises(LatentsweepError, match="--time"):
         parse_duration(text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
@@ -71,12 +72,14 @@ def build_parser(command: str | None = None, light: bool = False) -> argparse.Ar
 
 def main(argv: list[str] | None = None) -> int:
     """The `latentsweep` entry point: the one place (with a spawned worker's entry) that sets process-wide state."""
+    started = time.monotonic()  # a budget (`run --time`) counts the command's imports too: the user's clock does
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv[0] if argv else None, light=True)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or an argument error (2, already printed): an exit code, as for the rest
         return int(exc.code or 0)
+    args.started = started
     configure_process()
     try:
         return int(args.func(args) or 0)

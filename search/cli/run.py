@@ -11,7 +11,6 @@ from search.cli.study import add_worker_args, make_spec, worker_plan
 from search.cli.study_inspect import liveness_args, stores_args
 from search.pick.onebudget import check_pick_inputs, parse_duration, run_one_budget
 from search.pick.picker import PickOptions
-from search.process import process_started
 from search.stores import safe_name
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.redact import redact_url
@@ -40,7 +39,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    started = process_started()
+    started = getattr(args, "started", None) or time.monotonic()  # set by search.cli.main at its start
     total = parse_duration(args.time)
     plan = worker_plan(args)  # --workers/--gpus/--per-gpu, checked against this machine before anything is stored
     args.timeout = None  # the budget is the bound
