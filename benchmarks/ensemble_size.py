@@ -9,12 +9,14 @@ with 95% paired bootstrap intervals.
 
     python benchmarks/ensemble_size.py --work DIR [--seeds 0 1 2 3 4]      # trains (about 75 s per model, 1 thread)
     python benchmarks/ensemble_size.py --work DIR --report                  # the table from the saved predictions
+    python benchmarks/ensemble_size.py --smoke    # 1 holdout of tiny synthetic data, 1 epoch per model, a temp dir
 """
 from __future__ import annotations
 
 import argparse
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +36,7 @@ BOOT = 2000  # bootstrap resamples of the pooled captions
 LR, EPOCHS, BATCH, TAU = 1e-3, 40, 256, 0.05  # the reference script's
 
 
-def train_one(x, img, y, seed: int, v: dict) -> torch.nn.Module:
+def train_one(x, img, y, seed: int, v: dict, epochs: int = EPOCHS) -> torch.nn.Module:
     """The reference script's training loop with the variant's changes; x [N, Dt], img [N], y [Ni, Di] unit rows."""
     torch.manual_seed(seed)
     hidden = v.get("hidden", 1024)
@@ -42,8 +44,8 @@ def train_one(x, img, y, seed: int, v: dict) -> torch.nn.Module:
                               torch.nn.Dropout(v.get("drop", 0.2)), torch.nn.Linear(hidden, y.shape[1]))
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.01)
     ema = [p.detach().clone() for p in net.parameters()] if v.get("ema") else None
-    steps, k = EPOCHS * ((len(x) + BATCH - 1) // BATCH), 0
-    for _ in range(EPOCHS):
+    steps, k = epochs * ((len(x) + BATCH - 1) // BATCH), 0
+    for _ in range(epochs):
         for idx in torch.randperm(len(x)).split(BATCH):
             if v.get("cos"):
                 for g in opt.param_groups:
@@ -69,7 +71,7 @@ def train_one(x, img, y, seed: int, v: dict) -> torch.nn.Module:
     return net.eval()
 
 
-def train_holdout(h: Path, out: Path) -> None:
+def train_holdout(h: Path, out: Path, epochs: int = EPOCHS) -> None:
     """Every model of one holdout, its test predictions (id order) saved as out/{variant}_s{seed}.npy."""
     z, t = np.load(h / "train.npz"), np.load(h / "test.clean.npz")
     x = torch.tensor(z["captions/embeddings"], dtype=torch.float32)
@@ -81,8 +83,9 @@ def train_holdout(h: Path, out: Path) -> None:
         for seed in range(BASE_SEEDS if name == "base" else VARIANT_SEEDS):
             path = out / f"{name}_s{seed}.npy"
             if not path.is_file():
+                net = train_one(x, img, y, seed, v, epochs)  # trained with autograd on, predicted without
                 with torch.no_grad():
-                    np.save(path, F.normalize(train_one(x, img, y, seed, v)(xt), dim=1).numpy()[order])
+                    np.save(path, F.normalize(net(xt), dim=1).numpy()[order])
                 print(f"{h.name} {name} seed {seed}", flush=True)
 
 
@@ -124,18 +127,33 @@ def report(work: Path, holdouts: list[int]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--work", type=Path)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="holdout seeds")
     p.add_argument("--report", action="store_true", help="only print the table from the saved predictions")
+    p.add_argument("--smoke", action="store_true",
+                   help="one holdout of tiny synthetic data, 1 epoch per model, in a temp dir: the path in seconds")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    for s in args.seeds if not args.report else []:
-        h = args.work / f"holdout-{s}"
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="ensemble-smoke-") as tmp:
+            from trainers.synthetic import write_synthetic
+
+            train = write_synthetic(Path(tmp) / "data", 100, captions_per_image=5, dim_text=32, dim_image=48)[0]
+            return run(Path(tmp) / "work", [0], False, train, epochs=1)
+    if args.work is None:
+        p.error("--work is required (or --smoke)")
+    return run(args.work, args.seeds, args.report, default_train_path())
+
+
+def run(work: Path, holdout_seeds: list[int], report_only: bool, train: Path, epochs: int = EPOCHS) -> int:
+    """Cut each holdout of `train` (latentsweep data holdout), train its models, print the table."""
+    for s in holdout_seeds if not report_only else []:
+        h = work / f"holdout-{s}"
         if not (h / "answers.npz").is_file():
-            subprocess.run([sys.executable, "-m", "search", "data", "holdout", str(default_train_path()), "--seed",
+            subprocess.run([sys.executable, "-m", "search", "data", "holdout", str(train), "--seed",
                             str(s), "--out", str(h)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        train_holdout(h, h)
-    print(report(args.work, args.seeds))
+        train_holdout(h, h, epochs)
+    print(report(work, holdout_seeds))
     return 0
 
 
