@@ -339,3 +339,14 @@ volumes:
     assert yaml.safe_load(out) == {"services": {"mlflow": {"command": ["mlflow"], "restart": "unless-stopped"},
                                                 "dashboard": {"image": "latentsweep:local"}},
                                    "volumes": {"worker-state": {}}}
+
+
+def test_gpu_workers_get_their_slot_by_the_study_run_rule(raw, monkeypatch):
+    """WORKER_GPUS/WORKER_PER_GPU reach each worker replica as the defaults of its --gpus/--per-gpu (empty: none, so a
+    CPU deployment is unchanged)."""
+    for env, gpus, per_gpu in (({}, None, None), ({"WORKER_GPUS": "all", "WORKER_PER_GPU": "2"}, "all", 2)):
+        worker = interpolate(raw, {**read_env(ENV_EXAMPLE), **env})["services"]["worker"]
+        for key, value in worker["environment"].items():
+            monkeypatch.setenv(key, str(value))
+        args = build_parser().parse_args(worker["command"][1:])
+        assert (args.gpus, args.per_gpu) == (gpus, per_gpu)

@@ -268,3 +268,29 @@ def test_each_trial_records_its_device(tmp_path):
     code, out, _ = run_main(["study", "status", "recorded", "--state-dir", str(state), "--csv"])
     assert code == 0 and out.splitlines()[0].startswith("number,state,value,duration_s,device")
     assert out.splitlines()[1].split(",")[4] == "cpu"
+
+
+def test_workers_on_one_machine_claim_distinct_slots(tmp_path):
+    """`worker --gpus 0,1 --per-gpu 2` four times (compose replicas sharing the state volume): every slot once, in
+    assign_slots' order; a fifth worker is refused in one line; a worker's exit frees its slot."""
+    from search.study import devices
+    try:
+        got = [devices.claim_slot(("0", "1"), 2, tmp_path / "gpu-slots") for _ in range(4)]
+        assert got == ["0", "1", "0", "1"]
+        with pytest.raises(LatentsweepError, match=r"every GPU slot \(2 GPU\(s\) x --per-gpu 2\) is held"):
+            devices.claim_slot(("0", "1"), 2, tmp_path / "gpu-slots")
+        os.close(devices.HELD.pop(1))  # the worker on GPU 1 exits: its lock goes with it
+        assert devices.claim_slot(("0", "1"), 2, tmp_path / "gpu-slots") == "1"
+        assert devices.claim_slot((), 2, tmp_path / "gpu-slots") is None
+    finally:
+        while devices.HELD:
+            os.close(devices.HELD.pop())
+
+
+def test_compose_replicas_get_gpus_from_the_environment(tmp_path, monkeypatch):
+    from conftest import tiny_study_file
+    monkeypatch.setenv("LATENTSWEEP_GPUS", "all")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    state = tmp_path / "state"
+    code, _, err = run_main(["worker", str(tiny_study_file(tmp_path, "e")), "--state-dir", str(state)])
+    assert code == 2 and "--gpus all: no CUDA device is available" in err and not state.exists()

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from search.cli import presets, study_inspect
 from search.cli.study_inspect import liveness_args, stores_args
-from search.study.devices import WorkerPlan, pin_worker, plan_workers, workers_arg
+from search.study.devices import (
+    GPUS_ENV, PER_GPU_ENV, WorkerPlan, claim_slot, pin_process, plan_workers, workers_arg,
+)
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.study.progress import is_terminal
 from search.study.runner import run_study, run_worker
@@ -46,8 +50,8 @@ def add_parser(sub) -> None:
     presets.add_actions(ssub)
     worker = sub.add_parser("worker", help="join an existing study as one worker (any machine)")
     _common(worker)
-    worker.add_argument("--gpus", metavar="LIST", help="the GPUs this worker sees: all, or numbers such as 0,1 (sets "
-                                                       "CUDA_VISIBLE_DEVICES before CUDA starts; default: as is)")
+    gpu_args(worker, "this worker takes the first free slot of GPUs x --per-gpu (a lock in the state directory) "
+                     "and sees that GPU alone (its cuda:0)")
     worker.set_defaults(func=cmd_worker)
 
 
@@ -56,9 +60,16 @@ def add_worker_args(p) -> None:
     p.add_argument("--workers", type=workers_arg, default=1,
                    help="worker processes on this machine: a number, or auto (every GPU slot: GPUs x --per-gpu; "
                         "without GPUs one per 2 cores) (default 1)")
-    p.add_argument("--gpus", metavar="LIST", help="GPUs the workers share: all, or numbers such as 0,1; each worker "
-                                                  "sees one (its cuda:0). Default: none named, nothing pinned")
-    p.add_argument("--per-gpu", type=int, metavar="M", help="workers per GPU of --gpus (default 1)")
+    gpu_args(p, "each worker sees one GPU (its cuda:0)")
+
+
+def gpu_args(p, each: str) -> None:
+    """--gpus and --per-gpu; their defaults come from the environment (how compose's worker replicas get them)."""
+    p.add_argument("--gpus", metavar="LIST", default=os.environ.get(GPUS_ENV) or None,
+                   help=f"GPUs the workers share: all, or numbers such as 0,1; {each} (default ${GPUS_ENV}, else "
+                        f"none: nothing pinned)")
+    p.add_argument("--per-gpu", type=int, metavar="M", default=os.environ.get(PER_GPU_ENV) or None,
+                   help=f"workers per GPU of --gpus (default ${PER_GPU_ENV}, else 1)")
 
 
 def worker_plan(args) -> WorkerPlan:
@@ -102,10 +113,11 @@ def cmd_study_create(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    pin_worker(args.gpus)  # before the pre-flight check, which asks CUDA first
+    plan = plan_workers(1, args.gpus, args.per_gpu)
     with no_new_empty_state_dir(args.state_dir):
-        spec = make_spec(args)
-        preflight(spec)
+        spec = make_spec(args, plan=plan)
+        preflight(spec)  # with --gpus it asks CUDA nothing: the slot is pinned first, below
+    pin_process(claim_slot(spec.gpus, spec.per_gpu, Path(spec.state_dir) / "gpu-slots"))
     ran = run_worker(spec, create=False)
     print(json.dumps({"study": spec.name, "trials_run_by_this_worker": ran}))
     return 0

@@ -3,8 +3,11 @@ worker sees (its own CUDA_VISIBLE_DEVICES, set before its first CUDA call)."""
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -20,6 +23,10 @@ AUTO = "auto"
 # `--workers auto` on a machine without GPUs: one worker per this many cores, the threads each compose worker gets by
 # default (WORKER_THREADS in docker-compose.yml), so auto never asks for more threads than the machine has.
 CPU_THREADS_PER_WORKER = 2
+# `--gpus`/`--per-gpu` when not given: so that compose's worker replicas, which share one command, get them from .env.
+GPUS_ENV, PER_GPU_ENV = "LATENTSWEEP_GPUS", "LATENTSWEEP_PER_GPU"
+SLOT_FILE_CHARS = re.compile(r"[^A-Za-z0-9._-]")  # a GPU's UUID or MIG name may hold '/' or ':'
+HELD: list[int] = []  # the lock files of this process's claimed slots, open (so locked) until it exits
 
 
 @dataclass(frozen=True)
@@ -120,8 +127,23 @@ def pin_process(visible: str | None) -> None:
                                f"(it sees {seen} GPUs); set {VISIBLE_ENV}={visible} in its environment instead")
 
 
-def pin_worker(gpus: str | None) -> None:
-    """`latentsweep worker --gpus LIST`: this one process sees only LIST (checked against the machine), from before
-    its pre-flight check, which is its first CUDA call."""
-    if gpus is not None:
-        pin_process(",".join(machine_ids(parse_gpus(gpus, torch.cuda.device_count()), os.environ.get(VISIBLE_ENV))))
+
+def claim_slot(gpus: Sequence[str], per_gpu: int, lock_dir: Path) -> str | None:
+    """`latentsweep worker --gpus LIST [--per-gpu M]`: the GPU of the first free slot, in assign_slots' order, for
+    this worker process. A slot is claimed by an exclusive lock on its file under `lock_dir` (in the state directory,
+    which compose's worker replicas share), held until the process exits however it exits, so a dead worker's slot
+    is free at once. None without GPUs; one line when every slot is taken."""
+    if not gpus:
+        return None
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    for i, gpu in enumerate(assign_slots(gpus, per_gpu, len(gpus) * per_gpu)):
+        fd = os.open(lock_dir / f"gpu-{SLOT_FILE_CHARS.sub('_', gpu)}-{i // len(gpus)}.lock", os.O_CREAT | os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        HELD.append(fd)
+        return gpu
+    raise LatentsweepError(f"every GPU slot ({len(gpus)} GPU(s) x --per-gpu {per_gpu}) is held by another worker "
+                           f"(locks in {lock_dir})")
