@@ -1,8 +1,10 @@
 """Studies: search spaces, Optuna storage and workers, MLflow tracking, the picker, the CLI and the Python API."""
 # The Python API (search.api) is re-exported lazily: `import search` (every CLI start and spawned worker) stays free
 # of its imports; `from search import run_study` or `search.pick(...)` loads it on first use.
+from search.progress import set_progress_sink  # the one progress channel (stderr by default; None: silent)
+
 API = ("load_ensemble", "pick_ensemble", "predict", "presets", "run", "run_study", "trials", "write_submission")
-__all__ = list(API)
+__all__ = [*API, "set_progress_sink"]
 
 
 def __getattr__(name: str):

@@ -16,6 +16,7 @@ import pandas as pd
 from search.pick.onebudget import parse_duration, run_one_budget
 from search.pick.options import PickOptions, parse_budget
 from search.pick.outputs import PickResult
+from search.progress import honours_progress
 from search.pick.picker import run_pick
 from search.stores import resolve_stores, state_dir as resolve_state_dir
 from search.study.preflight import no_new_empty_state_dir, preflight
@@ -38,6 +39,7 @@ def presets() -> pd.DataFrame:
     return pd.DataFrame(_presets(), columns=["name", "description"])
 
 
+@honours_progress
 def run_study(study: str | Path, *, data: str | None = None, n_trials: int | None = None,
               timeout: float | None = None, workers: int = 1, name: str | None = None, state_dir: str | None = None,
               storage: str | None = None, tracking_uri: str | None = None, artifact_root: str | None = None,
@@ -55,6 +57,7 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
     return {"study": spec.name, **_run_study(spec, workers=workers)}
 
 
+@honours_progress
 def run(study: str | Path, time: str | float, *, data: str | None = None, test: str | None = None,
         register: str | None = None, workers: int = 1, state_dir: str | None = None, progress: bool = True
         ) -> tuple[dict, PickResult]:
@@ -85,6 +88,7 @@ def trials(study: str, *, state_dir: str | None = None, storage: str | None = No
         dispose_study(loaded)
 
 
+@honours_progress
 def pick_ensemble(study: str, *, state_dir: str | None = None, progress: bool = True, **options) -> PickResult:
     """Ensemble the study's best trials into a submission and an MLflow model, as `latentsweep pick`; `options` are
     pick's (top, folds, seeds, budget: seconds, "auto" or "none", selection, method, refit, data, test, out, ...)."""

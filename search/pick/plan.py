@@ -14,10 +14,11 @@ are then incomplete leaves the selection (its finished jobs are kept and reused 
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+from search.progress import say
 
 # The default budget is this fraction of the study's wall time: a pick is a finishing step, not a second study.
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -85,8 +86,8 @@ def plan(cost_of: Callable[[int, int, int], float], top: int, folds: int, seeds:
 
 
 def note(message: str) -> None:
-    """One line of the pick's progress on stderr."""
-    print(f"latentsweep: {message}", file=sys.stderr)
+    """One line of the pick's progress, on the progress channel (search/progress.py: stderr in the CLI)."""
+    say(f"latentsweep: {message}")
 
 
 # The export after the last job (the submission's predictions, the pyfunc model with every checkpoint, the MLflow

@@ -1,10 +1,11 @@
-"""Progress on stderr: a tqdm bar on a terminal, plain lines otherwise (one per trial; one per epoch with --verbose)."""
+"""A study's progress: a tqdm bar on a terminal, plain lines otherwise (one per trial; one per epoch with --verbose),
+the lines said on the progress channel (search/progress.py)."""
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from tqdm.auto import tqdm
+from search.progress import say
 
 
 def is_terminal() -> bool:
@@ -16,9 +17,9 @@ def is_terminal() -> bool:
 
 
 def emit(line: str) -> None:
-    """One line on stderr, above any tqdm bar of this process (tqdm.write keeps the bar intact)."""
-    tqdm.write(line, file=sys.stderr)
-    sys.stderr.flush()
+    """One line of a study's progress, on the progress channel (search/progress.py: stderr in the CLI, above any tqdm
+    bar of this process)."""
+    say(line)
 
 
 def _fmt(value: Any) -> str:

@@ -14,20 +14,17 @@ once full, the oldest row sits at `queue_ptr`. Either way the newest n rows are 
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from trainers.config import QueueInfoNCECfg
 from trainers.errors import ConfigError
 from trainers.losses.base import EpochContext, Loss, masked_ce, register_loss, same_image, unit
+from trainers.progress import tell
 
 # Queue rows at least this cosine-similar to a caption's own image are treated as that image (a copy enqueued in an
 # earlier step) and masked as false negatives; distinct real images are far below (float32 rounding is ~1e-7).
 _SAME_IMAGE_COS = 1.0 - 1e-5
 
-# (size, images) pairs whose cap was already said in this process: a study's trials share one message.
-_CAPS_SAID: set[tuple[int, int]] = set()
 
 # Used queue fraction after `after` (>= 0) post-warmup epochs, by loss.queue_infonce.slice_mode.
 SLICE_SHAPES = {
@@ -82,11 +79,9 @@ class QueueInfoNCE(Loss):
         super().on_epoch_start(epoch, ctx)
         n = None if ctx is None else ctx.n_targets
         if n is not None and 0 < n < self.queue.shape[0] and int(self.queue_count) == 0:
-            if (self.queue.shape[0], n) not in _CAPS_SAID:
-                _CAPS_SAID.add((self.queue.shape[0], n))
-                print(f"latentsweep: loss.queue_infonce.size {self.queue.shape[0]} is more than the {n} distinct "
-                      f"training images; the queue is capped at {n} (a larger one only repeats images; "
-                      "loss.all_images_infonce uses each image once, exactly)", file=sys.stderr)
+            tell(f"latentsweep: loss.queue_infonce.size {self.queue.shape[0]} is more than the {n} distinct "
+                 f"training images; the queue is capped at {n} (a larger one only repeats images; "
+                 "loss.all_images_infonce uses each image once, exactly)", once=("queue cap", self.queue.shape[0], n))
             self.queue = self.queue.new_zeros((n, self.queue.shape[1]))
             self.queue_img = self.queue_img.new_full((n,), -1)
 

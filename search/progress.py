@@ -1,0 +1,123 @@
+"""The one progress channel: every line latentsweep tells its user (a trial's result, the pick's plan and jobs, a
+warning of the `latentsweep` logger, a note from the trainer) goes through `say` to one sink. The CLI keeps the
+default sink, stderr (above any tqdm bar); the Python API silences it (`progress=False`) or redirects it
+(`set_progress_sink(callable)`). Library code never prints: it calls `say` (search), `search.pick.plan.note` or
+`search.study.progress.emit` (which call `say`), or the trainer's hook `trainers.progress.tell` (the `latentsweep`
+logger, which this module routes here). Progress bars follow the commands' own `progress`/`--quiet` switches."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+from typing import Callable, Iterator
+
+Sink = Callable[[str], None]
+# The loggers whose warnings are progress lines: the trainer's hook (and search's own lines) and search's modules
+# (each logging under its module's name).
+LOGGERS = ("latentsweep", "search")
+
+
+def stderr_sink(line: str) -> None:
+    """One line on stderr, above any tqdm bar of this process (tqdm.write keeps the bar intact)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
+
+
+_sink: Sink | None = stderr_sink
+_said: set = set()  # the `once` keys said to the current sink
+
+
+def set_progress_sink(sink: Sink | None) -> Sink | None:
+    """Send every progress line to `sink` (a callable taking one line; None: say nothing); returns the previous
+    sink. Lines said once per process (`say(..., once=key)`) are said again to a new sink."""
+    global _sink
+    previous, _sink = _sink, sink
+    _said.clear()
+    return previous
+
+
+@contextlib.contextmanager
+def progress_to(sink: Sink | None) -> Iterator[None]:
+    """The sink for the block only."""
+    previous = set_progress_sink(sink)
+    try:
+        yield
+    finally:
+        set_progress_sink(previous)
+
+
+def say(line: str, once=None) -> None:
+    """Tell the user one line; with `once`, only the first line of that key reaches the sink (a message every trial
+    of a study would repeat)."""
+    if once is not None:
+        if once in _said:
+            return
+        _said.add(once)
+    if _sink is not None:
+        _sink(line)
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """For the block: MLflow's migration lines and artifact bars off, as the CLI sets them for its whole process
+    (search.process.quiet_mlflow), then restored (a notebook's own settings are its own)."""
+    from search.process import ENV_DEFAULTS, MIGRATION_LOGGERS, STORE_ERROR_LOGGER
+
+    env = {key: os.environ.get(key) for key in ENV_DEFAULTS}
+    levels = {name: logging.getLogger(name).level for name in MIGRATION_LOGGERS}
+    os.environ.update(ENV_DEFAULTS)
+    for name in MIGRATION_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL if name == STORE_ERROR_LOGGER else logging.WARNING)
+    try:
+        yield
+    finally:
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def honours_progress(function):
+    """For an API function with a `progress` keyword: progress=False runs it with no sink and the libraries quiet
+    (nothing said on stdout or stderr)."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if kwargs.get("progress", True) is not False:
+            return function(*args, **kwargs)
+        with progress_to(None), quiet_libraries():
+            return function(*args, **kwargs)
+    return wrapper
+
+
+class ChannelHandler(logging.Handler):
+    """A logging handler that says each record (WARNING and above) on the channel: `extra={"once": key}` says it
+    once per sink."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            say(record.getMessage(), once=getattr(record, "once", None))
+        except Exception:  # noqa: BLE001 - logging's rule: a handler never raises into the caller
+            self.handleError(record)
+
+
+def install() -> None:
+    """Route the LOGGERS' warnings to the channel (once per process: `import search` does it)."""
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, ChannelHandler) for h in logger.handlers):
+            logger.addHandler(ChannelHandler())
+
+
+install()
+
+__all__ = ["progress_to", "say", "set_progress_sink", "stderr_sink"]
