@@ -2,6 +2,7 @@
 vs the study's seed recipe alone. Reports the best val/mrr each reaches and the time each needs to reach the recipe's.
 
     python benchmarks/search_efficiency.py [--study studies/quickstart.toml] [--budget 600] [--epochs 8]
+    python benchmarks/search_efficiency.py --smoke    # 1 epoch, 3 s per arm on tiny synthetic data, then --summary
 
 Both searches run the same space (the study file's [space]) with nothing enqueued, one worker, real SQLite Optuna
 storage and an in-memory tracker (MLflow overhead would be the same for both and is not what is compared).
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import optuna
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from search.study.objective import TrialRunner  # noqa: E402
 from search.process import quiet_optuna  # noqa: E402
@@ -105,14 +107,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--summary", metavar="STATE_DIR", help="summarise a study run with the CLI instead")
     parser.add_argument("--name", default="full", help="study name for --summary")
-    parser.add_argument("--study", default="studies/quickstart.toml")
+    parser.add_argument("--study", default=str(ROOT / "studies" / "quickstart.toml"))
     parser.add_argument("--budget", type=float, default=600.0, help="seconds per search arm")
     parser.add_argument("--epochs", type=int, help="override the base config's epochs")
     parser.add_argument("--data", default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="1 epoch, 3 s per arm on tiny synthetic data (a temp dir), then --summary of one arm")
     args = parser.parse_args(argv)
     if args.summary:
         return summarize(args.summary, args.name, args.budget)
     quiet_optuna()
+    if args.smoke:
+        from trainers.synthetic import write_synthetic
+
+        with tempfile.TemporaryDirectory(prefix="search-efficiency-smoke-") as tmp:
+            args.epochs, args.budget = 1, 3.0
+            args.data = str(write_synthetic(Path(tmp) / "data", 100, dim_text=32, dim_image=48)[0])
+            compare(args, Path(tmp) / "state")
+            return summarize(str(Path(tmp) / "state"), "tpe-median", args.budget)
+    with tempfile.TemporaryDirectory() as tmp:
+        return compare(args, Path(tmp))
+
+
+def compare(args: argparse.Namespace, state: Path) -> int:
+    """The recipe alone, then each arm for args.budget seconds with its state in `state`; prints the table."""
+    state.mkdir(parents=True, exist_ok=True)
     study_file = load_study_file(args.study)
     if args.epochs:
         study_file = dataclasses.replace(study_file, base=with_values(study_file.base, {"train.epochs": args.epochs}))
@@ -122,10 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     recipe = train(study_file.base, data).best_metrics["val/mrr"]
     recipe_s = time.monotonic() - start
     print(f"recipe alone ({study_file.path.name} [base]): val/mrr {recipe:.4f} in {recipe_s:.0f} s", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        curves = {name: run_arm(study_file, name.replace(" ", "").replace(",", "-").replace("+", "-"), s, p, data,
-                                data_path, args.budget, Path(tmp))
-                  for name, (s, p) in ARMS.items()}
+    curves = {name: run_arm(study_file, name.replace(" ", "").replace(",", "-").replace("+", "-"), s, p, data,
+                            data_path, args.budget, state)
+              for name, (s, p) in ARMS.items()}
     print(f"\nbudget {args.budget:.0f} s per arm, space of {study_file.path.name} ({len(study_file.space)} knobs)")
     print("| arm | trials (complete/pruned) | best val/mrr | time to reach the recipe's value |")
     print("|---|---|---|---|")
