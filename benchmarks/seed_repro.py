@@ -28,6 +28,9 @@ too, as a second, held-out figure.
 
     python benchmarks/seed_repro.py [--seeds 0,1,2] [--epochs N] [--threads 1] [--sides seed,recipe,variant]
     python benchmarks/seed_repro.py --summarise A.log B.log     # the report of two processes' rows
+    python benchmarks/seed_repro.py --smoke    # seed 0, 1 epoch, notebook + recipe on tiny synthetic data (temp dir)
+
+--smoke needs the seed file (../shared/seeds/); without it, it runs the recipe side only and says so.
 
 Prints one JSON line per run, then mean +/- std (sample std, n-1) of each side and the difference in std units:
 |mean_seed - mean_recipe| / sqrt((std_seed^2 + std_recipe^2) / 2).
@@ -232,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", default="seed,recipe,variant",
                         help="which to run here (two processes can share the work; --summarise joins their logs)")
     parser.add_argument("--summarise", nargs="+", metavar="LOG", help="only print the report of these logs' rows")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seed 0, 1 epoch, the notebook and the recipe on tiny synthetic data in a temp dir")
     args = parser.parse_args(argv)
     if args.summarise:
         rows = [json.loads(line) for log in args.summarise for line in open(log) if line.startswith("{")]
@@ -242,7 +247,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TQDM_DISABLE", "1")
-    paths = default_train_path(), default_test_path(), default_answers_path()
+    if args.smoke:
+        return smoke(args)
+    return compare(args, (default_train_path(), default_test_path(), default_answers_path()))
+
+
+def smoke(args: argparse.Namespace) -> int:
+    """compare() for seed 0, 1 epoch, on a tiny synthetic train / test / answers set in a temp dir."""
+    from trainers.synthetic import write_synthetic
+
+    args.seeds, args.epochs, args.sides = "0", 1, "seed,recipe"
+    if not Path(args.seed_file).is_file():
+        print(f"smoke: no seed file at {args.seed_file}: the notebook side is skipped", flush=True)
+        args.sides = "recipe"
+    with tempfile.TemporaryDirectory(prefix="seed-repro-smoke-") as tmp:
+        paths = write_synthetic(tmp, 200, captions_per_image=5, dim_text=32, dim_image=48, n_test=40)
+        return compare(args, paths)
+
+
+def compare(args: argparse.Namespace, paths: tuple[Path, Path, Path]) -> int:
+    """Run the wanted sides for every seed on (train, test, answers); print each row and the report."""
     seeds = [int(s) for s in args.seeds.split(",")]
     check_same_split(Path(args.recipe), paths[0])
     wanted = set(args.sides.split(","))
