@@ -8,6 +8,7 @@ import pytest
 import scipy.sparse
 
 from trainers import data as D
+from trainers import npz as N
 from trainers.data import check_text_dim, load_answers, load_test, load_train
 from trainers.data_writer import write_train_npz
 from trainers.errors import ConfigError, DataError
@@ -111,7 +112,7 @@ def test_streamed_dense_label_any_chunk(tmp_path, syn, chunk, label):
 
 
 def test_default_chunk_smaller_than_label(tmp_path, syn, monkeypatch):
-    monkeypatch.setattr(D, "LABEL_CHUNK_BYTES", 3 * NI + 5)  # 3 rows per chunk, 200 rows
+    monkeypatch.setattr(N, "LABEL_CHUNK_BYTES", 3 * NI + 5)  # 3 rows per chunk, 200 rows
     path = write_train_npz(tmp_path / "t.npz", **syn["train"])
     np.testing.assert_array_equal(load_train(path).cap2img, syn["train"]["cap2img"])
 

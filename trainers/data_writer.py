@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from numpy.lib import format as npformat
 
-from trainers.data import LABEL_CHUNK_BYTES, SPARSE_PREFIX
+from trainers.npz import LABEL_CHUNK_BYTES, SPARSE_PREFIX
 from trainers.errors import ConfigError, DataError, closest
 from trainers.io import atomic_write
 
