@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from search import demo_build
+from search.demodata import build as demo_build
 from trainers import demo
 from trainers.data import load_answers, load_test, load_train
 from trainers.errors import LatentsweepError

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from search import demo_build as demo
+from search.demodata import build as demo
 from trainers.demo import DEMO_DIR
 from trainers.errors import LatentsweepError
 

@@ -323,7 +323,7 @@ def _write_card(out: Path, facts: dict) -> None:
     text = f"""# Demo dataset: Tux Paint stamps (latentsweep's embedded default)
 
 Real images with human-written descriptions, encoded with two small real encoders, in the challenge layout
-(README.md, section Data). Small enough to ship with the package ({mb:.1f} MB) and to train on in seconds.
+(docs/data.md). Small enough to ship with the package ({mb:.1f} MB) and to train on in seconds.
 
 ## Sources and licences
 - Images and captions: Debian package `{DEB_PACKAGE}` (Tux Paint stamps), GPL-2+. Each stamp X.svg / X.png has a
