@@ -29,3 +29,4 @@ def test_a_pruned_trial_points_at_its_folders_checkpoint_and_bad_values_read_as_
     assert TrialOutputs.from_attrs({}).local_checkpoint is None
     assert TrialOutputs.from_attrs({"best_epoch": True, "checkpoint": 3, "out_dir": None}) == TrialOutputs()
     assert TrialOutputs(best_epoch=0).as_attrs() == {"best_epoch": 0}
+

@@ -3,13 +3,17 @@
 SQLite is the embedded default; several local worker processes share it safely because every connection waits up to
 SQLITE_TIMEOUT_S for the write lock (instead of failing with "database is locked") and the file is in WAL mode, so
 readers never block the writer. PostgreSQL is the choice for many workers and several machines.
+
+Platform: POSIX only (Linux, macOS). The SQLite schema and budget locks are `fcntl.flock` locks on files beside the
+database; on a platform without `fcntl` (Windows) file_lock raises a one-line error naming the platform instead of
+running unlocked (docs/design.md, "POSIX only").
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import sqlite3
+import sys
 import time
 import warnings
 import weakref
@@ -19,6 +23,11 @@ from typing import Iterator
 
 import optuna
 import sqlalchemy as sa
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: file_lock says so when a lock is needed
+    fcntl = None
 
 from search.redact import redact_url  # one redaction rule for logs, params and tags
 from trainers.errors import LatentsweepError
@@ -125,7 +134,11 @@ def schema_lock(url: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive flock on `path` (created if missing) for the duration of the block: one process at a time."""
+    """An exclusive flock on `path` (created if missing) for the duration of the block: one process at a time.
+    POSIX only (fcntl); elsewhere a LatentsweepError, since running unlocked could overrun the study's budget."""
+    if fcntl is None:
+        raise LatentsweepError(f"file locks need fcntl, which this platform ({sys.platform}) lacks: latentsweep runs on "
+                               "POSIX systems (Linux, macOS); on Windows use WSL")
     with open(path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
