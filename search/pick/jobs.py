@@ -162,7 +162,7 @@ def run_fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path, devic
         for job in mine:
             if not clock.admits(job.cost):
                 break
-            ckpt = clock.run(job, lambda j=job: run_job(j, data, progress), jobs)
+            ckpt = clock.timed(job, lambda j=job: run_job(j, data, progress), jobs)
             held = captions_of(data.cap2img, np.setdiff1d(np.arange(len(data.image)), job.images))
             pred[held] = predict_all([load_model(ckpt, device)[0]], data.text[held], device)[0]
             ckpts.append((job.name, ckpt))
@@ -212,7 +212,7 @@ def refit_members(chosen: list[tuple[Candidate, float]], fold_models: dict[str, 
         if not clock.admits(job.cost):
             notes.append(f"budget: {clock.left():.0f} s left, so {i} of {len(queue)} refits run")
             break
-        ckpt = clock.run(job, lambda j=job: run_job(j, data, progress), queue)
+        ckpt = clock.timed(job, lambda j=job: run_job(j, data, progress), queue)
         made[job.member].append((job.name, ckpt, "refit", job))
     kept = [(c, w) for c, w in chosen if made[c.name]]
     total = sum(w for _, w in kept)
@@ -242,6 +242,6 @@ def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, devic
         if not clock.admits(job.cost):
             note(f"budget: {clock.left():.0f} s left, so {len(out)} of {len(todo)} seed re-runs run")
             break
-        ckpt = clock.run(job, lambda j=job: run_job(j, data, progress), [j for _, j in todo])
+        ckpt = clock.timed(job, lambda j=job: run_job(j, data, progress), [j for _, j in todo])
         out.append(make_candidate(job.name, base.trial, ckpt, "retrained", None, device))
     return out

@@ -154,7 +154,7 @@ class Clock:
     def announce(self, jobs: int) -> None:
         self.total += jobs
 
-    def run(self, job, train: Callable[[], tuple], queue: list):
+    def timed(self, job, train: Callable[[], tuple], queue: list):
         """Run `train()` -> (checkpoint, seconds or None when reused) for `job`; record it and report one line with
         the expected seconds of the jobs of `queue` not yet run. Returns the checkpoint."""
         ckpt, seconds = train()
@@ -162,10 +162,10 @@ class Clock:
             self.trained.append((seconds, job.cost))
         self.finished.add(job.name)
         remaining = sum(self.expect(j.cost) for j in queue if j.name not in self.finished)
-        self.report(job.name, describe_job(job, seconds), remaining)
+        self.job_done(job.name, describe_job(job, seconds), remaining)
         return ckpt
 
-    def report(self, name: str, what: str, remaining_estimate: float) -> None:
+    def job_done(self, name: str, what: str, remaining_estimate: float) -> None:
         """After a job: 'job i/n NAME: WHAT; elapsed, about N s left of the plan'."""
         self.done += 1
         budget = f" of {self.budget:.0f} s" if self.budget is not None else ""
