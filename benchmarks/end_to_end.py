@@ -18,6 +18,7 @@ captions with paired bootstrap intervals (`--report` prints them again from the 
 
     python benchmarks/end_to_end.py --work DIR [--seeds 0 1 2 3 4] [--time 600] [--splits 0.5 0.7] [--headline]
     python benchmarks/end_to_end.py --work DIR --report
+    python benchmarks/end_to_end.py --smoke    # --headline on 1 holdout of tiny synthetic data, --time 60, a temp dir
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,7 +60,10 @@ def sh(argv: list[str], log: Path, makes: Path | None = None) -> float | None:
     with open(log, "a") as fh:
         fh.write(f"\n$ {' '.join(map(str, argv))}\n")
         fh.flush()
-        subprocess.run([str(a) for a in argv], stdout=fh, stderr=subprocess.STDOUT, check=True, cwd=ROOT)
+        done = subprocess.run([str(a) for a in argv], stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
+    if done.returncode != 0:  # the log may be in a temp dir about to go: show why here
+        sys.stderr.write(log.read_text()[-3000:])
+        done.check_returncode()
     return time.monotonic() - start
 
 
@@ -170,7 +175,8 @@ def one_holdout(seed: int, args, work: Path) -> dict:
     pick_budget = float(re.findall(r"the pick gets the (\d+) s left", log.read_text())[-1])
     rr = {"platform": submission_rr(work / "platform.csv", answers)}
     row["reference_s"] = sh([sys.executable, ROOT / "benchmarks" / "reference_script.py", data, test_path,
-                             work / "reference.csv"], log, work / "reference.csv")
+                             work / "reference.csv", *getattr(args, "reference_args", [])], log,
+                            work / "reference.csv")
     rr["reference"] = submission_rr(work / "reference.csv", answers)
     from search.pick.candidates import top_trials
     best = top_trials(optuna.load_study(study_name=STUDY, storage=f"sqlite:///{state / 'optuna.db'}"), 1)[0].number
@@ -245,7 +251,7 @@ def report(work: Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, required=True, help="runs and results go here")
+    p.add_argument("--work", type=Path, help="runs and results go here")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="holdout seeds")
     p.add_argument("--time", default="600", help="latentsweep run --time (default 600 s)")
     p.add_argument("--splits", type=float, nargs="*", default=[0.5, 0.7], help="fixed search fractions to compare")
@@ -254,7 +260,26 @@ def main(argv=None) -> int:
     p.add_argument("--report", action="store_true", help="only print the report of the saved results")
     p.add_argument("--headline", action="store_true",
                    help="only the platform, the reference and the best trial's refit (after a change to a member)")
+    p.add_argument("--smoke", action="store_true",
+                   help="--headline on 1 holdout of tiny synthetic data, --time 60 (the least `run` takes), in a "
+                        "temp dir: about 2 minutes")
     args = p.parse_args(argv)
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="end-to-end-smoke-") as tmp:
+            from trainers.synthetic import write_synthetic
+
+            # --headline: the old picks and splits would add 3 more picks (minutes); same helpers as the headline
+            args.work, args.seeds, args.time, args.report, args.headline = Path(tmp) / "work", [0], "60", False, True
+            args.reference_args = ["--seeds", "1", "--epochs", "2"]
+            args.data = write_synthetic(Path(tmp) / "data", 150, dim_text=32, dim_image=48)[0]
+            return run(args)
+    if args.work is None:
+        p.error("--work is required (or --smoke)")
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every holdout not done yet in args.work, then the report of all of them."""
     args.seconds = float(args.time)
     if not args.report:
         for seed in args.seeds:
