@@ -3,7 +3,7 @@ its nearest training captions (Nadaraya-Watson regression). Fitted when built, n
 
 Why a model with no weights: with a few thousand training images a learned map is data-starved, and the images
 of similar training captions carry what it cannot learn. Its errors differ from a trained model's, so it pays as an
-ensemble member (README, "Picking an ensemble": measured on the demo holdouts) even where it is weaker alone.
+ensemble member (docs/results.md: measured on the demo holdouts) even where it is weaker alone.
 
 Why centred: a weighted mean of unit images leans towards their mean, so the images near that mean (hubs) rank
 high for every query. Taking model.knn_center x the mean unit training image off each prediction ranks by

@@ -80,7 +80,7 @@ class OofSelection:
         between the simpler model (the best single member) and the ensemble. The nested gain is already an unbiased
         figure of the whole selection (weights chosen without the scored fold), so the rule only guards against a
         gain that is noise. The earlier rule, mean > std (a t statistic above sqrt(F)), rejected the ensemble in
-        every demo holdout; README "Picking an ensemble" has both rules measured on held-out captions."""
+        every demo holdout; docs/results.md has both rules measured on held-out captions."""
         spread = self.gain_se if np.isfinite(self.gain_se) else 0.0
         return self.gain > spread
 

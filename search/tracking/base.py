@@ -57,7 +57,7 @@ DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 @runtime_checkable
 class Tracker(Protocol):
-    """What studies and picks need from a tracking backend (README, "Tracking", says what is logged where)."""
+    """What studies and picks need from a tracking backend (docs/tracking.md says what is logged where)."""
 
     # a study: its experiment and parent run, opened by the first worker, re-opened by the others and on resume,
     # summarised at the end; the reaper closes the runs of trials no worker runs any more
