@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import Iterator
 
@@ -89,3 +90,11 @@ def interrupt_on(*signals: int | None) -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
+
+def process_started() -> float:
+    """When this process started, on time.monotonic()'s clock (psutil reads the kernel's start time of the process:
+    interpreter start-up and imports are seconds on a loaded machine, and the user's clock counts them)."""
+    import psutil  # only the CLI's entry asks, once
+
+    age = time.time() - psutil.Process().create_time()
+    return time.monotonic() - min(max(age, 0.0), time.monotonic())

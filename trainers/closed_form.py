@@ -16,8 +16,8 @@ from trainers.splits import captions_of, split_by_hash
 ALPHAS = (0.001, 0.01, 0.1, 1.0)
 # The held-out share of images the strength is chosen on (the trials' default data.val_ratio).
 VAL_RATIO = 0.2
-# Caption rows per block of the moment sums: [BLOCK, Dx] + [BLOCK, Dy] float64 at a time (~0.2 GB at 1024/1536 dims),
-# never a float64 copy of the whole training set.
+# Caption rows per block of the moment sums: [BLOCK, Dx] + [BLOCK, Dy] float32 at a time (~0.08 GB at 1024/1536
+# dims), never a float64 copy of the whole training set.
 BLOCK = 8192
 
 
@@ -35,16 +35,17 @@ class Moments:
                        self.xy + other.xy)
 
 
-def moments(data: TrainSet, caps: np.ndarray) -> Moments:
-    """The moment sums of captions `caps` paired with their images, in blocks of BLOCK rows."""
+def moments(data: TrainSet, caps: np.ndarray, block: int = BLOCK) -> Moments:
+    """The moment sums of captions `caps` paired with their images, in blocks of `block` rows."""
     dx, dy = data.text.shape[1], data.image.shape[1]
     acc = Moments(0, torch.zeros(dx, dtype=torch.float64), torch.zeros(dy, dtype=torch.float64),
                   torch.zeros(dx, dx, dtype=torch.float64), torch.zeros(dx, dy, dtype=torch.float64))
-    for start in range(0, len(caps), BLOCK):
-        rows = caps[start:start + BLOCK]
-        x = torch.from_numpy(np.asarray(data.text[rows], np.float64))
-        y = torch.from_numpy(np.asarray(data.image[data.cap2img[rows]], np.float64))
-        acc = acc + Moments(len(rows), x.sum(0), y.sum(0), x.T @ x, x.T @ y)
+    for start in range(0, len(caps), block):
+        rows = caps[start:start + block]
+        x = torch.from_numpy(np.asarray(data.text[rows], np.float32))
+        y = torch.from_numpy(np.asarray(data.image[data.cap2img[rows]], np.float32))
+        # float32 products of one block (4x faster than float64 on CPU), summed over blocks in float64
+        acc = acc + Moments(len(rows), x.double().sum(0), y.double().sum(0), (x.T @ x).double(), (x.T @ y).double())
     return acc
 
 
@@ -91,4 +92,4 @@ def fit_ridge(data: TrainSet, seed: int = 0) -> tuple[Ridge, dict[float, float]]
     return solve(on_fit + on_held, best), scores
 
 
-__all__ = ["ALPHAS", "Ridge", "fit_ridge"]
+__all__ = ["ALPHAS", "Moments", "Ridge", "fit_ridge", "moments", "solve"]

@@ -8,7 +8,7 @@ import time
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
-from search.process import configure_process
+from search.process import configure_process, process_started
 
 # Each module of search.cli named here exposes add_parser(subparsers); the handler it sets as `func` returns an exit
 # code and is named after its command: `latentsweep study run` -> cmd_study_run (tests/test_layout.py checks it).
@@ -72,7 +72,9 @@ def build_parser(command: str | None = None, light: bool = False) -> argparse.Ar
 
 def main(argv: list[str] | None = None) -> int:
     """The `latentsweep` entry point: the one place (with a spawned worker's entry) that sets process-wide state."""
-    started = time.monotonic()  # a budget (`run --time`) counts the command's imports too: the user's clock does
+    # A budget (`run --time`) counts from the process's start, imports included, as the user's clock does; called
+    # from Python (a test, a notebook), from this call.
+    started = process_started() if argv is None else time.monotonic()
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv[0] if argv else None, light=True)
     try:

@@ -20,14 +20,13 @@ from search.pick.options import PickOptions, check_options, check_writable
 from search.pick.outputs import PickResult
 from search.pick.picker import run_pick
 from search.pick.plan import EXPORT_FIXED_S, note
-from search.pick.safe import SafeAnswer, best_trial_answer, ridge_answer
+from search.pick.safe import Keeper, SafeAnswer, ridge_answer
 from search.stores import safe_name
 from search.study.budget import (
     PICK_FIXED_S, RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, SearchBudget,
 )
-from search.study.report import load_existing_study
 from search.study.runner import run_study
-from search.study.worker import RunSpec, dispose_study
+from search.study.worker import RunSpec
 from search.tracking.probe import probe_tracking_store
 from trainers.data import check_text_dim, load_test, load_train_shared
 from trainers.deadline import Deadline
@@ -104,12 +103,21 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
     check_pick_inputs. A submission is in place from step 2 on (see the module's docstring)."""
     deadline = Deadline.after(total, started)
     note(describe_split(total))
-    answer = ridge_answer(load_train_shared(spec.data_path), load_test(pick.test), Path(pick.out))
+    test, out = load_test(pick.test), Path(pick.out)
+    answer = ridge_answer(load_train_shared(spec.data_path), test, out)
     note(f"first answer in {answer.seconds:.1f} s: {answer.source} -> {answer.path}")
     budget = SearchBudget(deadline, total, safe_s=answer.seconds)
-    summary = run_study(replace(spec, timeout=None, budget=budget), workers=workers, figures=False)
+    if deadline.left() <= budget.opening_reserve():
+        note(f"{deadline.left():.0f} s left, not more than the pick's opening reserve of "
+             f"{budget.opening_reserve():.0f} s: no search; the submission stays {answer.source}")
+        return OneBudgetResult({}, answer, None, deadline.overrun(), _late(deadline, "the start"))
+    keeper = Keeper(safe_name(spec.name), spec.storage.url, Path(spec.state_dir), test, out,
+                    resolve_device(pick.device), answer)
+    with keeper:  # the best trial's answer replaces the floor while the search runs
+        summary = run_study(replace(spec, timeout=None, budget=budget), workers=workers, figures=False)
     late = _late(deadline, "the search")
-    answer = _best_trial(spec, pick, answer)
+    answer = keeper.refresh()
+    note(f"safe answer: {answer.source} (written in {answer.seconds:.1f} s) -> {answer.path}")
     result = None
     if deadline.left() >= PICK_MIN_S:
         note(f"search done ({summary.get('trials_finished', 0)} trials); the pick gets the {deadline.left():.0f} s "
@@ -125,21 +133,6 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
 def _late(deadline: Deadline, step: str) -> str:
     """`step` when the deadline has passed by its end (the first step that overran), else ''."""
     return step if deadline.passed() else ""
-
-
-def _best_trial(spec: RunSpec, pick: PickOptions, floor: SafeAnswer) -> SafeAnswer:
-    """The best trial's submission in place of the floor, when a trial has a value (the floor stays otherwise)."""
-    study = load_existing_study(safe_name(spec.name), spec.storage.url)
-    try:
-        better = best_trial_answer(study, Path(spec.state_dir), load_test(pick.test), Path(pick.out),
-                                   resolve_device(pick.device))
-    finally:
-        dispose_study(study)
-    if better is None:
-        note(f"no trial finished an epoch: the submission stays {floor.source}")
-        return floor
-    note(f"safe answer in {better.seconds:.1f} s: {better.source} -> {better.path}")
-    return better
 
 
 def _try_pick(pick: PickOptions, answer: SafeAnswer) -> PickResult | None:

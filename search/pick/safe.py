@@ -3,8 +3,10 @@ closed-form ridge before the first trial, then the best trial's own checkpoint a
 ends with a submission whatever the search and the pick manage."""
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,13 +14,21 @@ from pathlib import Path
 import numpy as np
 import optuna
 
+from search.failures import Kind, classify
 from search.pick.candidates import fetch_checkpoint, top_trials
 from search.pick.ensemble import predict_all
+from search.study.report import load_existing_study
+from search.study.storage import dispose, storage_of
 from trainers.checkpoint import load_model
 from trainers.closed_form import fit_ridge
 from trainers.data import TestSet, TrainSet, check_text_dim
 from trainers.errors import LatentsweepError
 from trainers.submission import check_submission, write_submission
+
+log = logging.getLogger("latentsweep")
+# How often the keeper looks for a new best trial while the search runs: a demo trial takes 3-15 s on 2 cores, and a
+# look (one storage read) costs milliseconds; rewriting the answer (one checkpoint's test predictions) about a second.
+KEEP_POLL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -53,21 +63,71 @@ def ridge_answer(data: TrainSet, test: TestSet, out: Path) -> SafeAnswer:
     return SafeAnswer(out, f"closed-form ridge (alpha {ridge.alpha:g}{held})", time.monotonic() - started)
 
 
-def best_trial_answer(study: optuna.Study, root: Path, test: TestSet, out: Path, device) -> SafeAnswer | None:
-    """The best trial's own checkpoint's submission (a pruned trial's best epoch included); None when no trial has
-    a value or a local checkpoint yet. Nothing is downloaded: the job's trials wrote their checkpoints here."""
-    started = time.monotonic()
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The study's best trial with a value (a pruned trial's best epoch counts), or None."""
     try:
-        best = top_trials(study, 1)[0]
+        return top_trials(study, 1)[0]
     except LatentsweepError:  # no trial with a value yet
         return None
-    local_only = _NoTracker()
-    found = fetch_checkpoint(best, local_only, root, root)
+
+
+def trial_answer(trial: optuna.trial.FrozenTrial, root: Path, test: TestSet, out: Path, device) -> SafeAnswer | None:
+    """`trial`'s own checkpoint's submission; None when its checkpoint is not on disk under `root` (nothing is
+    downloaded: the job's trials wrote their checkpoints here)."""
+    started = time.monotonic()
+    found = fetch_checkpoint(trial, _NoTracker(), root, root)
     if found is None:
         return None
     model, _, _ = load_model(found[0], device)
     put_submission(out, test, predict_all([model], test.embeddings, device)[0])
-    return SafeAnswer(out, f"trial {best.number}'s checkpoint", time.monotonic() - started)
+    return SafeAnswer(out, f"trial {trial.number}'s checkpoint", time.monotonic() - started)
+
+
+class Keeper:
+    """Keeps the submission at `out` the best trial's answer while a search runs: a thread that looks at the study
+    every KEEP_POLL_S and rewrites the answer when the best trial changed, so a job killed mid-search still leaves
+    its best model's submission. `refresh()` does one look now (the job's last, after the search)."""
+
+    def __init__(self, name: str, storage: str, root: Path, test: TestSet, out: Path, device, answer: SafeAnswer):
+        self.name, self.storage, self.root, self.test, self.out, self.device = name, storage, root, test, out, device
+        self.answer, self.number = answer, None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="latentsweep-keeper", daemon=True)
+
+    def refresh(self) -> SafeAnswer:
+        try:
+            study = load_existing_study(self.name, self.storage)
+        except LatentsweepError:  # not created yet: the search is starting
+            return self.answer
+        try:
+            best = best_trial(study)
+        finally:
+            dispose(storage_of(study))
+        if best is not None and best.number != self.number:
+            made = trial_answer(best, self.root, self.test, self.out, self.device)
+            if made is not None:
+                self.answer, self.number = made, best.number
+        return self.answer
+
+    def _watch(self) -> None:
+        warned = False
+        while not self.stop.wait(KEEP_POLL_S):
+            try:
+                self.refresh()
+            except Exception as exc:  # noqa: BLE001 - a thread cannot stop the job: said once, tried again
+                if not warned:
+                    failure = classify(exc)
+                    log.warning("could not update the safe answer (%s); trying again every %.0f s",
+                                failure.detail if failure.kind is Kind.BUG else failure.reason, KEEP_POLL_S)
+                    warned = True
+
+    def __enter__(self) -> "Keeper":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 class _NoTracker:
@@ -77,4 +137,4 @@ class _NoTracker:
         raise FileNotFoundError(f"{path} of run {run_id}: the safe answer reads local checkpoints only")
 
 
-__all__ = ["SafeAnswer", "best_trial_answer", "put_submission", "ridge_answer"]
+__all__ = ["Keeper", "SafeAnswer", "best_trial", "put_submission", "ridge_answer", "trial_answer"]

@@ -51,10 +51,14 @@ class SearchBudget:
         low, high = RESERVE_MIN_FRACTION * self.total, RESERVE_MAX_FRACTION * self.total
         floor = SAFE_FACTOR * self.safe_s
         if not costs:
-            return max(high, floor)
+            return self.opening_reserve()
         fixed = PICK_FIXED_S + PICK_POOL * statistics.fmean(c.eval_s for c in costs)
         wanted = RESERVE_REFITS * statistics.fmean(c.refit_s for c in costs) + fixed
         return max(min(max(wanted, low), high), floor)
+
+    def opening_reserve(self) -> float:
+        """The reserve before anything is measured: no trial starts unless more than this is left."""
+        return max(RESERVE_MAX_FRACTION * self.total, SAFE_FACTOR * self.safe_s)
 
     def hard_stop(self) -> Deadline:
         """When the search's workers must be gone whatever their trials measured: before the smallest reserve the
