@@ -5,6 +5,12 @@
 Without a finished study in --state-dir, runs studies/quickstart.toml there first (a few minutes on 2 cores). Starts
 `latentsweep ui` on free ports, takes the pictures with headless Chromium (`apt-get install -y chromium`), stops the
 UI (SIGTERM: it stops both servers) and prints the PNG paths.
+
+    python benchmarks/screenshots.py --smoke    # tests: everything before the servers and Chromium
+
+--smoke runs studies/quickstart.toml for 1 trial on tiny synthetic data in a temp dir and resolves the pages' ids
+(experiment, best trial's run, Optuna study) from its state; it starts no server and no browser, and prints the URL
+paths it would shoot.
 """
 from __future__ import annotations
 
@@ -38,15 +44,15 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "search", *args]
 
 
-def ensure_study(state: Path, study: str) -> None:
+def ensure_study(state: Path, study: str, run_args: tuple[str, ...] = ()) -> None:
     if (state / "optuna.db").is_file():
         listed = subprocess.run(cli("study", "list", "--state-dir", str(state), "--csv"), capture_output=True,
                                 text=True, cwd=ROOT, check=True).stdout
         if any(line.split(",")[0] == study for line in listed.splitlines()[1:]):
             return
     print(f"running studies/{study}.toml into {state} ...", flush=True)
-    subprocess.run(cli("study", "run", f"studies/{study}.toml", "--state-dir", str(state), "--quiet"), cwd=ROOT,
-                   check=True)
+    subprocess.run(cli("study", "run", f"studies/{study}.toml", "--state-dir", str(state), "--quiet", *run_args),
+                   cwd=ROOT, check=True)
 
 
 def targets(state: Path, study: str) -> tuple[str, str, int]:
@@ -91,6 +97,30 @@ def stop_ui(proc: subprocess.Popen) -> None:
             print(f"  ui: {line.rstrip()}", flush=True)
 
 
+def pages(exp_id: str, run_id: str, study_id: int) -> dict[str, str]:
+    """{png name: URL path and query} of every picture, relative to its server (MLflow, or the dashboard's)."""
+    runs = f"/#/experiments/{exp_id}/runs"
+    return {"mlflow_runs_table.png": f"{runs}?{ML_MODE}&searchFilter={TRIALS_FILTER}"
+                                     "&orderByKey=metrics.%60best%2Fval%2Fmrr%60&orderByAsc=false",
+            "mlflow_trial_metrics.png": f"{runs}/{run_id}/model-metrics?{ML_MODE}",
+            "mlflow_trial_overview.png": f"{runs}/{run_id}?{ML_MODE}",
+            "optuna_dashboard_study.png": f"/dashboard/studies/{study_id}"}
+
+
+def smoke() -> int:
+    """Everything before the servers and the browser, on a 1-trial quickstart study of tiny data in a temp dir."""
+    from trainers.synthetic import write_synthetic
+
+    with tempfile.TemporaryDirectory(prefix="screenshots-smoke-") as tmp:
+        data = write_synthetic(Path(tmp) / "data", 100, dim_text=32, dim_image=48)[0]
+        state = Path(tmp) / "state"
+        ensure_study(state, "quickstart", ("--data", str(data), "--n-trials", "1"))
+        for name, path in pages(*targets(state, "quickstart")).items():
+            print(f"{name}  <-  {path}")
+    print("smoke: no server or Chromium started (the study, its ids and the URLs are what was checked)")
+    return 0
+
+
 def shoot(browser: str, url: str, out: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
         subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
@@ -100,12 +130,16 @@ def shoot(browser: str, url: str, out: Path) -> None:
     print(f"{out}  <-  {url}", flush=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--state-dir", default=os.path.join(tempfile.gettempdir(), "latentsweep-screens"))
     parser.add_argument("--study", default="quickstart")
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "latentsweep-screens", "png"))
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help="a 1-trial study on tiny data in a temp dir and the pages' URLs; no server, no browser")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke()
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         raise SystemExit("no Chromium found: apt-get install -y chromium")
@@ -119,12 +153,8 @@ def main() -> int:
     proc = start_ui(state, mlflow_port, dash_port)
     try:
         mlflow, dash = f"http://127.0.0.1:{mlflow_port}", f"http://127.0.0.1:{dash_port}"
-        runs = f"{mlflow}/#/experiments/{exp_id}/runs"
-        shoot(browser, f"{runs}?{ML_MODE}&searchFilter={TRIALS_FILTER}&orderByKey=metrics.%60best%2Fval%2Fmrr%60"
-                       "&orderByAsc=false", out / "mlflow_runs_table.png")
-        shoot(browser, f"{runs}/{run_id}/model-metrics?{ML_MODE}", out / "mlflow_trial_metrics.png")
-        shoot(browser, f"{runs}/{run_id}?{ML_MODE}", out / "mlflow_trial_overview.png")
-        shoot(browser, f"{dash}/dashboard/studies/{study_id}", out / "optuna_dashboard_study.png")
+        for name, path in pages(exp_id, run_id, study_id).items():
+            shoot(browser, f"{dash if name.startswith('optuna') else mlflow}{path}", out / name)
     finally:
         stop_ui(proc)
     return 0
