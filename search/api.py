@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from search.pick.onebudget import parse_duration, run_one_budget
+from search.checks import check_count, check_registry_name, check_seconds, check_type
+from search.pick.onebudget import OneBudgetResult, check_pick_inputs, parse_duration, run_one_budget
 from search.pick.options import PickOptions, parse_budget
 from search.pick.outputs import PickResult
 from search.progress import honours_progress
@@ -46,8 +47,12 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
               progress: bool = True) -> dict:
     """Create or resume a study (a study file's path or a preset's name) and run its trials here, as `latentsweep
     study run`; returns the summary (trials by state, best value and trial)."""
-    if workers < 1:
-        raise LatentsweepError(f"workers must be >= 1, got {workers}")
+    _check_common(study, workers, progress, data=data, name=name, state_dir=state_dir, storage=storage,
+                  tracking_uri=tracking_uri, artifact_root=artifact_root)
+    if n_trials is not None:
+        check_count("n_trials", n_trials)
+    if timeout is not None:
+        check_seconds("timeout", timeout)
     study_file = load_study_file(study)
     with no_new_empty_state_dir(state_dir):
         spec = build_spec(study_file, data=data, n_trials=n_trials, timeout=timeout, name=name, state=state_dir,
@@ -60,26 +65,32 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
 @honours_progress
 def run(study: str | Path, time: str | float, *, data: str | None = None, test: str | None = None,
         register: str | None = None, workers: int = 1, state_dir: str | None = None, progress: bool = True
-        ) -> tuple[dict, PickResult]:
+        ) -> OneBudgetResult:
     """Search and pick within one wall-clock budget, as `latentsweep run STUDY --time T` (T: seconds or "30m");
-    returns (the study summary, the pick's result); the ensemble is registered under `register` (default: the
-    study's name)."""
-    started = _time.time()
-    total = parse_duration(str(time))
+    returns the job's result (.summary of the study, .pick: the pick's result or None, .answer: the submission in
+    place); the ensemble is registered under `register` (default: the study's name)."""
+    started = _time.monotonic()  # the deadline's clock (trainers.deadline)
+    _check_common(study, workers, progress, data=data, test=test, state_dir=state_dir)
+    check_type("time", time, str, int, float)
+    total = parse_duration(str(time))  # bounded: finite, at most a week
+    if register is not None:
+        check_registry_name("register", register)
     study_file = load_study_file(study)
     with no_new_empty_state_dir(state_dir):
         spec = build_spec(study_file, data=data, n_trials=None, timeout=None, name=None, state=state_dir,
                           storage=None, tracking_uri=None, artifact_root=None, progress=progress)
         preflight(spec)
-    pick = PickOptions(study=spec.name, state_dir=spec.state_dir, storage=spec.storage.url,
-                       tracking_uri=spec.tracking_uri, data=spec.data_path, test=test,
-                       register=register or spec.name, progress=progress)
+        pick = check_pick_inputs(PickOptions(  # every pick input before the search, as the CLI
+            study=spec.name, state_dir=spec.state_dir, storage=spec.storage.url, tracking_uri=spec.tracking_uri,
+            data=spec.data_path, test=test, register=register or spec.name, progress=progress), spec.data_path)
     return run_one_budget(spec, total, pick, workers, started)
 
 
 def trials(study: str, *, state_dir: str | None = None, storage: str | None = None) -> pd.DataFrame:
     """The study's trials best first, as `latentsweep study status --csv`: number, state, value, duration and the
     knobs that vary."""
+    check_type("study", study, str)
+    _check_paths(state_dir=state_dir, storage=storage)
     url = resolve_stores(resolve_state_dir(state_dir, create=False), storage, read_only=True).storage
     loaded = load_existing_study(study, url)
     try:
@@ -98,7 +109,20 @@ def pick_ensemble(study: str, *, state_dir: str | None = None, progress: bool = 
         raise LatentsweepError(f"pick: unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
     if isinstance(options.get("budget"), str):  # "auto", "none" or seconds, as on the command line
         options["budget"] = parse_budget(options["budget"])
-    return run_pick(PickOptions(study=study, state_dir=state_dir, progress=progress, **options))
+    return run_pick(PickOptions(study=study, state_dir=state_dir, progress=progress, **options))  # checks them all
+
+
+def _check_common(study, workers, progress, **paths) -> None:
+    """The arguments every study call takes: a study file's path or a preset's name, a worker count, paths."""
+    check_type("study", study, str, Path)
+    check_count("workers", workers)
+    check_type("progress", progress, bool)
+    _check_paths(**paths)
+
+
+def _check_paths(**paths) -> None:
+    for name, value in paths.items():
+        check_type(name, value, str, Path, none=True)
 
 
 def load_ensemble(picked: PickResult | str, tracking_uri: str | None = None, state_dir: str | None = None):

@@ -137,6 +137,9 @@ def _unique_names(npz: Npz, key: str, names: np.ndarray) -> np.ndarray:
 def load_test(path) -> TestSet:
     """Read and validate a test.clean.npz (captions only)."""
     with Npz(path) as npz:
+        if "captions/label" in npz.keys or SPARSE_PREFIX + "indptr" in npz.keys:  # the labels make a train file
+            raise DataError(f"{path}: a train file (it has captions/label), not a test file: pass the "
+                            "test.clean.npz of the challenge or of `latentsweep data holdout`")
         emb = npz.matrix("captions/embeddings")
         ids = _unique_ids(npz, "captions/ids", npz.vector("captions/ids", "i", len(emb), "captions/embeddings"))
         text = npz.vector("captions/text", "U", len(emb), "captions/embeddings")

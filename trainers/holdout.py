@@ -16,6 +16,7 @@ from trainers.errors import ConfigError, DataError
 from trainers.metrics import GALLERY_SIZE
 from trainers.splits import captions_and_local_images
 
+HOLDOUT_FILES = ("train.npz", "test.clean.npz", "answers.npz")  # what write_holdout writes, in its output directory
 MIN_IMAGES = 2  # each side needs two images: one to train on beside another, one gallery to rank against
 
 
@@ -75,7 +76,7 @@ def write_holdout(data: TrainSet, fraction: float, seed: int, out: Path) -> Hold
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     labels = None if data.image_labels is None else data.image_labels[train_img]
-    files = (out / "train.npz", out / "test.clean.npz", out / "answers.npz")
+    files = tuple(out / name for name in HOLDOUT_FILES)
     write_train_npz(files[0], caption_ids=data.caption_ids[tr_caps], caption_text=data.caption_text[tr_caps],
                     text=data.text[tr_caps], image=data.image[train_img], cap2img=tr_local,
                     image_names=data.image_names[train_img], image_labels=labels, label_names=data.label_names)
@@ -86,4 +87,4 @@ def write_holdout(data: TrainSet, fraction: float, seed: int, out: Path) -> Hold
     return Holdout(len(train_img), len(tr_caps), len(test_img), len(order), -(-len(order) // GALLERY_SIZE), files)
 
 
-__all__ = ["Holdout", "held_out_images", "gallery_order", "write_holdout"]
+__all__ = ["HOLDOUT_FILES", "Holdout", "held_out_images", "gallery_order", "write_holdout"]

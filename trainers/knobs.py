@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 
+from trainers.registry import on_rollback
+
 # numpy's legacy seeding (np.random.seed, used by seed_everything) accepts [0, 2**32 - 1] only.
 MAX_SEED = 2**32 - 1
 # Widest layer accepted: 65536 x 1536 float32 weights are 400 MB per layer; wider is a typo (an extra digit) that
@@ -16,7 +18,9 @@ MAX_WIDTH = 65536
 
 
 def knob(default, *, low=None, high=None, choices=None, doc=""):
-    """A field with range/choice metadata (checked by `trainers.config.coerce`)."""
+    """A field with range/choice metadata (checked by `trainers.config.coerce`); an empty range is refused."""
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"knob({default!r}, low={low!r}, high={high!r}): low is above high, so no value is valid")
     meta = {"low": low, "high": high, "choices": choices, "doc": doc}
     if isinstance(default, (list, tuple)):
         return field(default=tuple(default), metadata=meta)
@@ -315,6 +319,7 @@ def add_section(parent: type, name: str, section: type) -> None:
     if no_default:
         raise ValueError(f"{section.__name__}: every knob needs a default (use knob(default, ...)); "
                          f"missing for {', '.join(no_default)}")
+    on_rollback(_remover(parent, name))
     specs = [(f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
              for f in fields(parent)]
     specs.append((name, section, field(default_factory=section, metadata={"doc": section.__doc__ or ""})))
@@ -325,3 +330,25 @@ def add_section(parent: type, name: str, section: type) -> None:
     parent.__annotations__[name] = section
     setattr(parent, name, section())  # what configs made before the section was added read
     _GENERATION[0] += 1
+
+
+def _remover(parent: type, name: str):
+    """How to take back add_section(parent, name, ...): the class as it was (a plugin's import failed after it)."""
+    saved = {attr: parent.__dict__[attr] for attr in _GENERATED if attr in parent.__dict__}
+    fields_before, annotations_before = dict(parent.__dataclass_fields__), dict(parent.__annotations__)
+
+    def remove() -> None:
+        for attr in _GENERATED:
+            if attr in saved:
+                setattr(parent, attr, saved[attr])
+            elif attr in parent.__dict__:
+                delattr(parent, attr)
+        parent.__dataclass_fields__.clear()
+        parent.__dataclass_fields__.update(fields_before)
+        parent.__annotations__.clear()
+        parent.__annotations__.update(annotations_before)
+        if name in parent.__dict__:
+            delattr(parent, name)
+        _GENERATION[0] += 1
+
+    return remove

@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 from trainers.errors import ConfigError
+from trainers.registry import transaction
 
 _SEP = "#sha256="
 _LOADED: dict[str, Path] = {}  # sha256 -> the file loaded with it (this process)
@@ -71,10 +72,11 @@ def _import(path: Path, sha: str) -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and torch look a class's module up by name
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - any error in user code: one line naming its file and line
+        with transaction():  # a failed import takes back what it registered: the fixed file loads in this process
+            spec.loader.exec_module(module)
+    except BaseException as exc:  # noqa: BLE001 - anything user code raises (sys.exit and Ctrl-C too): one line
         del sys.modules[name]
-        raise ConfigError(f"{_where(exc, path)}: {type(exc).__name__}: {_first_line(exc)}") from None
+        raise ConfigError(f"{_where(exc, path)}: {_describe(exc)}") from None
 
 
 def _where(exc: BaseException, path: Path) -> str:
@@ -83,6 +85,15 @@ def _where(exc: BaseException, path: Path) -> str:
         return f"{path}:{exc.lineno}"
     lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path]
     return f"{path}:{lines[-1]}" if lines else str(path)
+
+
+def _describe(exc: BaseException) -> str:
+    """What went wrong, in a line: an exit or an interrupt is said as such (it is not the command's own)."""
+    if isinstance(exc, SystemExit):
+        return f"the plugin called sys.exit({exc.code!r}) while it was imported"
+    if isinstance(exc, KeyboardInterrupt):
+        return "KeyboardInterrupt while the plugin was imported (interrupted, or raised by the plugin)"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
 
 
 def _first_line(exc: BaseException) -> str:

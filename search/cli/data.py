@@ -3,12 +3,14 @@ leaderboard (an image-disjoint holdout in the challenge format); `data build-dem
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 
+from search.checks import check_new_files, check_not_inputs, check_seed
 from search.cli.demo import add_parser as add_build_demo
 from trainers.data import describe_npz, load_answers, load_test, load_train
-from trainers.holdout import write_holdout
+from trainers.holdout import HOLDOUT_FILES, write_holdout
 
 # Rows per step when computing norms, so no full-size temporary is made (einsum needs none, slicing keeps it small).
 NORM_CHUNK = 8192
@@ -26,7 +28,9 @@ def add_parser(subparsers) -> None:
     holdout.add_argument("path", help="a labelled train.npz")
     holdout.add_argument("--fraction", type=float, default=0.2, help="fraction of the images held out (default 0.2)")
     holdout.add_argument("--seed", type=int, default=0, help="which images: MD5(seed:name) order (default 0)")
-    holdout.add_argument("--out", required=True, help="output directory (created)")
+    holdout.add_argument("--out", required=True, help="output directory (created); never the input's own files")
+    holdout.add_argument("--force", action="store_true", help="replace holdout files already in --out (never the "
+                                                              "input file)")
     holdout.set_defaults(func=cmd_data_holdout)
     add_build_demo(sub)
 
@@ -80,6 +84,11 @@ def _answers_lines(path: str) -> list[str]:
 
 
 def cmd_data_holdout(args) -> int:
+    check_seed("--seed", args.seed)
+    outputs = [Path(args.out).expanduser() / name for name in HOLDOUT_FILES]
+    check_not_inputs("--out", outputs, {"PATH": Path(args.path).expanduser()})
+    if not args.force:
+        check_new_files("--out", outputs)
     h = write_holdout(load_train(args.path, texts=True), args.fraction, args.seed, args.out)
     print(f"train:   {h.files[0]} ({h.train_images} images, {h.train_captions} captions)")
     print(f"test:    {h.files[1]} ({h.test_captions} captions of {h.test_images} held-out images, "

@@ -15,7 +15,7 @@ from search.study.devices import (
 )
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.study.progress import is_terminal
-from search.study.runner import run_study, run_worker
+from search.study.runner import close_parent_if_idle, run_study, run_worker
 from search.study.spec import build_spec
 from search.redact import redact_url
 from search.study.studyfile import load_study_file
@@ -77,8 +77,6 @@ def worker_plan(args) -> WorkerPlan:
     return plan_workers(args.workers, args.gpus, args.per_gpu)
 
 
-
-
 def make_spec(args, study_file=None, plan: WorkerPlan | None = None):
     """RunSpec from CLI arguments, the study file, the state-directory defaults and the local workers' GPUs."""
     spec = build_spec(study_file or load_study_file(args.study), data=getattr(args, "data", None),
@@ -106,8 +104,12 @@ def cmd_study_create(args) -> int:
     with no_new_empty_state_dir(args.state_dir):
         spec = make_spec(args, study_file)
         preflight(spec)
-    study = load_or_create(study_file, spec, open_tracker(spec), create=True)
-    dispose_study(study)
+    tracker = open_tracker(spec)
+    study = load_or_create(study_file, spec, tracker, create=True)
+    try:
+        close_parent_if_idle(study, tracker)  # no trial runs yet: its MLflow parent run is not left RUNNING
+    finally:
+        dispose_study(study)
     print(f"study '{spec.name}' ready in {redact_url(spec.storage.url)}")
     return 0
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from search.checks import check_folds
 from search.failures import raise_stop
 from search.pick.candidates import Candidate, make_candidate
 from search.pick.ensemble import predict_all
@@ -129,6 +130,7 @@ def job_cost(cand: Candidate, data, captions: int, images: int, epochs: int) -> 
 
 
 def fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path) -> list[Job]:
+    check_folds("--folds", n_folds, len(data.image_names))  # before k jobs per candidate are built and priced
     fold_of = fold_assignment(data.image_names, n_folds)
     return [make_job(f"{c.name}/fold-{f + 1}-of-{n_folds}", c.name, replay_config(c.cfg, c.best_epoch), c,
                      data, np.flatnonzero(fold_of != f), picks / "runs" / f"{c.name}-fold-{f + 1}-of-{n_folds}")

@@ -5,6 +5,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from search.checks import (
+    MAX_REFIT_SEEDS, check_count, check_registry_name, check_seconds, check_seed, check_type,
+)
 from search.pick.ensemble import METHODS
 from search.stores import resolve_stores, state_dir, writable_dir
 from trainers.errors import LatentsweepError
@@ -101,23 +104,32 @@ def check_writable(path: Path) -> None:
 
 
 def check_options(opts: PickOptions) -> None:
-    if opts.top < 1:
-        raise LatentsweepError(f"--top must be >= 1, got {opts.top}")
-    if opts.size < 1:
-        raise LatentsweepError(f"--size must be >= 1, got {opts.size}")
-    if opts.seeds is not None and (opts.seeds < 0 or (opts.refit and opts.seeds < 1)):
-        raise LatentsweepError(f"--seeds must be >= {1 if opts.refit else 0}, got {opts.seeds}")
-    if opts.selection not in SELECTIONS:
-        raise LatentsweepError(f"--selection must be one of {', '.join(SELECTIONS)}, got '{opts.selection}'")
-    if opts.fallback not in FALLBACKS:
-        raise LatentsweepError(f"--fallback must be one of {', '.join(FALLBACKS)}, got '{opts.fallback}'")
-    if opts.folds < 2:
-        raise LatentsweepError(f"--folds must be >= 2, got {opts.folds}")
-    if opts.budget not in (None, AUTO) and not (isinstance(opts.budget, (int, float)) and opts.budget > 0
-                                                 and opts.budget != float("inf")):
-        raise LatentsweepError(f"--budget must be a positive number of seconds, 'auto' or 'none', got {opts.budget}")
-    if opts.method not in METHODS:
-        raise LatentsweepError(f"--method must be one of {', '.join(METHODS)}, got '{opts.method}'")
+    """Every option's type and range (shared checks, search.checks), before anything is read or trained."""
+    check_count("--top", opts.top)
+    check_count("--size", opts.size)
+    if opts.seeds is not None:
+        check_count("--seeds", opts.seeds, 1 if opts.refit else 0, MAX_REFIT_SEEDS, " seeds per member")
+    check_seed("--seed", opts.seed)
+    check_count("--folds", opts.folds, 2)
+    for name in ("refit", "progress"):
+        check_type(name, getattr(opts, name), bool)
+    for name in ("study", "method", "selection", "fallback", "device"):
+        check_type(name, getattr(opts, name), str)
+    for name in ("state_dir", "storage", "tracking_uri", "data", "test", "out"):
+        check_type(name, getattr(opts, name), str, Path, none=True)
+    if opts.register is not None:
+        check_registry_name("--register", opts.register)
+    _choice("--selection", opts.selection, SELECTIONS)
+    _choice("--fallback", opts.fallback, FALLBACKS)
+    _choice("--method", opts.method, METHODS)
+    if opts.budget not in (None, AUTO):
+        check_type("--budget", opts.budget, int, float)
+        check_seconds("--budget", opts.budget)
+
+
+def _choice(name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise LatentsweepError(f"{name} must be one of {', '.join(choices)}, got '{value}'")
 
 
 def pool_size(opts: PickOptions) -> int:

@@ -72,13 +72,18 @@ def init_preset(name: str, dest: str | Path, force: bool = False) -> list[Path]:
     """Copy preset `name` to `dest` (a file, or a directory: DEST/NAME.toml) with the recipes it enqueues beside it,
     so the copy loads on its own (its own recipe, `recipe = "NAME.toml"`, renamed to the copy); returns the files
     written. An existing different file is kept unless `force`."""
-    source = resolve_study_path(name.removesuffix(".toml") if is_preset_name(name) else name)
-    if not is_preset_name(name) or source.parent != presets_dir():
-        raise ConfigError(f"{name}: not a preset; presets: {', '.join(preset_names())}")
+    stem = name.removesuffix(".toml")
+    if not is_preset_name(name) or stem not in preset_names():  # a preset by name, whatever files are here
+        raise ConfigError(f"{name}: not a preset{closest(stem, preset_names())}; presets: "
+                          f"{', '.join(preset_names())}")
+    source = presets_dir() / f"{stem}.toml"
     dest = Path(dest).expanduser()
     target = dest / source.name if dest.is_dir() else dest
     if target.suffix != ".toml":
         raise ConfigError(f"{target}: a study file is a .toml file")
+    if target.name in referenced_recipes(source):  # the copy would enqueue itself in the recipe's place
+        raise ConfigError(f"{target}: preset {stem} enqueues the recipe {target.name}, which is copied beside it "
+                          f"under that name; choose another file name")
     own = re.compile(r'(recipe\s*=\s*)"' + re.escape(source.name) + '"')
     plan = [(target, own.sub(lambda m: f'{m.group(1)}"{target.name}"', source.read_text()))]
     plan += [(target.parent / r, (source.parent / r).read_text()) for r in referenced_recipes(source)

@@ -72,11 +72,11 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
         if bar:
             bar.close()
         if owned:
-            _close_parent_if_idle(study, tracker)
+            close_parent_if_idle(study, tracker)
             dispose_study(study)
 
 
-def _close_parent_if_idle(study: optuna.Study, tracker: Tracker) -> None:
+def close_parent_if_idle(study: optuna.Study, tracker: Tracker) -> None:
     """A worker that joined on its own (`latentsweep worker`) ends the parent run when no trial runs any more, so
     the last worker out leaves nothing RUNNING in MLflow (a later worker or `study run` reopens it)."""
     try:
@@ -251,7 +251,7 @@ def reap_study(name: str, stores) -> list:
         tracker = make_tracker(stores.tracking_uri, stores.artifact_root)
         tracker.attach_study(name, parent, reopen=False)  # reaping never reopens a finished run
         closed = reap(study, tracker)
-        _close_parent_if_idle(study, tracker)  # a study that stopped on a full disk or a store outage left it open
+        close_parent_if_idle(study, tracker)  # a study that stopped on a full disk or a store outage left it open
         return closed
     finally:
         dispose_study(study)

@@ -19,6 +19,9 @@ from trainers.errors import ConfigError
 from trainers.validate import validate
 
 SIDE_ATTR = "latentsweep.side"  # JSON {config key: value} of a side trial
+# Knobs that belong to the study, not to one of its trials: every trial reads one data file, one task and one val
+# split (so that their values compare), and the study's plugins ([study] plugins).
+STUDY_OWNED = ("data.path", "data.task", "data.split", "data.val_ratio", "data.n_folds", "data.fold", "data.salt")
 
 
 def side_entry(entry: dict, index: int, where: str, base: Config, errors: list[str]) -> dict[str, Any]:
@@ -27,6 +30,9 @@ def side_entry(entry: dict, index: int, where: str, base: Config, errors: list[s
     flat = flatten_tree(entry)
     values: dict[str, Any] = {}
     for key, value in flat.items():
+        if key in STUDY_OWNED or key.startswith("plugins."):
+            errors.append(f"{at}: {key} belongs to the study, not to one trial (set it in [base] or [study])")
+            continue
         try:  # an unknown knob fails here, naming the closest valid one
             values[key] = coerce(key, value)
         except ConfigError as exc:
@@ -51,6 +57,16 @@ def enqueue_side(study: optuna.Study, entries: tuple[dict[str, Any], ...]) -> No
         text = json.dumps(values, sort_keys=True)
         if text not in have:
             study.enqueue_trial({}, user_attrs={"latentsweep.enqueued": True, SIDE_ATTR: text})
+            have.add(text)  # two identical entries run once
+
+
+def unique(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """The side entries without repeats (the first of identical ones kept) and without failed ones ({})."""
+    seen: dict[str, dict[str, Any]] = {}
+    for values in entries:
+        if values:
+            seen.setdefault(json.dumps(values, sort_keys=True), values)
+    return tuple(seen.values())
 
 
 def side_values(trial: optuna.trial.BaseTrial | optuna.trial.FrozenTrial) -> dict[str, Any] | None:

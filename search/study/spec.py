@@ -2,8 +2,7 @@
 API build before they launch anything."""
 from __future__ import annotations
 
-import math
-
+from search.checks import check_seconds
 from search.stores import resolve_stores, safe_name, state_dir
 from search.study.preflight import check_liveness
 from search.study.storage import StorageSettings
@@ -23,8 +22,8 @@ def build_spec(study_file: StudyFile, *, data: str | None = None, n_trials: int 
     check_liveness(heartbeat, grace)
     if n_trials is not None and n_trials < 1:  # 0 must not fall back to the file's value
         raise LatentsweepError(f"--n-trials must be >= 1, got {n_trials}")
-    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-        raise LatentsweepError(f"--timeout must be a positive number of seconds, got {timeout}")
+    if timeout is not None:
+        check_seconds("--timeout", timeout)
     name = safe_name(name, "--name") if name is not None else None
     stores = resolve_stores(state_dir(state), storage, tracking_uri, artifact_root)
     train = resolve_data_path(data or study_file.base.data.path)

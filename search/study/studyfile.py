@@ -5,16 +5,16 @@ space can propose (each conditional branch is probed and validated, see `search.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from search.checks import check_seconds
 from search.stores import safe_name
 from search.study.branches import check_branches
 from search.study.presets import resolve_study_path
 from search.study.samplers import DEFAULT, check_settings
-from search.study.side import side_entry
+from search.study.side import side_entry, unique
 from search.study.space import Param, active_values, config_key, parse_space
 from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml, with_values
 from trainers.demo import default_train_path
@@ -69,7 +69,7 @@ def load_study_file(path: str | Path) -> StudyFile:
     if errors:
         raise ConfigError(f"{len(errors)} problem(s) in {where}:\n  " + "\n  ".join(errors))
     return StudyFile(path=path, base=base, fixed=frozenset(fixed), space=tuple(space),
-                     enqueue=tuple(e for e in enqueue if e), side=tuple(e for e in side if e),
+                     enqueue=tuple(e for e in enqueue if e), side=unique(side),
                      plugins=tuple(plugins), **study)
 
 
@@ -116,9 +116,11 @@ def _study_settings(table: dict, path: Path, errors: list[str]) -> dict[str, Any
         errors.append(f"{where}: study.n_trials: must be a whole number >= 1, got {n_trials!r}")
     out["n_trials"] = n_trials
     timeout = table.get("timeout")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-                                or not math.isfinite(timeout) or timeout <= 0):
-        errors.append(f"{where}: study.timeout: must be a positive number of seconds, got {timeout!r}")
+    try:
+        if timeout is not None:
+            check_seconds("study.timeout", timeout)
+    except LatentsweepError as exc:
+        errors.append(f"{where}: {exc}")
     out["timeout"] = timeout
     return out
 
@@ -149,6 +151,9 @@ def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: lis
     entry = dict(entry)
     recipe = entry.pop("recipe", None)
     values: dict[str, Any] = {}
+    if recipe is not None and not (isinstance(recipe, str) and recipe.strip()):
+        errors.append(f"{at}: recipe must be the file name of a study file (a string), got {recipe!r}")
+        return {}
     if recipe is not None:
         if (path.parent / recipe).resolve() == path.resolve():
             other_base = base  # the file's own recipe: its [base] is the known-good config

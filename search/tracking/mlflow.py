@@ -340,6 +340,16 @@ class MlflowTracker:
         for chunk in _chunks(list(metrics or []), METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=chunk, synchronous=True)
 
+def registry_name_problem(name: str) -> str | None:
+    """Why the MLflow Model Registry would refuse `name`, by MLflow's own rule (not blank, no '/' or ':', a unique
+    path; its file store also refuses '%'), or None."""
+    from mlflow.utils.validation import _validate_model_name
+
+    try:
+        _validate_model_name(name)
+    except MlflowException as exc:
+        return exc.message.strip().splitlines()[0]
+    return "Names cannot contain '%'." if "%" in name else None
 
 
 def load_pyfunc(model_uri: str, tracking_uri: str):

@@ -1,0 +1,90 @@
+"""One check per kind of user value (types, counts, seeds, durations, registry names, outputs): one-line errors."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from trainers.errors import LatentsweepError
+from trainers.knobs import MAX_SEED
+
+# Longest duration accepted (--time, --timeout, budgets): a week, as `run --time` (search.pick.onebudget.MAX_TOTAL_S).
+# Longer is a typo (a digit too many) or an infinity ("1e999", 400 nines) that no plan can be made for.
+MAX_SECONDS = 7 * 24 * 3600.0
+# Refit seeds per chosen member: averaging gains flatten after a few seeds (REFIT_SEEDS = 3 is the default); more
+# than this is a typo that would build that many refit jobs per member before the budget trims them.
+MAX_REFIT_SEEDS = 100
+
+_KINDS = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
+
+
+def check_type(name: str, value, *types: type, none: bool = False):
+    """`value` when it is one of `types` (a bool is not a number here), or None when `none`; else one line naming
+    the argument and the type expected."""
+    if value is None and none:
+        return value
+    numeric = any(t in (int, float) for t in types) and bool not in types
+    if isinstance(value, tuple(types)) and not (numeric and isinstance(value, bool)):
+        return value
+    shown = [t for t in types if not (t is int and float in types)]  # int or float: "a number"
+    expected = " or ".join(_KINDS.get(t, t.__name__) for t in shown) + (" or None" if none else "")
+    raise LatentsweepError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+
+
+def check_count(name: str, value, low: int = 1, high: int | None = None, why: str = "") -> int:
+    """A whole number in [low, high]; `why` says where the upper bound comes from."""
+    check_type(name, value, int)
+    if value < low:
+        raise LatentsweepError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise LatentsweepError(f"{name} must be <= {high}{why}, got {value}")
+    return value
+
+
+def check_seed(name: str, value) -> int:
+    """A seed numpy and torch both accept: 0 .. 2**32 - 1."""
+    return check_count(name, value, 0, MAX_SEED)
+
+
+def check_seconds(name: str, value) -> float:
+    """A positive, finite duration of at most MAX_SECONDS."""
+    check_type(name, value, int, float)
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise LatentsweepError(f"{name} must be a positive number of seconds up to {MAX_SECONDS:.0f} (7 days), "
+                               f"got {value:g}")
+    return float(value)
+
+
+def check_folds(name: str, folds: int, images: int) -> int:
+    """Image folds: each needs at least one image, so no more folds than the data has images."""
+    return check_count(name, folds, 2, images, f" (the data has {images} images)")
+
+
+def check_registry_name(name: str, value) -> str:
+    """A name the MLflow Model Registry accepts, by MLflow's own rule, checked before any work (not at
+    registration, after every refit)."""
+    check_type(name, value, str)
+    if not value.strip():
+        raise LatentsweepError(f"{name} {value!r}: a registered model name cannot be blank")
+    from search.tracking.mlflow import registry_name_problem  # MLflow is loaded only when a name is given
+
+    problem = registry_name_problem(value)
+    if problem:
+        raise LatentsweepError(f"{name} {value!r}: the MLflow Model Registry refuses it ({problem})")
+    return value
+
+
+def check_not_inputs(option: str, outputs: list[Path], inputs: dict[str, Path]) -> None:
+    """No output file may be one of the inputs (writing it would replace what is being read)."""
+    for out in outputs:
+        for name, given in inputs.items():
+            if out.exists() and given.exists() and out.resolve() == given.resolve():
+                raise LatentsweepError(f"{option}: {out} is the input {name}: writing it would replace the input; "
+                                       "choose another output directory")
+
+
+def check_new_files(option: str, paths: list[Path], force: str = "--force") -> None:
+    """Outputs must not exist yet unless `force` is given: a command never silently replaces earlier results."""
+    there = [str(p) for p in paths if p.exists()]
+    if there:
+        raise LatentsweepError(f"{option}: {', '.join(there)} already {'exists' if len(there) == 1 else 'exist'}; "
+                               f"pass {force} to replace, or choose another directory")
