@@ -9,41 +9,16 @@ import pytest
 import search
 from search import api
 from search.progress import progress_to, say, set_progress_sink
+from test_picker import STUDY, TINY_STUDY  # the picker tests' tiny study: 2 epochs of a 64-wide MLP
 from trainers.progress import tell
-
-TINY = """
-[study]
-name = "quiet"
-n_trials = 2
-sampler = { name = "random", seed = 0 }
-pruner = { name = "none" }
-
-[base.data]
-split = "hash"
-val_ratio = 0.2
-
-[base.model]
-kind = "mlp"
-hidden = [32]
-
-[base.loss]
-infonce = { weight = 1.0 }
-
-[base.train]
-epochs = 1
-batch_size = 256
-
-[space]
-"optim.lr" = { type = "float", low = 2e-4, high = 3e-3, log = true }
-"""
 
 
 def test_the_api_with_progress_off_says_nothing_on_stdout_or_stderr(tmp_path, capfd):
-    study = tmp_path / "quiet.toml"
-    study.write_text(TINY)
+    study = tmp_path / "tiny.toml"
+    study.write_text(TINY_STUDY)
     state = str(tmp_path / "state")
-    summary = api.run_study(study, state_dir=state, progress=False)
-    picked = api.pick_ensemble("quiet", state_dir=state, progress=False, top=1, seeds=1, budget="none")
+    summary = api.run_study(study, n_trials=2, state_dir=state, progress=False)
+    picked = api.pick_ensemble(STUDY, state_dir=state, progress=False, top=2, refit=False)
     assert summary and picked.submission.is_file()
     out, err = capfd.readouterr()
     assert (out, err) == ("", "")
