@@ -214,3 +214,20 @@ def test_a_bug_in_our_tracker_calls_leaves_no_trial_and_no_run_running(world, tm
     client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert runs and [(r.info.run_name, r.info.status) for r in runs if r.info.status == "RUNNING"] == []
+
+
+def test_study_run_timeout_is_a_promise_the_running_trial_stops_there(world, tmp_path):
+    """`study run --timeout`: the trial running at the timeout stops at its next step and keeps its best finished
+    epoch (it used to run to its end, past the timeout, like Optuna's own timeout)."""
+    from search.study.objective import DEADLINE_ATTR
+
+    long = tiny_study_file(tmp_path, "timed", n_trials=5, epochs=100_000)
+    state = tmp_path / "state"
+    start = time.monotonic()
+    assert main(["study", "run", str(long), "--timeout", "8", "--data", str(world.train), "--state-dir", str(state),
+                 "--quiet"]) == 0
+    wall = time.monotonic() - start
+    trials = optuna.load_study(study_name="timed", storage=f"sqlite:///{state / 'optuna.db'}").trials
+    assert len(trials) == 1 and DEADLINE_ATTR in trials[0].user_attrs
+    assert trials[0].state == optuna.trial.TrialState.PRUNED
+    assert wall <= 8 + SLACK_S
