@@ -1,0 +1,272 @@
+"""GPU benchmark for one 15-minute slot: the training step, trials per minute by worker count, and a one-budget run.
+
+One call, under 8 minutes on an H100/H200, printing a markdown table:
+  (a) the trainer's epoch (benchmarks/throughput.py: the VSE++ MLP 1024 -> 2048 -> 1536 at batch 512, the loop's own
+      per-epoch body) eager, and captured when the trainer has a `train.capture` knob (else "n/a"), against a plain
+      DataLoader(TensorDataset) loop, and the trainer's FLOP rate as a fraction of the card's float32 matmul rate;
+  (b) trials per minute of `latentsweep study run studies/full.toml --workers K` at challenge size (25,000 images x 5
+      captions, 1024 -> 1536, trainers/synthetic.py) for K = 1, 2, 4, 8 on one GPU (with `--gpus 0 --per-gpu K` when
+      the CLI has them): trials finished within --window seconds of the first start, the run stopped after that;
+  (c) `latentsweep run studies/full.toml --time 120` on the same data, scored on its held-out test file.
+(c) runs before (b), so that a short budget skips the last worker counts; a part that would overrun --budget is
+skipped and says so.
+
+    python benchmarks/gpu.py [--budget 470] [--window 30] [--workers 1 2 4 8] [--json OUT]
+    python benchmarks/gpu.py --smoke    # on CPU in seconds: (a) at toy sizes on CPU, tiny data written; the
+                                        # command lines of (b) and (c) checked by the CLI's parser, not run
+
+On the lent GPU machine (see ../shared/gpu/README.md): `bash .gpu/setup.sh`, then
+`python3 benchmarks/gpu.py --json "$OUT/gpu.json" | tee "$OUT/gpu.md"`.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "search"]
+FULL = {"n_images": 25_000, "captions_per_image": 5, "n_test": 1_500}  # challenge dims are the generator's defaults
+SMOKE_DATA = {"n_images": 100, "captions_per_image": 5, "n_test": 20, "dim_text": 32, "dim_image": 48}
+STOP_GRACE_S = 15  # after the window: in-flight trials may finish, then the run is stopped (they do not count)
+START_UP_S = 45  # the most a run's start-up (imports, the challenge-size file) may take before the window
+RUN_TIME_S = 120  # part (c)
+
+
+class Clock:
+    """The whole call's budget: a part starts only when its estimate fits in what is left."""
+
+    def __init__(self, budget: float):
+        self.end = time.monotonic() + budget
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def fits(self, seconds: float) -> bool:
+        return self.left() >= seconds
+
+
+# ---- (a) the training step -------------------------------------------------------------------------------------
+
+def capture_knob() -> dict | None:
+    """{"train.capture": True} when the trainer has that knob, else None."""
+    from trainers.config import Config, with_values
+    from trainers.errors import LatentsweepError
+
+    try:
+        with_values(Config(), {"train.capture": True})
+    except (LatentsweepError, KeyError, ValueError, TypeError):
+        return None
+    return {"train.capture": True}
+
+
+def step_rows(device: str, smoke: bool, steps: int = 30) -> list[tuple[str, str]]:
+    """(label, value) rows of part (a), from benchmarks/throughput.py's measurements."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import throughput as tp
+
+    dims, dev = (tp.SMOKE if smoke else tp.CHALLENGE), torch.device(device)
+    steps = 3 if smoke else steps
+    warm = tp.TrainerEpoch(dev, 2, dims)
+    warm.run()  # allocator, kernels, fused-optimiser state
+    epoch = tp.TrainerEpoch(dev, steps, dims)
+    peak = tp.matmul_rate(dev, dims.matmul if smoke else 8192)
+    ours = max(epoch.run() for _ in range(2))
+    theirs = tp.dataloader_loop(dev, steps, dims)
+    gflops = ours * dims.flops_per_sample() / 1e9
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    rows = [("device", f"{name}, batch {dims.batch}, MLP {dims.text}-{dims.hidden}-{dims.image}"),
+            ("float32 matmul rate", f"{peak:,.0f} GFLOP/s"),
+            ("trainer epoch, eager", f"{ours:,.0f} samples/s = {gflops:,.0f} GFLOP/s = {gflops / peak:.2f} of the "
+                                     "matmul rate"),
+            ("DataLoader(TensorDataset) loop", f"{theirs:,.0f} samples/s; trainer / DataLoader = {ours / theirs:.2f}")]
+    knob = capture_knob()
+    rows.append(("trainer epoch, captured", "n/a: no train.capture knob in this checkout" if knob is None
+                 else captured_rate(dev, steps, dims, knob, ours)))
+    return rows
+
+
+def captured_rate(dev, steps: int, dims, knob: dict, eager: float) -> str:
+    """The trainer's epoch with the capture knob on (throughput.TrainerEpoch builds the same parts with it)."""
+    import throughput as tp
+    from trainers.config import with_values
+
+    base = tp.vsepp_cfg
+    tp.vsepp_cfg = lambda d: with_values(base(d), knob)  # the same config, capture on
+    try:
+        tp.TrainerEpoch(dev, 2, dims).run()
+        rate = max(tp.TrainerEpoch(dev, steps, dims).run() for _ in range(2))
+    finally:
+        tp.vsepp_cfg = base
+    return f"{rate:,.0f} samples/s = {rate / eager:.2f}x eager"
+
+
+# ---- (b) trials per minute by worker count -----------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def study_run_help() -> str:
+    return subprocess.run([*CLI, "study", "run", "--help"], capture_output=True, text=True, cwd=ROOT).stdout
+
+
+def gpu_flags(k: int, cuda: bool) -> list[str]:
+    """`--gpus 0 --per-gpu K` when the CLI has them (read from its --help) and a GPU is there; else nothing."""
+    if not cuda:
+        return []
+    helptext = study_run_help()
+    return ["--gpus", "0", "--per-gpu", str(k)] if "--gpus" in helptext and "--per-gpu" in helptext else []
+
+
+def study_run_argv(data: Path, k: int, window: float, state: Path, cuda: bool) -> list[str]:
+    return [*CLI, "study", "run", str(ROOT / "studies" / "full.toml"), "--data", str(data), "--workers", str(k),
+            *gpu_flags(k, cuda), "--timeout", str(window), "--state-dir", str(state), "--quiet"]
+
+
+def stop_group(proc: subprocess.Popen, wait_s: float) -> None:
+    """Wait up to wait_s, then SIGTERM the run's process group (its workers too), then SIGKILL."""
+    try:
+        proc.wait(timeout=wait_s)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=grace)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
+def finished_within(state: Path, window: float) -> tuple[int, int]:
+    """(complete + pruned, failed) trials of study `full` finished within `window` s of its first trial's start."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    trials = optuna.load_study(study_name="full", storage=f"sqlite:///{state / 'optuna.db'}").trials
+    started = [t.datetime_start for t in trials if t.datetime_start]
+    if not started:
+        return 0, 0
+    t0 = min(started)
+    done = [t for t in trials if t.datetime_complete and (t.datetime_complete - t0).total_seconds() <= window]
+    return sum(t.state.name in ("COMPLETE", "PRUNED") for t in done), sum(t.state.name == "FAIL" for t in done)
+
+
+def trials_per_minute(data: Path, k: int, window: float, work: Path, cuda: bool) -> str:
+    state, log = work / f"workers-{k}", work / f"workers-{k}.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(study_run_argv(data, k, window, state, cuda), cwd=ROOT, stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        start = time.monotonic()
+        stop_group(proc, window + STOP_GRACE_S + START_UP_S)  # start-up (imports, data) comes before the window
+    if not (state / "optuna.db").is_file():
+        return f"failed (exit {proc.returncode}): {log.read_text()[-300:]!r}"
+    ok, failed = finished_within(state, window)
+    extra = f", {failed} failed" if failed else ""
+    return f"{ok / window * 60:.2f} trials/min ({ok} in {window:.0f} s{extra}; wall {time.monotonic() - start:.0f} s)"
+
+
+# ---- (c) a one-budget run ----------------------------------------------------------------------------------------
+
+def run_argv(paths: tuple[Path, Path, Path], work: Path, seconds: int = RUN_TIME_S) -> list[str]:
+    train, test, _ = paths
+    return [*CLI, "run", str(ROOT / "studies" / "full.toml"), "--time", str(seconds), "--data", str(train),
+            "--test", str(test), "--out", str(work / "run.csv"), "--state-dir", str(work / "run-state"), "--quiet"]
+
+
+def check_argv(argv: list[str]) -> str:
+    """--smoke: the command line parsed by the CLI's own parser (its flags still exist), not run: a real `study run`
+    or `run` costs a minute of start-up and search on CPU, and `run` takes 60 s at least."""
+    sys.path.insert(0, str(ROOT))
+    from search.cli.main import build_parser
+
+    build_parser().parse_args([str(a) for a in argv[len(CLI):]])
+    return "not run (--smoke): command line accepted by the CLI parser"
+
+
+def one_budget_run(paths: tuple[Path, Path, Path], work: Path) -> str:
+    start = time.monotonic()
+    done = subprocess.run(run_argv(paths, work), cwd=ROOT, capture_output=True, text=True)
+    wall = time.monotonic() - start
+    if done.returncode != 0:
+        return f"failed (exit {done.returncode}): {(done.stdout + done.stderr)[-300:]!r}"
+    score = subprocess.run([*CLI, "submission", "score", str(work / "run.csv"), "--answers", str(paths[2])],
+                           cwd=ROOT, capture_output=True, text=True).stdout
+    mrr = re.findall(r"mrr\D*([0-9.]+)", score, re.I)
+    return f"wall {wall:.0f} s of {RUN_TIME_S}; test MRR {mrr[0] if mrr else '?'}"
+
+
+# ---- the call ----------------------------------------------------------------------------------------------------
+
+def write_data(work: Path, smoke: bool) -> tuple[Path, Path, Path]:
+    sys.path.insert(0, str(ROOT))
+    from trainers.synthetic import write_synthetic
+
+    return write_synthetic(work / "data", **(SMOKE_DATA if smoke else FULL), seed=0)
+
+
+def measure(args: argparse.Namespace, work: Path) -> list[tuple[str, str]]:
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    clock = Clock(args.budget)
+    rows = step_rows("cuda" if cuda else "cpu", args.smoke)
+    rows.append(("(a) took", f"{args.budget - clock.left():.0f} s"))
+    start = time.monotonic()
+    paths = write_data(work, args.smoke)
+    rows.append(("synthetic data", f"{paths[0].stat().st_size / 2**20:,.0f} MB written in "
+                                   f"{time.monotonic() - start:.0f} s"))
+    # (c) before (b): when the budget runs short, the last worker counts are skipped, not the one-budget run
+    if args.smoke:
+        rows.append((f"run --time {RUN_TIME_S}", check_argv(run_argv(paths, work))))
+    elif clock.fits(RUN_TIME_S + 30):
+        rows.append((f"run --time {RUN_TIME_S}", one_budget_run(paths, work)))
+    else:
+        rows.append((f"run --time {RUN_TIME_S}", f"skipped: {clock.left():.0f} s left of the budget"))
+    per_k = args.window + STOP_GRACE_S + 30  # the window, the grace, a typical start-up and the stop
+    for k in args.workers:
+        label = f"study run --workers {k}" + (" (--gpus 0 --per-gpu)" if gpu_flags(k, cuda) else "")
+        if args.smoke:
+            rows.append((label, check_argv(study_run_argv(paths[0], k, args.window, work / f"workers-{k}", cuda))))
+        elif clock.fits(per_k):
+            rows.append((label, trials_per_minute(paths[0], k, args.window, work, cuda)))
+        else:
+            rows.append((label, f"skipped: {clock.left():.0f} s left of the budget"))
+    return rows
+
+
+def table(rows: list[tuple[str, str]]) -> str:
+    return "\n".join(["| measurement | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget", type=float, default=470, help="seconds for the whole call (default 470)")
+    p.add_argument("--window", type=float, default=30, help="seconds of trials counted per worker count")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--work", type=Path, help="keep the data, states and logs here (default: a temp dir)")
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--smoke", action="store_true",
+                   help="on CPU in seconds: (a) at toy sizes, tiny data, (b) and (c) command lines parsed, not run")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.work = None
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+        rows = measure(args, args.work or Path(tmp))
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(dict(rows), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
