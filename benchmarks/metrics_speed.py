@@ -11,13 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 # from a checkout, like the other benchmarks (not only when the project is installed)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainers.metrics import evaluate  # noqa: E402
 
 # Challenge validation scale: 10% of 25,000 images with 5 captions each, 1536-d image embeddings.
 N_IMAGES, CAPS_PER_IMAGE, DIM = 2_500, 5, 1_536
@@ -31,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--smoke", action="store_true", help="50 images x 32-d, 1 repeat: the code path in a second")
     args = parser.parse_args(argv)
+    import numpy as np  # here, not at the top: --help answers without loading torch
+    import torch
+
+    from trainers.metrics import evaluate
+
     torch.set_num_threads(args.threads)
     n_images, dim = (50, 32) if args.smoke else (N_IMAGES, DIM)
     if args.smoke:

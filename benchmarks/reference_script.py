@@ -8,10 +8,6 @@ import argparse
 import os
 import tempfile
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-
 
 def main(argv=None):
     p = argparse.ArgumentParser()
@@ -23,6 +19,10 @@ def main(argv=None):
         return smoke()
     if a.out is None:
         p.error("TRAIN, TEST and OUT are required (or --smoke)")
+    import numpy as np  # here, not at the top: --help answers without loading torch
+    import torch
+    import torch.nn.functional as F
+
     z, t = np.load(a.train), np.load(a.test)
     x = torch.tensor(z["captions/embeddings"], dtype=torch.float32)
     img = torch.tensor(np.argmax(z["captions/label"], axis=1))  # caption -> image index
@@ -54,6 +54,8 @@ def main(argv=None):
 
 def smoke():
     """The whole script on random challenge-shaped files (40 images x 3 captions, 16 -> 24) in a temp dir."""
+    import numpy as np
+
     rng = np.random.default_rng(0)
     n_img, n_cap = 40, 120
     with tempfile.TemporaryDirectory(prefix="reference-smoke-") as tmp:

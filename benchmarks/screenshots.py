@@ -28,8 +28,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from search.ui.servers import free_port  # noqa: E402
-
 WINDOW = "1920,1080"
 # MLflow 3 keeps a GenAI/"Model training" switch per browser (localStorage, GenAI by default); this URL parameter
 # selects the classic ML pages (Training runs, Model metrics) that a study's runs belong to.
@@ -143,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         raise SystemExit("no Chromium found: apt-get install -y chromium")
+    from search.ui.servers import free_port  # here, not at the top: --help answers without MLflow's imports
+
     state, out = Path(args.state_dir).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     ensure_study(state, args.study)
