@@ -285,7 +285,7 @@ def test_study_init_refuses_a_name_that_is_one_of_the_presets_recipes(existing, 
 def test_study_init_works_beside_a_file_named_like_the_preset(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "full.toml").write_text("my own edits\n")
-    assert main(["study", "init", "full", "copy.toml"]) == 0
+    assert main(["study", "init", "full.toml", "copy.toml"]) == 0  # the preset, not the file here
     copy = (tmp_path / "copy.toml").read_text()  # the preset, its own recipe renamed to the copy
     assert copy.replace('"copy.toml"', '"full.toml"') == (presets_dir() / "full.toml").read_text()
     assert (tmp_path / "full.toml").read_text() == "my own edits\n"
