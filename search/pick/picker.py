@@ -19,6 +19,7 @@ import numpy as np
 import optuna
 import pandas as pd
 
+from search.checks import check_folds
 from search.pick import ensemble
 from search.pick import plan as plan_mod
 from search.pick.candidates import (
@@ -155,6 +156,8 @@ def load_inputs(opts: PickOptions, downloads: Path, device) -> PickInputs:
     check_test(pool, test)
     data = load_train_shared(data_path)  # a one-budget run's search read it already
     check_data(pool, data)
+    if opts.selection == "oof":  # a fold needs an image: known only once the data is
+        check_folds("--folds", opts.folds, len(data.image_names))
     return PickInputs(paths, study, tracker, pool, data, test)
 
 
