@@ -18,7 +18,7 @@ captions with paired bootstrap intervals (`--report` prints them again from the 
 
     python benchmarks/end_to_end.py --work DIR [--seeds 0 1 2 3 4] [--time 600] [--splits 0.5 0.7] [--headline]
     python benchmarks/end_to_end.py --work DIR --report
-    python benchmarks/end_to_end.py --smoke    # --headline on 1 holdout of tiny synthetic data, --time 60, a temp dir
+    python benchmarks/end_to_end.py --smoke    # --headline, 1 holdout of tiny data, a tiny study, --time 60, temp dir
 """
 from __future__ import annotations
 
@@ -49,6 +49,29 @@ from trainers.tasks import predict  # noqa: E402
 CLI = [sys.executable, "-m", "search"]
 STUDY = "full"
 BOOT = 10_000  # bootstrap resamples of the pooled captions
+# --smoke's study: named like full.toml's (the script reads study STUDY back), trials of a second or two, so that the
+# 60-s run finishes trials even on a loaded machine
+SMOKE_STUDY = """
+[study]
+name = "full"
+n_trials = 40
+sampler = { name = "tpe", seed = 0, n_startup_trials = 2 }
+pruner = { name = "none" }
+
+[base.model]
+kind = "mlp"
+hidden = [32]
+
+[base.loss]
+infonce = { weight = 1.0 }
+
+[base.train]
+epochs = 2
+batch_size = 64
+
+[space]
+"optim.lr" = { type = "float", low = 1e-4, high = 1e-2, log = true }
+"""
 
 
 def sh(argv: list[str], log: Path, makes: Path | None = None) -> float | None:
@@ -271,6 +294,8 @@ def main(argv=None) -> int:
             # --headline: the old picks and splits would add 3 more picks (minutes); same helpers as the headline
             args.work, args.seeds, args.time, args.report, args.headline = Path(tmp) / "work", [0], "60", False, True
             args.reference_args = ["--seeds", "1", "--epochs", "2"]
+            args.study = Path(tmp) / "full.toml"
+            args.study.write_text(SMOKE_STUDY)
             args.data = write_synthetic(Path(tmp) / "data", 150, dim_text=32, dim_image=48)[0]
             return run(args)
     if args.work is None:
