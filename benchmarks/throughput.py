@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainers import metrics  # noqa: E402
+from trainers.capture import CAPTURES, StepForward  # noqa: E402
 from trainers.checkpoint import CenteredModel  # noqa: E402
 from trainers.config import Config, with_values  # noqa: E402
 from trainers.data import TrainSet  # noqa: E402
@@ -83,9 +84,11 @@ def matmul_rate(device: torch.device, n: int = 2048, reps: int = 10) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - start) / 1e9
 
 
-def vsepp_cfg(dims: Dims) -> Config:
+def vsepp_cfg(dims: Dims, capture: str = "none") -> Config:
+    """The VSE++ MLP recipe at `dims`; `capture` is train.capture (the trainer's step eager or compiled)."""
     return with_values(Config(), {"model.hidden": str(dims.hidden), "loss.triplet.weight": 1.0, "optim.name": "adam",
-                                  "train.batch_size": dims.batch, "data.val_ratio": VAL_RATIO})
+                                  "train.batch_size": dims.batch, "data.val_ratio": VAL_RATIO,
+                                  "train.capture": capture})
 
 
 def random_trainset(n_captions: int, dims: Dims) -> TrainSet:
@@ -104,11 +107,11 @@ class TrainerEpoch:
     """The trainer itself: the translate task's batches, the CenteredModel wrapper, the configured optimiser and
     schedule, and the loop's own per-epoch body (`trainers.loop._train_epoch`), at challenge dims."""
 
-    def __init__(self, device: torch.device, steps: int, dims: Dims = CHALLENGE):
+    def __init__(self, device: torch.device, steps: int, dims: Dims = CHALLENGE, capture: str = "none"):
         # train captions = (1 - val_ratio) of the data; the hash split is only approximately that, so pad by 20%
         # (and at least 1,000 captions: val_ratio=0.01 of fewer images may leave the validation side empty)
         n = max(int(dims.batch * steps / (1 - VAL_RATIO) * 1.2), 1000)
-        cfg = vsepp_cfg(dims)
+        cfg = vsepp_cfg(dims, capture)
         task = TASKS.get("translate")(cfg, random_trainset(n, dims), device)
         model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
         criterion = Criterion(cfg, task.dim_out).to(device)
@@ -118,7 +121,8 @@ class TrainerEpoch:
         # the same parts `trainers.loop._fit` builds for a run
         self.parts = StepParts(cfg, task, model, criterion, opt, schedule,
                                torch.amp.GradScaler(device.type, enabled=amp), torch.Generator().manual_seed(0),
-                               self.steps, amp, BatchAugment(cfg, task.x), build_average(cfg, model))
+                               self.steps, amp, BatchAugment(cfg, task.x), build_average(cfg, model),
+                               forward=StepForward(cfg, model, criterion, amp, device))
         self.device, self.batch = device, dims.batch
 
     def run(self) -> float:
@@ -175,12 +179,12 @@ def eval_cost(device: torch.device, train_rate: float, dims: Dims = CHALLENGE) -
     return seconds, seconds / (dims.train_captions / train_rate)
 
 
-def profile(device: torch.device, steps: int, dims: Dims = CHALLENGE) -> None:
+def profile(device: torch.device, steps: int, dims: Dims = CHALLENGE, capture: str = "none") -> None:
     """Where a training epoch's time goes: the top operators by self time (matmuls vs the rest)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    epoch = TrainerEpoch(device, steps, dims)
+    epoch = TrainerEpoch(device, steps, dims, capture)
     epoch.run()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
@@ -197,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved matmul-rate / trainer measurements")
     parser.add_argument("--profile", action="store_true", help="print the top operators of one epoch and exit")
     parser.add_argument("--smoke", action="store_true", help="toy sizes, 3 steps, 1 repeat: the code path in seconds")
+    parser.add_argument("--capture", choices=CAPTURES, default="none",
+                        help="train.capture of the trainer's step (compile: the first repeat includes the compile)")
     args = parser.parse_args(argv)
     dims = SMOKE if args.smoke else CHALLENGE
     if args.smoke:
@@ -204,18 +210,19 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     if args.profile:
-        profile(device, args.steps, dims)
+        profile(device, args.steps, dims, args.capture)
         return 0
-    for line in measure(device, args.steps, args.repeats, dims):
+    for line in measure(device, args.steps, args.repeats, dims, args.capture):
         print(line)
     return 0
 
 
-def measure(device: torch.device, steps: int, repeats: int, dims: Dims = CHALLENGE) -> list[str]:
+def measure(device: torch.device, steps: int, repeats: int, dims: Dims = CHALLENGE,
+            capture: str = "none") -> list[str]:
     """The report's lines: matmul rate, the trainer's rate and its fraction of it, the DataLoader loop, eval cost."""
-    epoch = TrainerEpoch(device, 2, dims)
+    epoch = TrainerEpoch(device, 2, dims, capture)
     epoch.run()  # warm-up (allocator, kernels, fused-optimiser state)
-    epoch = TrainerEpoch(device, steps, dims)
+    epoch = TrainerEpoch(device, steps, dims, capture)
     # Each ratio pairs a matmul-rate measurement with the epoch right after it: on a shared machine the load drifts,
     # and a ratio of two measurements taken minutes apart would mostly measure that drift.
     peaks, rates, ratios = [], [], []
@@ -230,7 +237,7 @@ def measure(device: torch.device, steps: int, repeats: int, dims: Dims = CHALLEN
     n_val = dims.val_images * CAPS_PER_IMAGE
     return [
         f"device {device}, torch threads {torch.get_num_threads()}, batch {dims.batch}, "
-        f"MLP {dims.text}-{dims.hidden}-{dims.image}",
+        f"MLP {dims.text}-{dims.hidden}-{dims.image}, step {epoch.parts.forward.path} (train.capture)",
         f"matmul rate                  : {max(peaks):8.1f} GFLOP/s (range {min(peaks):.1f}-{max(peaks):.1f})",
         f"trainer                      : {ours:8.0f} samples/s = {ours * dims.flops_per_sample() / 1e9:7.1f} GFLOP/s; "
         f"median {mid:.2f} of the matmul rate (range {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} "

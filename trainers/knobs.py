@@ -253,6 +253,9 @@ class TrainCfg:
     device: str = _f("auto", doc="auto | cpu | cuda | cuda:N")
     threads: int = _f(0, low=0, doc="torch CPU threads; 0 = leave as is")
     sampler: str = _f("caption", choices=("caption", "image"), doc="batches of captions, or of images with all their captions")
+    capture: str = _f("none", choices=("none", "compile"),
+                      doc="the step's forward + loss: eager, or torch.compile (CUDA graphs on CUDA) with an eager "
+                          "fallback (trainers/capture.py; docs/gpu.md)")
     monitor: str = _f("val/mrr", choices=("val/mrr", "val/loss"),
                       doc="what ReduceLROnPlateau and early stopping watch; the best checkpoint is always by val/mrr")
     average: str = _f("none", doc="weight averaging validated and checkpointed: none | ema | swa (trainers.regularise)")

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from trainers.capture import StepForward, step_forward
 from trainers.checkpoint import CenteredModel, atomic_torch_save, checkpoint_payload
 from trainers.config import Config
 from trainers.cost import Timing, mean_epoch
@@ -58,6 +59,7 @@ class TrainResult:
     val_ranks: np.ndarray | None = field(default=None, repr=False)  # [Nval] exact ranks of the best model
     timing: Timing | None = None
     stopped_at_deadline: bool = False  # the deadline ended the run early; best_epoch is the best finished epoch
+    capture: str = "none"  # the step's path (trainers.capture.StepForward.path): none, compile, eager-fallback: why
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -121,7 +123,8 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     amp = cfg.train.amp and device.type == "cuda"
     average = build_average(cfg, model)
     parts = StepParts(cfg, task, model, criterion, opt, schedule, torch.amp.GradScaler(device.type, enabled=amp),
-                      gen, steps, amp, BatchAugment(cfg, task.x), average, deadline)
+                      gen, steps, amp, BatchAugment(cfg, task.x), average, deadline,
+                      StepForward(cfg, model, criterion, amp, device))
     log = EpochLog(out_dir)
     # Two different bests: `best` is the selection score (val/mrr, the checkpoint kept), `best_monitored` the
     # train.monitor value the schedule and early stopping watch (val/loss for MoCo); they differ by design.
@@ -180,7 +183,8 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
             break
     model.load_state_dict(best_state)
     ckpt = Path(out_dir) / "best.pt" if out_dir is not None else None
-    return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, best_ranks, clock.timing(), stopped)
+    return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, best_ranks, clock.timing(), stopped,
+                       parts.forward.path)
 
 
 def _fit_untrained(cfg: Config, data: TrainSet, task, model: CenteredModel, out_dir: str | Path | None,
@@ -284,6 +288,7 @@ class StepParts:
     augment: BatchAugment
     average: Any  # trainers.regularise.WeightAverage
     deadline: Callable[[], Deadline | None] | None = None  # after which no step starts
+    forward: StepForward | None = None  # forward + loss as train.capture says (None: eager)
 
 
 def _train_epoch(p: StepParts, epoch: int) -> dict[str, float]:
@@ -292,17 +297,13 @@ def _train_epoch(p: StepParts, epoch: int) -> dict[str, float]:
     model.train()
     sums: dict[str, torch.Tensor] = {}
     n = 0
+    forward = p.forward or (lambda batch: step_forward(model, criterion, batch, p.amp))  # train.capture's, or eager
     for i, real in enumerate(task.batches(p.gen)):
         if _now_past(p.deadline):
             raise _PastDeadline
         criterion.set_progress((epoch + i / p.steps) / cfg.train.epochs)
         batch = p.augment(real)  # the losses train on this one; their after_step gets the real one
-        with torch.autocast(task_device(batch), enabled=p.amp):
-            out = model(batch["x"])
-            for extra in ("neg", "pos"):  # the multilabel task's random negatives and fixed positives
-                if f"{extra}_x" in batch:
-                    out[f"{extra}_pred"] = model(batch[f"{extra}_x"])["pred"]
-        loss, terms = criterion(out, batch)
+        out, loss, terms = forward(batch)
         opt.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         if cfg.train.grad_clip > 0:
@@ -320,7 +321,7 @@ def _train_epoch(p: StepParts, epoch: int) -> dict[str, float]:
     means = {f"train/{k}": float(v) / max(n, 1) for k, v in sums.items()}
     if not all(math.isfinite(v) for v in means.values()):
         raise TrainingDiverged(f"loss is not finite at epoch {epoch}: {means}")
-    return means
+    return means | (p.forward.epoch_metrics() if p.forward is not None else {})
 
 
 @torch.no_grad()
@@ -334,7 +335,3 @@ def _val_loss(task, model, criterion) -> float:
         total, n = total + float(loss), n + 1
     model.train()
     return total / max(n, 1)
-
-
-def task_device(batch: dict) -> str:
-    return batch["x"].device.type

@@ -207,9 +207,11 @@ class TranslateTask(Task):
         perm = torch.randperm(len(self.images), generator=generator).to(self.device)
         counts = (self.offsets[1:] - self.offsets[:-1])[perm]
         starts = self.offsets[:-1][perm]
-        within = torch.arange(int(counts.sum()), device=self.device) - torch.repeat_interleave(
-            counts.cumsum(0) - counts, counts)
-        return self.by_image[torch.repeat_interleave(starts, counts) + within]
+        # counts sum to the training captions; giving repeat_interleave that size spares it a host sync per epoch
+        n = len(self.x)
+        within = torch.arange(n, device=self.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                                output_size=n)
+        return self.by_image[torch.repeat_interleave(starts, counts, output_size=n) + within]
 
     def val_batches(self) -> Iterator[dict]:
         b = self.cfg.train.batch_size
@@ -273,11 +275,16 @@ class MultiLabelTask(Task):
     def batches(self, generator: torch.Generator) -> Iterator[dict]:
         perm = torch.randperm(len(self.x), generator=generator).to(self.device)
         b = min(self.cfg.train.batch_size, len(self.x))
-        for start in range(0, len(perm) - b + 1, b):
+        steps = len(perm) // b  # full batches; the ragged tail is dropped
+        # The random negatives' candidates of the whole epoch in one draw and one copy to the device: CPU randint
+        # draws element by element, so these are the numbers a draw per batch gave, without a host tensor made and
+        # copied to the device every step (issue 33).
+        cand = self._candidates(steps * b, generator) if self.random_negs else None  # [steps * B, tries]
+        for start in range(0, steps * b, b):
             idx = perm[start : start + b]
             batch = {"x": self.x[idx], "labels": self.labels[idx], "img": idx}
             if self.random_negs:
-                batch["neg_x"] = self.x[self._random_negatives(idx, generator)]
+                batch["neg_x"] = self.x[self._random_negatives(idx, cand[start : start + b])]
             if self.hard_negs:
                 batch["neg_x"] = self.x[self._hardest_negatives(idx)]
             if self.fixed_pos is not None:
@@ -285,9 +292,13 @@ class MultiLabelTask(Task):
                 batch["pos_x"], batch["has_pos"] = self.x[pos.clamp(min=0)], pos >= 0
             yield batch
 
-    def _random_negatives(self, idx: torch.Tensor, generator: torch.Generator, tries: int = 16) -> torch.Tensor:
-        """For each anchor, a random training item sharing no label (first of `tries` candidates that qualifies)."""
-        cand = torch.randint(len(self.x), (len(idx), tries), generator=generator).to(self.device)
+    def _candidates(self, n: int, generator: torch.Generator, tries: int = 16) -> torch.Tensor:
+        """[n, tries] random training items on the device: `tries` negative candidates for each of n anchors."""
+        return torch.randint(len(self.x), (n, tries), generator=generator).to(self.device)
+
+    def _random_negatives(self, idx: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        """For each anchor idx [B], a random training item sharing no label: the first of its candidates cand
+        [B, tries] that qualifies."""
         shares = (self.labels[idx, None, :] & self.labels[cand]).any(-1)  # [B, tries]
         first_ok = torch.argmax((~shares).int(), dim=1)  # falls back to candidate 0 when none qualifies
         return cand[torch.arange(len(idx), device=self.device), first_ok]

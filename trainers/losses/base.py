@@ -85,6 +85,12 @@ class Loss(nn.Module):
     def check(cls, cfg: Any) -> None:
         """Raise a ConfigError for values of its section that only make sense together; nothing by default."""
 
+    @classmethod
+    def capture_refusal(cls, cfg: Any) -> str | None:
+        """Why a step with this loss cannot be captured (train.capture, trainers/capture.py), e.g. Python-side state
+        that changes every step; None (the default): it can."""
+        return None
+
     def forward(self, out: dict, batch: dict, temperature: Callable[[], torch.Tensor] | None = None
                 ) -> dict[str, torch.Tensor]:
         with torch.autocast(device_type=out["pred"].device.type, enabled=False):
@@ -135,8 +141,9 @@ def known_unit(tensors: tuple[torch.Tensor, ...]) -> Iterator[None]:
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:
-    """float32 rows L2-normalised along the last dim (eps guards zero vectors); a known-unit tensor as is."""
-    if any(x is known for known in _KNOWN_UNIT.get()):
+    """float32 rows L2-normalised along the last dim (eps guards zero vectors); a known-unit tensor as is (not
+    under torch.compile, which cannot trace the ContextVar: see Criterion.forward)."""
+    if not torch.compiler.is_compiling() and any(x is known for known in _KNOWN_UNIT.get()):
         return x
     x = x.float()
     return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-8)  # = F.normalize(x, dim=-1, eps=1e-8), see l2_normalize

@@ -105,8 +105,10 @@ class SlotDiversity(Loss):
         if k < 2:
             return {"slot_diversity": zero_like(slots)}
         gram = slots @ slots.transpose(1, 2)  # [B, K, K]
-        upper = torch.triu(torch.ones(k, k, dtype=torch.bool, device=slots.device), diagonal=1)
-        return {"slot_diversity": (gram[:, upper] - self.cfg.delta).clamp(min=0).mean()}
+        # The pairs i < j by index, row-major as a triu mask would pick them: indexing by a bool mask waits for the
+        # device to count its True entries, a host sync per step (issue 33).
+        i, j = torch.triu_indices(k, k, offset=1, device=slots.device)
+        return {"slot_diversity": (gram[:, i, j] - self.cfg.delta).clamp(min=0).mean()}
 
 
 @register_loss("condensation")
@@ -214,10 +216,12 @@ class Agreement(Loss):
         counts = torch.bincount(inverse, minlength=u).float()  # [U]
         mean = torch.zeros(u, p.shape[1], device=p.device).index_add(0, inverse, p) / counts[:, None]  # [U, D]
         sq_dev = torch.zeros(u, device=p.device).index_add(0, inverse, (p - mean[inverse]).pow(2).mean(dim=1))  # [U]
-        groups = counts >= 2
-        if not bool(groups.any()):
-            return {"agreement": zero_like(p)}
-        return {"agreement": (sq_dev[groups] / (counts[groups] - 1.0)).mean()}
+        groups = counts >= 2  # [U]
+        # The mean over the groups as a masked sum / count: selecting them (sq_dev[groups]) or testing groups.any()
+        # on the host is a host sync per step (issue 33). No group: 0, still in p's graph. A single caption's
+        # sq_dev is 0; the clamp only keeps its 0 / 0 out.
+        per_image = sq_dev / (counts - 1.0).clamp(min=1.0)
+        return {"agreement": (per_image * groups).sum() / groups.sum().clamp(min=1)}
 
 
 @register_loss("mse")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from trainers.errors import ConfigError
-from trainers.losses.base import EpochContext, Loss, register_loss, unit, zero_like
+from trainers.losses.base import EpochContext, Loss, register_loss, unit
 
 
 # Negative modes whose negative the task supplies per anchor as batch["neg_x"] (the loss reads out["neg_pred"]).
@@ -139,8 +139,9 @@ class MultiLabelTriplet(Loss):
         labels = batch["labels"].to(p.device).bool()
         d_ap, has_pos = _positive_distance(p, labels, self.cfg, out, batch)
         d_an, has_neg = _hardest_negative_distance(p, labels, self.cfg, self.bank, self.bank_labels, out)
-        valid = has_pos & has_neg
-        if not bool(valid.any()):
-            return {"multilabel_triplet": zero_like(p)}
-        hinge = (self.cfg.margin + d_ap[valid] - d_an[valid]).clamp(min=0)
-        return {"multilabel_triplet": hinge.mean()}
+        valid = has_pos & has_neg  # [B]
+        # The mean over valid anchors as a masked sum / count (0 with none, still in p's graph): selecting them
+        # (d_ap[valid]) or testing valid.any() on the host is a host sync per step (issue 33). The distances of
+        # invalid anchors are finite (the -1 / 3 fills), so the mask zeroes them.
+        hinge = (self.cfg.margin + d_ap - d_an).clamp(min=0)  # [B]
+        return {"multilabel_triplet": (hinge * valid).sum() / valid.sum().clamp(min=1)}

@@ -53,6 +53,10 @@ class QueueInfoNCE(Loss):
             raise ConfigError("loss.queue_infonce.slice_mode = 'stepwise' doubles loss.queue_infonce.slice_start, "
                               "which must then be > 0")
 
+    @classmethod
+    def capture_refusal(cls, cfg: QueueInfoNCECfg) -> str | None:
+        return "loss.queue_infonce: its queue grows on the host every step (a recompile per step)"
+
     def __init__(self, cfg: QueueInfoNCECfg, dim_out: int, targets: str = "unit"):
         super().__init__(cfg, dim_out, targets)
         self.register_buffer("queue", torch.zeros(cfg.size, dim_out, dtype=torch.float32), persistent=False)
@@ -61,6 +65,9 @@ class QueueInfoNCE(Loss):
         # [Q] long: the training image of each queued row (-1: unknown), so that copies of a caption's own image are
         # masked by index instead of by a second [B, Q] similarity product
         self.register_buffer("queue_img", torch.full((cfg.size,), -1, dtype=torch.long), persistent=False)
+        # The host's copy of queue_count: every step slices the queue by it, and reading the device scalar instead
+        # (int(queue_count)) was a host sync per step (issue 33). enqueue keeps the two equal.
+        self.filled = 0
 
     def terms(self, out, batch, temperature):
         p, y = unit(out["pred"]), self.target(batch)  # [B, D]; the queue holds targets at the same scale
@@ -78,7 +85,7 @@ class QueueInfoNCE(Loss):
         """Before the first epoch, cap the queue at the number of distinct training images (said once per size)."""
         super().on_epoch_start(epoch, ctx)
         n = None if ctx is None else ctx.n_targets
-        if n is not None and 0 < n < self.queue.shape[0] and int(self.queue_count) == 0:
+        if n is not None and 0 < n < self.queue.shape[0] and self.filled == 0:
             tell(f"latentsweep: loss.queue_infonce.size {self.queue.shape[0]} is more than the {n} distinct "
                  f"training images; the queue is capped at {n} (a larger one only repeats images; "
                  "loss.all_images_infonce uses each image once, exactly)", once=("queue cap", self.queue.shape[0], n))
@@ -107,20 +114,23 @@ class QueueInfoNCE(Loss):
         if size == 0 or y_n.shape[0] == 0:
             return
         y = y_n.detach().to(device=self.queue.device, dtype=self.queue.dtype)
-        ids = (torch.full((y.shape[0],), -1, dtype=torch.long) if image_idx is None else image_idx.detach()).to(
-            self.queue_img.device)
+        # Unknown ids are filled on the device (a host tensor copied over would be a copy per step).
+        ids = (torch.full((y.shape[0],), -1, dtype=torch.long, device=self.queue_img.device) if image_idx is None
+               else image_idx.detach().to(self.queue_img.device))
         if y.shape[0] >= size:
             # Only the newest Q rows survive; write them oldest-first from row 0 so the layout invariant holds.
             self.queue.copy_(y[-size:])
             self.queue_img.copy_(ids[-size:])
             self.queue_ptr.zero_()
             self.queue_count.fill_(size)
+            self.filled = size
             return
         rows = (self.queue_ptr + torch.arange(y.shape[0], device=self.queue.device)) % size
         self.queue[rows] = y
         self.queue_img[rows] = ids
         self.queue_ptr.copy_((self.queue_ptr + y.shape[0]) % size)
         self.queue_count.copy_(torch.clamp(self.queue_count + y.shape[0], max=size))
+        self.filled = min(self.filled + y.shape[0], size)
 
     def slice_fraction(self) -> float:
         """Fraction of the valid queue used now, by slice_mode (SLICE_SHAPES); slice_epochs == 0: the whole queue."""
@@ -135,7 +145,7 @@ class QueueInfoNCE(Loss):
         empty = self.queue.new_zeros((0, self.queue.shape[1]))
         if self.epoch < self.cfg.warmup_epochs:
             return empty
-        count = int(self.queue_count)
+        count = self.filled  # = queue_count, read without a device sync
         if count == 0:
             return empty
         return self.queue[self._recent_rows(min(count, max(1, round(self.slice_fraction() * count))))]

@@ -37,11 +37,17 @@ class Temperature(nn.Module):
         if t.mode == "curriculum":
             p = min(max(float(self.progress), 0.0), 1.0)
             value = t.tau_end + (t.tau_start - t.tau_end) * 0.5 * (1.0 + math.cos(math.pi * p))
-            return torch.tensor(value, dtype=torch.float32, device=device)
-        return torch.tensor(t.tau, dtype=torch.float32, device=device)
+            return _scalar(value, device)
+        return _scalar(t.tau, device)
 
     def log_values(self) -> dict[str, float]:
         """Per-epoch metrics: the temperature now (train/tau) when it moves (learnable or curriculum)."""
         if self.cfg.mode == "fixed":
             return {}
         return {"train/tau": float(self().detach())}
+
+
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 scalar tensor made on `device` by a fill: torch.tensor(value, device=cuda) builds it on the host and
+    copies it over, a synchronising copy in every training step (issue 33); the value is the same float32."""
+    return torch.full((), value, dtype=torch.float32, device=device)
