@@ -3,13 +3,10 @@ from __future__ import annotations
 
 import gc
 import re
+import sys
 import traceback
 from dataclasses import dataclass
 from enum import Enum
-
-import requests
-import sqlalchemy.exc
-import torch
 
 from search.redact import redact_url
 from trainers.errors import LatentsweepError
@@ -52,21 +49,22 @@ class MachineFailed(LatentsweepError):
 # What an unreachable store raises at the bottom of the chain: SQLAlchemy's connection/lock errors (MLflow's SQL
 # store re-raises them as MlflowException(TEMPORARILY_UNAVAILABLE) `from` them), requests' (MLflow's REST client
 # raises its MlflowException inside the `except`, so they are its __context__), and the built-in ones.
-OUTAGE_ERRORS = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, sqlalchemy.exc.DisconnectionError,
-                 sqlalchemy.exc.TimeoutError, requests.exceptions.ConnectionError, requests.exceptions.Timeout,
-                 ConnectionError, TimeoutError)
+# The libraries' classes are looked up by name in the libraries already imported (see `loaded`).
+OUTAGE_ERRORS = (("sqlalchemy.exc", ("OperationalError", "InterfaceError", "DisconnectionError", "TimeoutError")),
+                 ("requests.exceptions", ("ConnectionError", "Timeout")),
+                 ("builtins", ("ConnectionError", "TimeoutError")))
 # MLflow error codes (its protos' ErrorCode names, mlflow.exceptions) of a server that is down or overloaded: a 5xx
 # or a 429 answer of a tracking server, a locked or lost SQL store. An MlflowException is read by its code only, so
 # that only the MLflow tracker imports MLflow.
 OUTAGE_CODES = {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED", "ABORTED"}
 # torch's CPU allocator raises a plain RuntimeError (c10/core/impl/alloc_cpu.cpp): an oversized config, not a bug.
 CPU_ALLOC_FAILED = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
-MEMORY_ERRORS = (torch.OutOfMemoryError, MemoryError)
+MEMORY_ERRORS = (("torch", ("OutOfMemoryError",)), ("builtins", ("MemoryError",)))
 # A CUDA error that is not an allocation failure (a lost or busy device, an ECC or launch failure; torch raises
 # torch.AcceleratorError, which torch 2.13 has and older releases may not) says the GPU failed, not the config: the
 # trial is retried, elsewhere or later, like a full disk. A device-side assert is one too: it is retried at most
 # StorageSettings.max_retry times, then the worker has stopped with its line each time.
-ACCELERATOR_ERRORS = tuple(e for e in (getattr(torch, "AcceleratorError", None),) if e is not None)
+ACCELERATOR_ERRORS = (("torch", ("AcceleratorError",)),)
 # The caching allocator's message (c10/cuda/CUDACachingAllocator.cpp): "Tried to allocate 2.00 GiB. GPU 0 has a total
 # capacity of 79.19 GiB of which 1.10 GiB is free. Process 4242 has 70.00 GiB memory in use. Including non-PyTorch
 # memory, this process has 8.00 GiB memory in use." The driver names the other processes on the GPU (NVML).
@@ -120,11 +118,24 @@ def chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
+def loaded(spec: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[type, ...]:
+    """The exception classes (module, names) of `spec` whose module is already imported: an exception of a
+    library's class can only exist once that library is loaded, so classifying imports nothing, and `import
+    search.failures` costs no torch, requests or SQLAlchemy (the CLI's start-up, docs/design.md "Start-up"). A name
+    a module lacks (torch.AcceleratorError before torch 2.x) is skipped."""
+    found = []
+    for module, names in spec:
+        mod = sys.modules.get(module)
+        found += [getattr(mod, name) for name in names if mod is not None and isinstance(getattr(mod, name, None), type)]
+    return tuple(found)
+
+
 def outage_in(exc: BaseException) -> BaseException | None:
     """The error in exc's chain that says a store is unreachable (its message is the informative one: Optuna's
     StorageInternalError hides "database or disk is full" in its cause), or None."""
+    outage_errors = loaded(OUTAGE_ERRORS)
     for err in chain(exc):
-        if isinstance(err, OUTAGE_ERRORS) or getattr(err, "error_code", None) in OUTAGE_CODES:
+        if isinstance(err, outage_errors) or getattr(err, "error_code", None) in OUTAGE_CODES:
             return err
     return None
 
@@ -139,12 +150,12 @@ def kind_of(exc: BaseException) -> Kind:
         return Kind.MACHINE
     if isinstance(exc, LatentsweepError):
         return Kind.CONFIG
-    if isinstance(exc, torch.OutOfMemoryError) and shared_gpu_short(str(exc)):
+    if isinstance(exc, loaded(MEMORY_ERRORS[:1])) and shared_gpu_short(str(exc)):  # torch's, not Python's
         return Kind.MACHINE
-    if isinstance(exc, MEMORY_ERRORS) or (isinstance(exc, RuntimeError) and any(s in str(exc)
+    if isinstance(exc, loaded(MEMORY_ERRORS)) or (isinstance(exc, RuntimeError) and any(s in str(exc)
                                                                                 for s in CPU_ALLOC_FAILED)):
         return Kind.MEMORY
-    if isinstance(exc, ACCELERATOR_ERRORS):
+    if isinstance(exc, loaded(ACCELERATOR_ERRORS)):
         return Kind.MACHINE
     if outage_in(exc) is not None:
         return Kind.OUTAGE

@@ -4,8 +4,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 
 # scheme://[user]:password@host -> the password runs to the last '@' that is followed by a host (no '@', no '/'),
 # so an unencoded '@' or '/' inside a password is still hidden.
@@ -20,6 +18,11 @@ def redact_url(text: str) -> str:
     A string that is one URL is rendered by SQLAlchemy with its password hidden; text that embeds URLs (an error
     message, a log line), and a URL whose unencoded '@' SQLAlchemy would split inside the password, go through
     _URL_PASSWORD."""
+    if "://" not in text:  # no URL, no password to hide (and no SQLAlchemy to import for a plain error line)
+        return text
+    from sqlalchemy.engine import make_url  # here: importing search.failures (and so this module) stays light
+    from sqlalchemy.exc import ArgumentError
+
     try:
         url = make_url(text)
     except (ArgumentError, ValueError):

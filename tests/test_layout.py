@@ -228,3 +228,12 @@ def test_version_and_help_import_no_heavy_library(argv):
             "if m in sys.modules), file=sys.stderr)")
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stderr
     assert err.strip().splitlines()[-1] == "[]"
+
+
+def test_the_failure_classification_imports_no_heavy_library_until_it_meets_one():
+    """search.failures names library errors by module and looks them up in the libraries already imported: an error
+    of a library's class exists only once that library is loaded. Classifying a plain error imports nothing more."""
+    code = ("import sys; from search.failures import classify; classify(OSError(28, 'No space left on device')); "
+            "print(sorted(m for m in ('torch', 'requests', 'sqlalchemy', 'optuna', 'mlflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]"
