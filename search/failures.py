@@ -126,7 +126,8 @@ def loaded(spec: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[type, ...]:
     found = []
     for module, names in spec:
         mod = sys.modules.get(module)
-        found += [getattr(mod, name) for name in names if mod is not None and isinstance(getattr(mod, name, None), type)]
+        if mod is not None:
+            found += [getattr(mod, name) for name in names if isinstance(getattr(mod, name, None), type)]
     return tuple(found)
 
 

@@ -19,8 +19,8 @@ COMMAND_MODULES = ("data", "submission", "train", "study", "pick", "run", "ui")
 MODULE_OF = {"data": "data", "submission": "submission", "train": "train", "predict": "train", "study": "study",
              "worker": "study", "pick": "pick", "run": "run", "ui": "ui"}
 # Each top-level command's one-line help, for the parser that `--help`, `--version`, no command and an unknown command
-# get: it imports no command module, so they answer before torch, Optuna, MLflow or SQLAlchemy is loaded (docs/design.md,
-# "Start-up"). tests/test_layout.py checks these lines against the commands' own parsers.
+# get: it imports no command module, so they answer before torch, Optuna, MLflow or SQLAlchemy is loaded
+# (docs/design.md, "Start-up"). tests/test_layout.py checks these lines against the commands' own parsers.
 COMMAND_HELP = {
     "data": "check and build data files",
     "submission": "check or score a submission CSV",

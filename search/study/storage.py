@@ -137,8 +137,8 @@ def file_lock(path: Path) -> Iterator[None]:
     """An exclusive flock on `path` (created if missing) for the duration of the block: one process at a time.
     POSIX only (fcntl); elsewhere a LatentsweepError, since running unlocked could overrun the study's budget."""
     if fcntl is None:
-        raise LatentsweepError(f"file locks need fcntl, which this platform ({sys.platform}) lacks: latentsweep runs on "
-                               "POSIX systems (Linux, macOS); on Windows use WSL")
+        raise LatentsweepError(f"file locks need fcntl, which this platform ({sys.platform}) lacks: latentsweep "
+                               "runs on POSIX systems (Linux, macOS); on Windows use WSL")
     with open(path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
