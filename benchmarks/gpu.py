@@ -2,7 +2,7 @@
 
 One call, under 8 minutes on an H100/H200, printing a markdown table:
   (a) the trainer's epoch (benchmarks/throughput.py: the VSE++ MLP 1024 -> 2048 -> 1536 at batch 512, the loop's own
-      per-epoch body) eager, and captured when the trainer has a `train.capture` knob (else "n/a"), against a plain
+      per-epoch body) eager, and captured (train.capture = compile, when the trainer has it), against a plain
       DataLoader(TensorDataset) loop, and the trainer's FLOP rate as a fraction of the card's float32 matmul rate;
   (b) trials per minute of `latentsweep study run studies/full.toml --workers K` at challenge size (25,000 images x 5
       captions, 1024 -> 1536, trainers/synthetic.py) for K = 1, 2, 4, 8 on one GPU (with `--gpus 0 --per-gpu K` when
@@ -56,16 +56,13 @@ class Clock:
 
 # ---- (a) the training step -------------------------------------------------------------------------------------
 
-def capture_knob() -> dict | None:
-    """{"train.capture": True} when the trainer has that knob, else None."""
-    from trainers.config import Config, with_values
-    from trainers.errors import LatentsweepError
-
+def capture_mode() -> str | None:
+    """The trainer's compiled step (train.capture = compile, trainers/capture.py) when this checkout has it."""
     try:
-        with_values(Config(), {"train.capture": True})
-    except (LatentsweepError, KeyError, ValueError, TypeError):
+        from trainers.capture import CAPTURES
+    except ImportError:
         return None
-    return {"train.capture": True}
+    return "compile" if "compile" in CAPTURES else None
 
 
 def step_rows(device: str, smoke: bool, steps: int = 30) -> list[tuple[str, str]]:
@@ -90,25 +87,20 @@ def step_rows(device: str, smoke: bool, steps: int = 30) -> list[tuple[str, str]
             ("trainer epoch, eager", f"{ours:,.0f} samples/s = {gflops:,.0f} GFLOP/s = {gflops / peak:.2f} of the "
                                      "matmul rate"),
             ("DataLoader(TensorDataset) loop", f"{theirs:,.0f} samples/s; trainer / DataLoader = {ours / theirs:.2f}")]
-    knob = capture_knob()
-    rows.append(("trainer epoch, captured", "n/a: no train.capture knob in this checkout" if knob is None
-                 else captured_rate(dev, steps, dims, knob, ours)))
+    mode = capture_mode()
+    rows.append(("trainer epoch, captured", "n/a: no train.capture = compile in this checkout" if mode is None
+                 else captured_rate(dev, steps, dims, mode, ours)))
     return rows
 
 
-def captured_rate(dev, steps: int, dims, knob: dict, eager: float) -> str:
-    """The trainer's epoch with the capture knob on (throughput.TrainerEpoch builds the same parts with it)."""
+def captured_rate(dev, steps: int, dims, mode: str, eager: float) -> str:
+    """The same epoch with train.capture = `mode`; the warm-up epoch takes the compile."""
     import throughput as tp
-    from trainers.config import with_values
 
-    base = tp.vsepp_cfg
-    tp.vsepp_cfg = lambda d: with_values(base(d), knob)  # the same config, capture on
-    try:
-        tp.TrainerEpoch(dev, 2, dims).run()
-        rate = max(tp.TrainerEpoch(dev, steps, dims).run() for _ in range(2))
-    finally:
-        tp.vsepp_cfg = base
-    return f"{rate:,.0f} samples/s = {rate / eager:.2f}x eager"
+    tp.TrainerEpoch(dev, 2, dims, mode).run()
+    epoch = tp.TrainerEpoch(dev, steps, dims, mode)
+    rate = max(epoch.run() for _ in range(2))
+    return f"{rate:,.0f} samples/s = {rate / eager:.2f}x eager (step: {epoch.parts.forward.path})"
 
 
 # ---- (b) trials per minute by worker count -----------------------------------------------------------------------
