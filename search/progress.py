@@ -27,7 +27,10 @@ def stderr_sink(line: str) -> None:
     sys.stderr.flush()
 
 
-_sink: Sink | None = stderr_sink
+# LATENTSWEEP_PROGRESS=off starts a process silent: the API's progress=False sets it for its call, so the worker
+# processes a study spawns (`workers=K`) are silent too.
+PROGRESS_ENV = "LATENTSWEEP_PROGRESS"
+_sink: Sink | None = None if os.environ.get(PROGRESS_ENV) == "off" else stderr_sink
 _said: set = set()  # the `once` keys said to the current sink
 
 
@@ -64,12 +67,14 @@ def say(line: str, once=None) -> None:
 @contextlib.contextmanager
 def quiet_libraries() -> Iterator[None]:
     """For the block: MLflow's migration lines and artifact bars off, as the CLI sets them for its whole process
-    (search.process.quiet_mlflow), then restored (a notebook's own settings are its own)."""
+    (search.process.quiet_mlflow), and the processes it spawns silent (PROGRESS_ENV); then all restored (a
+    notebook's own settings are its own)."""
     from search.process import ENV_DEFAULTS, MIGRATION_LOGGERS, STORE_ERROR_LOGGER
 
-    env = {key: os.environ.get(key) for key in ENV_DEFAULTS}
+    quiet_env = {**ENV_DEFAULTS, PROGRESS_ENV: "off"}
+    env = {key: os.environ.get(key) for key in quiet_env}
     levels = {name: logging.getLogger(name).level for name in MIGRATION_LOGGERS}
-    os.environ.update(ENV_DEFAULTS)
+    os.environ.update(quiet_env)
     for name in MIGRATION_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL if name == STORE_ERROR_LOGGER else logging.WARNING)
     try:

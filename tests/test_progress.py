@@ -3,6 +3,9 @@ progress=False and hands every line to a sink of the caller's with set_progress_
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -50,3 +53,13 @@ def _restore_sink():
     set_progress_sink(previous)  # read the current sink, and keep it
     yield
     set_progress_sink(previous)
+
+
+def test_a_silent_call_starts_its_child_processes_silent():
+    """progress=False reaches the workers a study spawns through the environment they inherit."""
+    from search.progress import PROGRESS_ENV, quiet_libraries
+
+    code = "from search.progress import say; say('a line a spawned worker would say')"
+    with quiet_libraries():
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert child.stderr == "" and PROGRESS_ENV not in os.environ
