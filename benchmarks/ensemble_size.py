@@ -20,8 +20,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,8 +34,11 @@ BOOT = 2000  # bootstrap resamples of the pooled captions
 LR, EPOCHS, BATCH, TAU = 1e-3, 40, 256, 0.05  # the reference script's
 
 
-def train_one(x, img, y, seed: int, v: dict, epochs: int = EPOCHS) -> torch.nn.Module:
+def train_one(x, img, y, seed: int, v: dict, epochs: int = EPOCHS):
     """The reference script's training loop with the variant's changes; x [N, Dt], img [N], y [Ni, Di] unit rows."""
+    import torch  # here, not at the top: --help answers without loading torch
+    import torch.nn.functional as F
+
     torch.manual_seed(seed)
     hidden = v.get("hidden", 1024)
     net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU(),
@@ -73,6 +74,9 @@ def train_one(x, img, y, seed: int, v: dict, epochs: int = EPOCHS) -> torch.nn.M
 
 def train_holdout(h: Path, out: Path, epochs: int = EPOCHS) -> None:
     """Every model of one holdout, its test predictions (id order) saved as out/{variant}_s{seed}.npy."""
+    import torch
+    import torch.nn.functional as F
+
     z, t = np.load(h / "train.npz"), np.load(h / "test.clean.npz")
     x = torch.tensor(z["captions/embeddings"], dtype=torch.float32)
     img = torch.tensor(np.argmax(z["captions/label"], axis=1))
@@ -133,6 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="one holdout of tiny synthetic data, 1 epoch per model, in a temp dir: the path in seconds")
     args = p.parse_args(argv)
+    import torch
+
     torch.set_num_threads(1)
     if args.smoke:
         with tempfile.TemporaryDirectory(prefix="ensemble-smoke-") as tmp:

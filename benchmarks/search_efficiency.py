@@ -28,20 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import optuna
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from search.study.objective import TrialRunner  # noqa: E402
-from search.process import quiet_optuna  # noqa: E402
-from search.study.storage import StorageSettings  # noqa: E402
-from search.study.worker import RunSpec, load_or_create, worker_loop  # noqa: E402
-from search.study.studyfile import load_study_file, resolve_data_path  # noqa: E402
-from search.tracking.memory import InMemoryTracker  # noqa: E402
-from trainers.config import with_values  # noqa: E402
-from trainers.data import load_train  # noqa: E402
-from trainers.loop import train  # noqa: E402
+# Optuna, torch and the project's modules are imported where they are used: --help answers without them
 
 ARMS = {
     "tpe+median": ({"name": "tpe", "seed": 0, "n_startup_trials": 5},
@@ -53,6 +42,13 @@ ARMS = {
 def run_arm(study_file, name: str, sampler: dict, pruner: dict, data, data_path: str, budget: float,
             root: Path) -> list:
     """Run a search for `budget` seconds; returns [(seconds since start, running best)] at each finished trial."""
+    import optuna
+
+    from search.study.objective import TrialRunner
+    from search.study.storage import StorageSettings
+    from search.study.worker import RunSpec, load_or_create, worker_loop
+    from search.tracking.memory import InMemoryTracker
+
     arm_study_file = dataclasses.replace(study_file, name=name, sampler=sampler, pruner=pruner, enqueue=())
     spec = RunSpec(study_file=str(study_file.path), name=name,
                    storage=StorageSettings(f"sqlite:///{root / 'optuna.db'}"),
@@ -79,6 +75,8 @@ def time_to_reach(curve: list, target: float) -> float | None:
 
 def summarize(state_dir: str, name: str, budget: float) -> int:
     """Counts and best values of a CLI-run study within `budget` seconds of its first trial's start."""
+    import optuna
+
     storage = f"sqlite:///{Path(state_dir) / 'optuna.db'}"
     trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
     started = [t.datetime_start for t in trials if t.datetime_start is not None]
@@ -116,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.summary:
         return summarize(args.summary, args.name, args.budget)
+    from search.process import quiet_optuna
+
     quiet_optuna()
     if args.smoke:
         from trainers.synthetic import write_synthetic
@@ -131,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def compare(args: argparse.Namespace, state: Path) -> int:
     """The recipe alone, then each arm for args.budget seconds with its state in `state`; prints the table."""
+    from search.study.studyfile import load_study_file, resolve_data_path
+    from trainers.config import with_values
+    from trainers.data import load_train
+    from trainers.loop import train
+
     state.mkdir(parents=True, exist_ok=True)
     study_file = load_study_file(args.study)
     if args.epochs:

@@ -51,16 +51,12 @@ import types
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from search.study.studyfile import load_study_file  # noqa: E402
-from trainers import metrics  # noqa: E402
-from trainers.data import load_answers, load_test, load_train  # noqa: E402
+# torch and the trainer's modules are imported where they are used: --help answers without them
 from trainers.demo import default_answers_path, default_test_path, default_train_path  # noqa: E402
-from trainers.splits import split_by_hash  # noqa: E402
 
 SEED_FILE = ROOT.parent / "shared" / "seeds" / "000_c10626d535106e76.txt"
 CELL_START = "In [None]:"
@@ -97,7 +93,10 @@ def _reciprocal_ranks(pred_indices: np.ndarray, gt: np.ndarray) -> np.ndarray:
 
 def challenge_modules(train_path: Path) -> dict[str, types.ModuleType]:
     """Stand-ins for the challenge helpers the notebook imports (data loading and the metric definitions)."""
+    import torch
     from scipy import sparse
+
+    from trainers.data import load_train
 
     def load_data(path):  # the notebook's data/train/train.npz -> the demo data, challenge key names
         data = load_train(train_path, texts=True)
@@ -139,6 +138,11 @@ def challenge_modules(train_path: Path) -> dict[str, types.ModuleType]:
 
 def test_mrr(predict_fn, test_path: Path, answers_path: Path) -> float:
     """Demo test MRR (challenge protocol, captions in id order in galleries of 100) of pred = predict_fn(x)."""
+    import torch
+
+    from trainers import metrics
+    from trainers.data import load_answers, load_test
+
     test = load_test(test_path)
     ids, image = load_answers(answers_path)
     order = np.argsort(test.ids)
@@ -151,6 +155,8 @@ def test_mrr(predict_fn, test_path: Path, answers_path: Path) -> float:
 def run_seed_code(seed_file: Path, seed: int, epochs: int | None, threads: int, train_path: Path, test_path: Path,
                   answers_path: Path) -> dict:
     """Execute the notebook's training cells (RUN_ID = seed) in a scratch directory; score each epoch's checkpoint."""
+    import torch
+
     torch.set_num_threads(threads)
     cells = code_cells(seed_file.read_text(encoding="utf-8"))[:TRAINING_CELLS]
     assert RUN_ID_LINE.search(cells[0]), "the notebook's RUN_ID line moved"
@@ -180,6 +186,10 @@ def run_seed_code(seed_file: Path, seed: int, epochs: int | None, threads: int, 
 
 def _score_notebook_run(ns: dict, scratch: Path, log: str, seed: int, test_path: Path, answers_path: Path) -> dict:
     """Our val/mrr_global of every epoch checkpoint the notebook saved; the best epoch's, its own figure, test MRR."""
+    import torch
+
+    from trainers import metrics
+
     model = ns["model"].eval()
     val_x, val_gallery = ns["X_val"], ns["img_emb_all"][torch.from_numpy(ns["IMG_VAL_MASK"])]
     per_epoch = []
@@ -245,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             sides.setdefault(row["side"], []).append(row)
         report(sides, Path(args.recipe).stem)
         return 0
+    import torch
+
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TQDM_DISABLE", "1")
     if args.smoke:
@@ -288,6 +300,10 @@ def compare(args: argparse.Namespace, paths: tuple[Path, Path, Path]) -> int:
 def check_same_split(recipe: Path, train_path: Path) -> None:
     """The notebook's MD5 rule (first 8 hex digits / 0xFFFFFFFF < val_ratio) must select the recipe's val images."""
     import hashlib
+
+    from search.study.studyfile import load_study_file
+    from trainers.data import load_train
+    from trainers.splits import split_by_hash
 
     base = load_study_file(recipe).base
     names = load_train(train_path).image_names
