@@ -155,6 +155,35 @@ def test_best_checkpoint_and_metrics_csv(run, data):
         assert float(row["train/loss"]) == pytest.approx(hist["train/loss"])
 
 
+@pytest.mark.parametrize("every_s", [0.0, 1e9])  # a write per improved epoch, or one when the run ends
+def test_best_checkpoint_is_the_best_epoch_however_often_it_is_written(data, tmp_path, monkeypatch, every_s):
+    import trainers.loop as loop
+
+    monkeypatch.setattr(loop, "CHECKPOINT_EVERY_S", every_s)
+    writes = []
+    real = loop._save_best
+    monkeypatch.setattr(loop, "_save_best", lambda *a: writes.append(a[5]) or real(*a))
+    # data.split = "all" (a refit): every epoch is the best one, its state copied into the previous epoch's copy
+    result = train(small_cfg(**{"data.split": "all"}), data, out_dir=tmp_path / "all")
+    assert result.best_epoch == EPOCHS - 1 and writes[-1] == EPOCHS - 1
+    assert writes == (list(range(EPOCHS)) if not every_s else [0, EPOCHS - 1])  # the first at once, then the last
+    model, _, meta = load_model(tmp_path / "all" / "best.pt")
+    assert meta["epoch"] == EPOCHS - 1
+    x = torch.as_tensor(data.text[:50])
+    assert torch.equal(predict(model, x), predict(result.model, x))
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_1(report: EpochReport) -> None:
+        if report.epoch == 1:
+            raise Stop
+
+    with pytest.raises(Stop):  # a pruned trial: its best epoch so far is on disk all the same
+        train(small_cfg(**{"data.split": "all"}), data, out_dir=tmp_path / "stopped", callback=stop_at_1)
+    assert load_model(tmp_path / "stopped" / "best.pt")[2]["epoch"] == 1
+
+
 def test_no_out_dir_writes_no_checkpoint(data):
     result = train(small_cfg(**{"train.epochs": 1}), data)
     assert result.checkpoint is None and len(result.history) == 1

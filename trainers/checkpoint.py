@@ -46,17 +46,19 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         torch.save(obj, fh)
 
 
-def checkpoint_payload(model: CenteredModel, cfg: Config, dims: tuple[int, int], meta: dict,
+def checkpoint_payload(model: CenteredModel | dict, cfg: Config, dims: tuple[int, int], meta: dict,
                        loss_state: dict[str, torch.Tensor] | None = None) -> dict:
-    """Plain types and tensors only, so that torch.load(weights_only=True) can read it back. `loss_state` is the
+    """Plain types and tensors only, so that torch.load(weights_only=True) can read it back. `model` may be given as
+    its state dict (the training loop's copy of its best epoch). `loss_state` is the
     criterion's `state_dict()` (the learned logit scale; the queue is a non-persistent buffer and is not in it):
     `Criterion.load_state_dict(payload["loss_state"])` restores it, renaming the earlier format's key."""
+    state = model if isinstance(model, dict) else model.state_dict()
     return {
         "format": FORMAT_VERSION,
         "config": to_dict(cfg),
         "dim_in": int(dims[0]),
         "dim_out": int(dims[1]),
-        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "state_dict": {k: v.detach().cpu() for k, v in state.items()},
         "loss_state": {k: v.detach().cpu() for k, v in (loss_state or {}).items()},
         "meta": meta,
     }

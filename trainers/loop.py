@@ -37,6 +37,11 @@ class TrainingDiverged(LatentsweepError):
     """The loss became NaN/Inf: the configuration is unstable (a study marks such a trial failed)."""
 
 
+# An improved epoch's best.pt is written at once when the last write is at least this old, else when the run ends
+# (_BestCheckpoint): what a crash of a run that improves every epoch can lose.
+CHECKPOINT_EVERY_S = 10.0
+
+
 class DeadlineReached(Exception):
     """The run's deadline passed before its first epoch ended: there is no model to keep (not a config error)."""
 
@@ -96,9 +101,13 @@ def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None
     DeadlineReached when no epoch has finished (or the deadline had passed before the run started)."""
     validate(cfg)
     device = resolve_device(cfg.train.device)
+    best_pt = _BestCheckpoint(out_dir)
     try:
         with torch_threads(cfg.train.threads):
-            return _fit(cfg, data, device, callback, out_dir, progress, deadline)
+            return _fit(cfg, data, device, callback, out_dir, progress, deadline, best_pt)
+    except BaseException:
+        best_pt.write(quiet=True)  # whatever stopped the run (a pruner, Ctrl-C), best.pt is its best epoch so far
+        raise
     finally:
         # The run's freed tensors (optimiser state, batches, validation blocks) would stay resident under glibc and
         # under whatever the caller does next (a study logs its plots, then trains the next trial).
@@ -106,7 +115,8 @@ def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None
 
 
 def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[EpochReport], None] | None,
-         out_dir: str | Path | None, progress: bool, deadline: Callable[[], Deadline | None] | None) -> TrainResult:
+         out_dir: str | Path | None, progress: bool, deadline: Callable[[], Deadline | None] | None,
+         best_pt: "_BestCheckpoint") -> TrainResult:
     """The body of `train`, under its thread count."""
     started = time.monotonic()
     if _now_past(deadline):  # nothing built yet: a trial claimed just before the end costs nothing
@@ -167,8 +177,9 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
         improved = score > best or not validated
         if improved:
             best, best_epoch = score, epoch
-            best_state, best_ranks = copy.deepcopy(judged.state_dict()), task.last_ranks
-            _save_best(out_dir, judged, cfg, task, data, epoch, metrics, criterion.state_dict())
+            best_state = best_pt.keep(judged.state_dict(), best_state, cfg, task, data, epoch, metrics,
+                                      criterion.state_dict())
+            best_ranks = task.last_ranks
         watched = metrics[cfg.train.monitor] if validated else -sign * metrics["train/loss"]
         stale = 0 if sign * watched > best_monitored else stale + 1
         best_monitored = max(best_monitored, sign * watched)
@@ -181,6 +192,7 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
             callback(EpochReport(epoch, metrics, improved, clock.timing()))
         if cfg.train.early_stop and stale >= cfg.train.early_stop:
             break
+    best_pt.write()
     model.load_state_dict(best_state)
     ckpt = Path(out_dir) / "best.pt" if out_dir is not None else None
     return TrainResult(best_epoch, log.rows[best_epoch], log.rows, model, ckpt, best_ranks, clock.timing(), stopped,
@@ -203,9 +215,10 @@ def _fit_untrained(cfg: Config, data: TrainSet, task, model: CenteredModel, out_
     return TrainResult(0, log.rows[0], log.rows, model, ckpt, task.last_ranks, clock.timing())
 
 
-def _save_best(out_dir: str | Path | None, model: CenteredModel, cfg: Config, task, data: TrainSet, epoch: int,
+def _save_best(out_dir: str | Path | None, model: CenteredModel | dict, cfg: Config, task, data: TrainSet, epoch: int,
                metrics: dict[str, float], loss_state: dict | None) -> Path | None:
-    """Write the best epoch's checkpoint to out_dir/best.pt (nothing without out_dir); returns its path or None."""
+    """Write the best epoch's checkpoint (`model`, or its state dict) to out_dir/best.pt (nothing without out_dir);
+    returns its path or None."""
     if out_dir is None:
         return None
     path = Path(out_dir) / "best.pt"
@@ -213,6 +226,56 @@ def _save_best(out_dir: str | Path | None, model: CenteredModel, cfg: Config, ta
                                          {"epoch": epoch, "metrics": metrics, "data_fingerprint": data.fingerprint},
                                          loss_state=loss_state), path)
     return path
+
+
+class _BestCheckpoint:
+    """best.pt of a run's best epoch so far, written from its kept copy of the best state (no second copy): at once
+    when the last write is CHECKPOINT_EVERY_S old or more (the first improved epoch always), else when the run ends,
+    whatever ends it (train). A fast device improving every epoch (a refit: no validation, every epoch is the best)
+    pays one write per CHECKPOINT_EVERY_S instead of a GPU-to-host copy, a torch.save and an fsync per epoch; only
+    a crash (the process killed) can leave best.pt up to CHECKPOINT_EVERY_S of epochs behind."""
+
+    def __init__(self, out_dir: str | Path | None):
+        self.out_dir, self.pending, self.written = out_dir, None, -math.inf
+
+    def keep(self, state: dict, into: dict | None, cfg: Config, task, data: TrainSet, epoch: int,
+             metrics: dict[str, float], loss_state: dict) -> dict:
+        """The new best epoch: returns the copy of its model's `state` (into the previous copy `into`, see
+        _copy_state), which is what best.pt is written from."""
+        self.pending = None  # `into` is overwritten now: a copy cut short (Ctrl-C) is never written
+        state = _copy_state(state, into)
+        if self.out_dir is None:
+            return state
+        loss_state = {k: v.detach().clone() for k, v in loss_state.items()}  # the logit scale trains on
+        self.pending = (state, cfg, task, data, epoch, dict(metrics), loss_state)
+        if time.monotonic() - self.written >= CHECKPOINT_EVERY_S:
+            self.write()
+        return state
+
+    def write(self, quiet: bool = False) -> None:
+        """Write the kept best epoch if it is not on disk yet; `quiet`: an error is dropped (a run that is already
+        failing keeps its own error)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        try:
+            _save_best(self.out_dir, *pending)
+        except Exception:
+            if not quiet:
+                raise
+        self.written = time.monotonic()
+
+
+def _copy_state(state: dict, into: dict | None) -> dict:
+    """A copy of the state dict `state` that training does not change, as copy.deepcopy made it, but copied into the
+    tensors of `into` (the previous best epoch's copy) when they match: no new allocation per improved epoch."""
+    if into is None or into.keys() != state.keys() or any(
+            (t.shape, t.dtype, t.device) != (state[k].shape, state[k].dtype, state[k].device) for k, t in into.items()):
+        return copy.deepcopy(state)
+    with torch.no_grad():
+        for k, t in state.items():
+            into[k].copy_(t)
+    return into
 
 
 def _train_size(cfg: Config, data: TrainSet) -> tuple[int, int]:

@@ -57,11 +57,6 @@ def dataset_input(dataset: DatasetRecord) -> DatasetInput:
     return DatasetInput(entity, [InputTag("mlflow.data.context", dataset.context)])
 
 
-def _chunks(items: list, size: int):
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
-
-
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -332,13 +327,18 @@ class MlflowTracker:
 
     def _log_batch(self, run_id: str, params: dict[str, str] | None = None, tags: dict[str, str] | None = None,
                    metrics: list | None = None) -> None:
-        """log_batch split to MLflow's per-request limits (100 params, 100 tags, 1000 metrics)."""
-        for chunk in _chunks([Param(k, v) for k, v in (params or {}).items()], PARAMS_TAGS_PER_BATCH):
-            self.client.log_batch(run_id, params=chunk, synchronous=True)
-        for chunk in _chunks([RunTag(k, v) for k, v in (tags or {}).items()], PARAMS_TAGS_PER_BATCH):
-            self.client.log_batch(run_id, tags=chunk, synchronous=True)
-        for chunk in _chunks(list(metrics or []), METRICS_PER_BATCH):
-            self.client.log_batch(run_id, metrics=chunk, synchronous=True)
+        """As few log_batch calls as MLflow's per-request limits allow (100 params, 100 tags, 1000 metrics, 1000
+        entities in all): each one a store transaction (issue 33: a trial's start logged its params and its tags in
+        two)."""
+        param_list = [Param(k, v) for k, v in (params or {}).items()]
+        tag_list = [RunTag(k, v) for k, v in (tags or {}).items()]
+        metric_list = list(metrics or [])
+        while param_list or tag_list or metric_list:
+            p, param_list = param_list[:PARAMS_TAGS_PER_BATCH], param_list[PARAMS_TAGS_PER_BATCH:]
+            t, tag_list = tag_list[:PARAMS_TAGS_PER_BATCH], tag_list[PARAMS_TAGS_PER_BATCH:]
+            room = METRICS_PER_BATCH - len(p) - len(t)
+            m, metric_list = metric_list[:room], metric_list[room:]
+            self.client.log_batch(run_id, metrics=m, params=p, tags=t, synchronous=True)
 
 def registry_name_problem(name: str) -> str | None:
     """Why the MLflow Model Registry would refuse `name`, by MLflow's own rule (not blank, no '/' or ':', a unique
