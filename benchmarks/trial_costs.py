@@ -209,9 +209,10 @@ def measure(args, work_root: Path) -> dict:
     for repeat in range(args.repeats):
         work = work_root / f"study-{repeat}"
         timers = Timers()
-        wall = run_study(study, data, args.trials, work, timers, args.tracking_uri)
-        out["study"].append({"wall_s": wall, "trials": args.trials, "epochs": epochs_of(work),
-                             "rows": dict(timers.rows)})
+        if args.trials:
+            wall = run_study(study, data, args.trials, work, timers, args.tracking_uri)
+            out["study"].append({"wall_s": wall, "trials": args.trials, "epochs": epochs_of(work),
+                                 "rows": dict(timers.rows)})
         if args.refit_epochs:
             timers = Timers()
             wall = run_refit(study, data, args.refit_epochs, work_root / f"refit-{repeat}", timers)
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="demo", help="demo (default), a train.npz, or synthetic:N_IMAGES")
     parser.add_argument("--study", default=str(ROOT / "studies" / "quickstart.toml"), help="study file")
-    parser.add_argument("--trials", type=int, default=3, help="trials per repeat (default 3)")
+    parser.add_argument("--trials", type=int, default=3, help="trials per repeat (default 3; 0: the refit only)")
     parser.add_argument("--epochs", type=int, default=4, help="cap of the study's epochs (default 4; 0: as is)")
     parser.add_argument("--repeats", type=int, default=2, help="repeats, each in a fresh state dir (default 2)")
     parser.add_argument("--refit-epochs", type=int, default=8, help="epochs of the refit measurement (0: none)")
