@@ -65,9 +65,6 @@ class RunSpec:
     gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; search.study.devices)
     per_gpu: int = 1  # local workers per GPU
     cuda_visible: str | None = None  # the GPU this spawned worker sees (set before its first CUDA call); None: as is
-    gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; search.study.devices)
-    per_gpu: int = 1  # local workers per GPU
-    cuda_visible: str | None = None  # the GPU this spawned worker sees (set before its first CUDA call); None: as is
 
 
 def check_plugins(study, study_file: StudyFile, write: bool) -> None:
