@@ -11,6 +11,7 @@ relative to the state directory (search.study.objective.relative_to_state) and n
 from __future__ import annotations
 
 import contextlib
+import os
 import logging
 import re
 import sqlite3
@@ -50,6 +51,8 @@ def relocate_mlflow(state_dir: Path) -> int:
     """Re-root the artifact URIs in STATE/mlflow.db at STATE/artifacts; returns how many values changed."""
     db = Path(state_dir) / "mlflow.db"
     if not db.is_file():
+        return 0
+    if not (os.access(db, os.W_OK) and os.access(db.parent, os.W_OK)):  # read-only: the command says so itself
         return 0
     here = Path(state_dir).resolve().as_uri()
     try:
