@@ -73,6 +73,17 @@ def torch_names_in(path: Path) -> set[str]:
             cur = cur.value
         if isinstance(cur, ast.Name) and cur.id in alias:
             names.add(".".join([alias[cur.id], *reversed(chain)]))
+    return names | lazy_names(tree)
+
+
+def lazy_names(tree: ast.AST) -> set[str]:
+    """torch names read lazily, by a ("torch", ("Name", ...)) table (search/failures.py: classifying an error must
+    not import torch): each is torch.Name."""
+    names = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Tuple) and len(node.elts) == 2 and isinstance(node.elts[0], ast.Constant)
+                and node.elts[0].value == "torch" and isinstance(node.elts[1], ast.Tuple)):
+            names |= {f"torch.{e.value}" for e in node.elts[1].elts if isinstance(e, ast.Constant)}
     return names
 
 

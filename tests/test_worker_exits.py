@@ -120,7 +120,7 @@ def test_worker_command_closes_the_parent_run_when_done(state, synthetic, tmp_pa
     sf = study_file(tmp_path, "lastworker", n_trials=1)
     base = [str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet"]
     assert main(["study", "create", *base]) == 0
-    assert runs(state, "lastworker") == {"study-lastworker": "RUNNING"}
+    assert runs(state, "lastworker") == {"study-lastworker": "FINISHED"}  # create runs no trial: nothing left open
     assert main(["worker", *base]) == 0
     assert runs(state, "lastworker") == {"study-lastworker": "FINISHED", "trial-0": "FINISHED"}
 
