@@ -40,7 +40,7 @@ def run_once(study: Path, train: Path, test: Path, budget: int, loaded: bool, wo
     wall = time.monotonic() - start
     (work / "log.txt").write_text(proc.stdout + proc.stderr)
     first = re.search(r"first answer in ([\d.]+) s", proc.stderr)
-    safe = re.search(r"safe answer in ([\d.]+) s", proc.stderr)
+    safe = re.search(r"safe answer: .*\(written in ([\d.]+) s\)", proc.stderr)
     return {"budget": budget, "load": "loaded" if loaded else "quiet", "rc": proc.returncode, "wall": wall,
             "first_s": float(first.group(1)) if first else None, "safe_s": float(safe.group(1)) if safe else None,
             "pick": "pick done" in proc.stderr, "submission": str(work / "state" / "picks" / study.stem

@@ -13,10 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
 # Smoke runs of 20 s to 2 minutes on a busy 2-core machine: most start the CLI in subprocesses (a study run,
 # workers, picks: torch, Optuna and MLflow imported each time); knob_cost and search_efficiency train dozens of
-# configs; throughput's code path is also run by gpu.py's smoke, which stays in the suite. A script not listed here
+# configs; gpu.py's smoke (30 s on a quiet 2-core machine) also runs throughput's code path; trial_costs (14 s) runs
+# a study. The suite's 10 minutes on 2 cores keep them out; .ci/run's slow step runs them. A script not listed here
 # (a new one) runs in the suite.
-SLOW = {"end_to_end.py", "ensemble_size.py", "full_search.py", "knob_ab.py", "knob_cost.py", "memory_peak.py",
-        "one_budget.py", "screenshots.py", "search_efficiency.py", "seed_repro.py", "throughput.py", "workers.py"}
+SLOW = {"end_to_end.py", "ensemble_size.py", "full_search.py", "gpu.py", "knob_ab.py", "knob_cost.py",
+        "memory_peak.py", "one_budget.py", "screenshots.py", "search_efficiency.py", "seed_repro.py", "throughput.py",
+        "trial_costs.py", "workers.py"}
 
 
 def _run(script: str, arg: str, tmp_path: Path, timeout: float) -> tuple[subprocess.CompletedProcess, Path, Path]:
