@@ -89,6 +89,24 @@ def smoke() -> int:
         return 0 if row["rc"] == 0 and row["mrr"] is not None else 1
 
 
+def measure(work: Path, seeds: list[int], budgets: list[int], loads: list[str]) -> list[dict]:
+    """Every (holdout, budget, load) run, in that order; each row printed as it ends."""
+    sys.path.insert(0, str(ROOT))
+    from trainers.demo import default_train_path
+
+    rows = []
+    for seed in seeds:
+        train, test, answers = holdout(default_train_path(), seed, work / f"holdout-{seed}")
+        for budget in budgets:
+            for load in loads:
+                row = {"seed": seed, **run_once(ROOT / "studies" / "full.toml", train, test, budget,
+                                                load == "loaded", work / f"h{seed}-t{budget}-{load}")}
+                row["mrr"] = score(row["submission"], answers)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, help="working directory (holdouts, runs, results.json)")
@@ -97,23 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loads", nargs="+", default=["quiet", "loaded"], choices=["quiet", "loaded"])
     p.add_argument("--smoke", action="store_true", help="one 60-s run on tiny synthetic data")
     args = p.parse_args(argv)
+    if not args.smoke and args.work is None:
+        p.error("--work is required (or --smoke)")
     if args.smoke:
         return smoke()
-    if args.work is None:
-        p.error("--work is required (or --smoke)")
-    sys.path.insert(0, str(ROOT))
-    from trainers.demo import default_train_path
-
-    rows = []
-    for seed in args.seeds:
-        train, test, answers = holdout(default_train_path(), seed, args.work / f"holdout-{seed}")
-        for budget in args.budgets:
-            for load in args.loads:
-                row = {"seed": seed, **run_once(ROOT / "studies" / "full.toml", train, test, budget,
-                                                load == "loaded", args.work / f"h{seed}-t{budget}-{load}")}
-                row["mrr"] = score(row["submission"], answers)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    rows = measure(args.work, args.seeds, args.budgets, args.loads)
     (args.work / "results.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
     return 0

@@ -144,9 +144,8 @@ PLUGIN_EXITS = {  # plugin body, fragment
 }
 
 
-@pytest.mark.parametrize("case", sorted(PLUGIN_EXITS))
-def test_a_plugin_that_exits_at_import_is_one_line_naming_it(case, data, existing, tmp_path, capsys):
-    body, fragment = PLUGIN_EXITS[case]
+@pytest.mark.parametrize("body,fragment", list(PLUGIN_EXITS.values()), ids=list(PLUGIN_EXITS))
+def test_a_plugin_that_exits_at_import_is_one_line_naming_it(body, fragment, data, existing, tmp_path, capsys):
     study = _plugin_study(tmp_path, body)
     code = main(["study", "run", str(study), "--data", str(data["train"]), "--state-dir", str(existing["state"])])
     assert_rejected(capsys, code, existing, fragment, "(a plugin of")
