@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from search.failures import Kind, classify
+from search.failures import Kind, classify, first_line
 from search.pick.candidates import test_path_for
 from search.pick.options import PickOptions, check_options, check_writable
 from search.pick.outputs import PickResult
@@ -30,7 +30,7 @@ from search.study.worker import RunSpec
 from search.tracking.probe import probe_tracking_store
 from trainers.data import check_text_dim, load_test, load_train_shared
 from trainers.deadline import Deadline
-from trainers.errors import LatentsweepError
+from trainers.errors import DataError, LatentsweepError
 from trainers.loop import resolve_device
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
@@ -104,8 +104,7 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
     deadline = Deadline.after(total, started)
     note(describe_split(total))
     test, out = load_test(pick.test), Path(pick.out)
-    answer = ridge_answer(load_train_shared(spec.data_path), test, out)
-    note(f"first answer in {answer.seconds:.1f} s: {answer.source} -> {answer.path}")
+    answer = _floor(spec, test, out)
     budget = SearchBudget(deadline, total, safe_s=answer.seconds)
     if deadline.left() <= budget.opening_reserve():
         note(f"{deadline.left():.0f} s left, not more than the pick's opening reserve of "
@@ -116,8 +115,7 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
     with keeper:  # the best trial's answer replaces the floor while the search runs
         summary = run_study(replace(spec, timeout=None, budget=budget), workers=workers, figures=False)
     late = _late(deadline, "the search")
-    answer = keeper.refresh()
-    note(f"safe answer: {answer.source} (written in {answer.seconds:.1f} s) -> {answer.path}")
+    answer = _last_look(keeper)
     result = None
     if deadline.left() >= PICK_MIN_S:
         note(f"search done ({summary.get('trials_finished', 0)} trials); the pick gets the {deadline.left():.0f} s "
@@ -127,7 +125,35 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
         note(f"{deadline.left():.0f} s left, under the pick's {PICK_MIN_S:.0f} s minimum: the submission stays "
              f"{answer.source}")
     late = late or _late(deadline, "the pick")
+    if result is None and not out.is_file():  # no floor, no trial with a value, no pick: nothing to submit
+        raise LatentsweepError(f"no submission could be made: {answer.source}, and no trial finished an epoch")
     return OneBudgetResult(summary, answer, result, deadline.overrun(), late)
+
+
+def _floor(spec: RunSpec, test, out: Path) -> SafeAnswer:
+    """The closed-form ridge's answer; when degenerate data makes its solve fail, the job goes on without a floor."""
+    try:
+        answer = ridge_answer(load_train_shared(spec.data_path), test, out)
+    except (RuntimeError, DataError) as exc:  # torch.linalg.LinAlgError is a RuntimeError
+        note(f"warning: no closed-form answer ({first_line(exc)}); the first trial's answer will be the first")
+        return SafeAnswer(out, "no answer yet (the closed form failed)", 0.0)
+    note(f"first answer in {answer.seconds:.1f} s: {answer.source} -> {answer.path}")
+    return answer
+
+
+def _last_look(keeper: Keeper) -> SafeAnswer:
+    """The keeper's last look after the search: the best trial's answer, or the answer in place when the look
+    fails on anything but our own bug (said in one line)."""
+    try:
+        answer = keeper.refresh()
+    except Exception as exc:  # noqa: BLE001 - classified once: a bug is raised with its traceback
+        failure = classify(exc)
+        if failure.kind is Kind.BUG:
+            raise
+        note(f"warning: could not read the best trial ({failure.reason}); the submission stays {keeper.answer.source}")
+        return keeper.answer
+    note(f"safe answer: {answer.source} (written in {answer.seconds:.1f} s) -> {answer.path}")
+    return answer
 
 
 def _late(deadline: Deadline, step: str) -> str:
