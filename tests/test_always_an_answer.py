@@ -83,6 +83,7 @@ def test_bad_pick_inputs_fail_before_any_trial_is_stored(world, tmp_path, capsys
     assert wall < 30 and _trials(tmp_path) == []
 
 
+@pytest.mark.slow  # 10-13 s: the suite's 10 minutes on 2 cores; .ci/run's slow step runs it
 def test_a_tracking_store_failing_at_the_export_leaves_the_submission(world, tmp_path, capsys, monkeypatch):
     """The pick's CSV is in place before the MLflow export: a full disk during the model's logging is a warning,
     exit 0, a valid submission and manifest, and the pick's run ends FAILED (not RUNNING)."""
@@ -216,6 +217,7 @@ def test_a_bug_in_our_tracker_calls_leaves_no_trial_and_no_run_running(world, tm
     assert runs and [(r.info.run_name, r.info.status) for r in runs if r.info.status == "RUNNING"] == []
 
 
+@pytest.mark.slow  # 10-13 s: the suite's 10 minutes on 2 cores; .ci/run's slow step runs it
 def test_study_run_timeout_is_a_promise_the_running_trial_stops_there(world, tmp_path):
     """`study run --timeout`: the trial running at the timeout stops at its next step and keeps its best finished
     epoch (it used to run to its end, past the timeout, like Optuna's own timeout)."""

@@ -16,6 +16,7 @@ from test_picker import STUDY, TINY_STUDY  # the picker tests' tiny study: 2 epo
 from trainers.progress import tell
 
 
+@pytest.mark.slow  # 11 s: the suite's 10 minutes on 2 cores; .ci/run's slow step runs it
 def test_the_api_with_progress_off_says_nothing_on_stdout_or_stderr(tmp_path, capfd):
     study = tmp_path / "tiny.toml"
     study.write_text(TINY_STUDY)
