@@ -16,7 +16,7 @@ from pathlib import Path
 
 from search.failures import Kind, classify, first_line
 from search.pick.candidates import test_path_for
-from search.pick.options import PickOptions, check_options, check_writable
+from search.pick.options import PickOptions, check_options, check_writable, out_path
 from search.pick.outputs import PickResult
 from search.pick.picker import run_pick
 from search.pick.plan import EXPORT_FIXED_S, note
@@ -31,7 +31,7 @@ from search.tracking.probe import probe_tracking_store
 from trainers.data import check_text_dim, load_test, load_train_shared
 from trainers.deadline import Deadline
 from trainers.errors import DataError, LatentsweepError
-from trainers.loop import resolve_device
+from trainers.devices import resolve_device
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 # Below this a one-budget run cannot train one trial and one refit of anything but a toy (seconds).
@@ -80,10 +80,10 @@ def check_pick_inputs(pick: PickOptions, data_path: str) -> PickOptions:
     resolve_device(pick.device)
     test = test_path_for(Path(data_path), pick.test)
     check_text_dim(load_test(test), load_train_shared(data_path).text.shape[1], "the training captions have")
-    out = Path(pick.out).expanduser() if pick.out else Path(pick.state_dir) / "picks" / pick.study / "submission.csv"
-    check_writable(out.resolve())
+    out = out_path(pick, Path(pick.state_dir))
+    check_writable(out)
     probe_tracking_store(pick.tracking_uri)
-    return replace(pick, test=str(test), out=str(out.resolve()))
+    return replace(pick, test=str(test), out=str(out))
 
 
 @dataclass

@@ -76,13 +76,17 @@ def resolve_paths(opts: PickOptions) -> Paths:
                                "run needs a writable store: pass --tracking-uri (e.g. sqlite:///elsewhere/mlflow.db) "
                                "and --out")
     picks = root / "picks" / opts.study
-    out = Path(opts.out).expanduser() if opts.out else picks / "submission.csv"
-    out = out.resolve()
+    out = out_path(opts, root)
     check_writable(out)
     if not writable_dir(root):  # fold jobs and refits are kept beside the submission instead (and reused there)
         picks = out.parent / f".{opts.study}-runs"
     return Paths(root, stores.storage, stores.tracking_uri, stores.artifact_root, picks, out,
                  out.with_name(f"{out.stem}.manifest.json"), out.with_name(f"{out.stem}.report.csv"))
+
+
+def out_path(opts: PickOptions, root: Path) -> Path:
+    """--out, else STATE/picks/<study>/submission.csv under the state directory `root`; absolute."""
+    return (Path(opts.out).expanduser() if opts.out else root / "picks" / opts.study / "submission.csv").resolve()
 
 
 def check_writable(path: Path) -> None:
