@@ -1,6 +1,7 @@
 """Checkpoints: the CenteredModel wrapper (text centring + model), atomic save, and safe (weights_only) load."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +77,23 @@ def _read(path: Path) -> dict:
     return payload
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[CenteredModel, Config, dict]:
-    """Rebuild the model from a checkpoint (no closed-form refit: weights come from the state dict)."""
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               rng_free: bool = False) -> tuple[CenteredModel, Config, dict]:
+    """Rebuild the model from a checkpoint (no closed-form refit: weights come from the state dict). `rng_free`:
+    built on the meta device and given the checkpoint's tensors, so that nothing draws from torch's global generator
+    (a load beside a running trial, search.pick.safe); buffers the checkpoint does not hold are zeros."""
     path = Path(path)
     payload = _read(path)
     try:
         cfg = from_dict(upgrade_tree(payload["config"]), where=str(path))
         ctx = ModelContext(int(payload["dim_in"]), int(payload["dim_out"]), fit_x=None, fit_y=None)
-        model = CenteredModel(build_model(cfg, ctx), torch.zeros(ctx.dim_in))
-        model.load_state_dict(payload["state_dict"])
+        with torch.device("meta") if rng_free else contextlib.nullcontext():
+            model = CenteredModel(build_model(cfg, ctx), torch.zeros(ctx.dim_in))
+        model.load_state_dict(payload["state_dict"], assign=rng_free)
+        for module in model.modules() if rng_free else ():  # non-persistent buffers (training-only state)
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.is_meta:
+                    module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype)
     except LatentsweepError as exc:
         raise LatentsweepError(f"{path}: checkpoint config is invalid: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - a missing key, a wrong shape or type: the file does not fit its config

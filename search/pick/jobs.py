@@ -27,7 +27,8 @@ from trainers.checkpoint import load_model
 from trainers.config import Config, dump_toml, with_values
 from trainers.data import TrainSet
 from trainers.io import atomic_write
-from trainers.loop import train
+from trainers.deadline import Deadline
+from trainers.loop import DeadlineReached, train
 from trainers.models import UNTRAINED_KINDS
 from trainers.splits import captions_and_local_images, captions_of, fold_assignment
 from trainers.tasks import split_images
@@ -93,9 +94,12 @@ def make_job(name: str, member: str, cfg: Config, cand: Candidate, data: TrainSe
     return Job(name, member, cfg, images, run_dir, job_cost(cand, data, n_caps, n_img, cfg.train.stop_after))
 
 
-def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | None]:
-    """Train (or reuse) the job: (its checkpoint, seconds spent training; None when reused). The done stamp is
-    written only after training finished."""
+def run_job(job: Job, data: TrainSet, progress: bool,
+            deadline: Deadline = Deadline.never()) -> tuple[Path | None, float | None]:
+    """Train (or reuse) the job: (its checkpoint, seconds spent training; None when reused). It stops at `deadline`
+    keeping its best finished epoch (trainers.loop.train), or is dropped when no epoch finished before it: (None,
+    seconds spent). The done stamp is written only after training finished every planned epoch, so a job cut by the
+    deadline is trained again, whole, by the next pick."""
     part = data if job.images is None else subset(data, job.images)
     stamp = done_stamp(job.cfg, part.fingerprint)
     ckpt = job.run_dir / "best.pt"
@@ -107,11 +111,14 @@ def run_job(job: Job, data: TrainSet, progress: bool) -> tuple[Path, float | Non
         fh.write(dump_toml(job.cfg))
     start = time.monotonic()
     try:
-        train(job.cfg, part, out_dir=job.run_dir, progress=progress)
+        result = train(job.cfg, part, out_dir=job.run_dir, progress=progress, deadline=lambda: deadline)
+    except DeadlineReached:
+        return None, time.monotonic() - start
     except Exception as exc:  # classified once (search.failures): a bug keeps its traceback, the rest is one line
         raise_stop(exc, f"pick job {job.name}")
-    with atomic_write(job.run_dir / DONE_FILE) as fh:
-        fh.write(json.dumps(stamp))
+    if not result.stopped_at_deadline:
+        with atomic_write(job.run_dir / DONE_FILE) as fh:
+            fh.write(json.dumps(stamp))
     return ckpt, time.monotonic() - start
 
 
@@ -164,7 +171,9 @@ def run_fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path, devic
         for job in mine:
             if not clock.admits(job.cost):
                 break
-            ckpt = clock.timed(job, lambda j=job: run_job(j, data, progress), jobs)
+            ckpt = clock.timed(job, lambda j=job: run_job(j, data, progress, clock.job_deadline()), jobs)
+            if ckpt is None:
+                break
             held = captions_of(data.cap2img, np.setdiff1d(np.arange(len(data.image)), job.images))
             pred[held] = predict_all([load_model(ckpt, device)[0]], data.text[held], device)[0]
             ckpts.append((job.name, ckpt))
@@ -214,7 +223,10 @@ def refit_members(chosen: list[tuple[Candidate, float]], fold_models: dict[str, 
         if not clock.admits(job.cost):
             notes.append(f"budget: {clock.left():.0f} s left, so {i} of {len(queue)} refits run")
             break
-        ckpt = clock.timed(job, lambda j=job: run_job(j, data, progress), queue)
+        ckpt = clock.timed(job, lambda j=job: run_job(j, data, progress, clock.job_deadline()), queue)
+        if ckpt is None:
+            notes.append(f"budget: refit {job.name} dropped at the deadline, {i} of {len(queue)} refits run")
+            break
         made[job.member].append((job.name, ckpt, "refit", job))
     kept = [(c, w) for c, w in chosen if made[c.name]]
     total = sum(w for _, w in kept)
@@ -244,6 +256,8 @@ def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, devic
         if not clock.admits(job.cost):
             note(f"budget: {clock.left():.0f} s left, so {len(out)} of {len(todo)} seed re-runs run")
             break
-        ckpt = clock.timed(job, lambda j=job: run_job(j, data, progress), [j for _, j in todo])
+        ckpt = clock.timed(job, lambda j=job: run_job(j, data, progress, clock.job_deadline()), [j for _, j in todo])
+        if ckpt is None:
+            break
         out.append(make_candidate(job.name, base.trial, ckpt, "retrained", None, device))
     return out

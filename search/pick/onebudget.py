@@ -9,8 +9,10 @@ submission inside it. Its steps, each replacing the submission only with a bette
 The MLflow export and registration come after the submission is in place (search.pick.outputs)."""
 from __future__ import annotations
 
+import json
 import math
 import re
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,19 +20,22 @@ from search.failures import Kind, classify, first_line
 from search.pick.candidates import test_path_for
 from search.pick.options import PickOptions, check_options, check_writable, out_path
 from search.pick.outputs import PickResult
-from search.pick.picker import run_pick
+from search.pick.picker import pick_until
 from search.pick.plan import EXPORT_FIXED_S, note
+from search.pick.judge import Judge, Standing, make_judge
 from search.pick.safe import Keeper, SafeAnswer, ridge_answer
 from search.stores import safe_name
 from search.study.budget import (
-    PICK_FIXED_S, RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, SearchBudget,
+    PICK_FIXED_S, RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, JobBudget,
 )
 from search.study.runner import run_study
+from search.study.studyfile import load_study_file
 from search.study.worker import RunSpec
 from search.tracking.probe import probe_tracking_store
 from trainers.data import check_text_dim, load_test, load_train_shared
 from trainers.deadline import Deadline
 from trainers.errors import DataError, LatentsweepError
+from trainers.io import atomic_write
 from trainers.devices import resolve_device
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
@@ -95,6 +100,8 @@ class OneBudgetResult:
     pick: PickResult | None
     overrun_s: float
     overrun_in: str = ""
+    answer_record: dict | None = None  # which answer won on the val split, by how much (search.pick.judge.Standing)
+    search_ended: str = ""  # the one line of the failure that ended the search early ('' when it ended as planned)
 
 
 def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int = 1,
@@ -104,36 +111,92 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
     deadline = Deadline.after(total, started)
     note(describe_split(total))
     test, out = load_test(pick.test), Path(pick.out)
-    answer = _floor(spec, test, out)
-    budget = SearchBudget(deadline, total, safe_s=answer.seconds)
-    if deadline.left() <= budget.opening_reserve():
+    data = load_train_shared(spec.data_path)
+    answer = _floor(data, test, out)
+    judge, standing = _judge(spec, data, answer)
+    job_budget = JobBudget(deadline, total, floor_s=answer.seconds)
+    if deadline.left() <= job_budget.opening_reserve():
         note(f"{deadline.left():.0f} s left, not more than the pick's opening reserve of "
-             f"{budget.opening_reserve():.0f} s: no search; the submission stays {answer.source}")
-        return OneBudgetResult({}, answer, None, deadline.overrun(), _late(deadline, "the start"))
+             f"{job_budget.opening_reserve():.0f} s: no search; the submission stays {answer.source}")
+        _write_answer_manifest(spec, out, standing, "no search: no time for one")
+        return OneBudgetResult({}, answer, None, deadline.overrun(), _late(deadline, "the start"), standing.record())
     keeper = Keeper(safe_name(spec.name), spec.storage.url, Path(spec.state_dir), test, out,
-                    resolve_device(pick.device), answer)
-    with keeper:  # the best trial's answer replaces the floor while the search runs
-        summary = run_study(replace(spec, timeout=None, budget=budget), workers=workers, figures=False)
+                    resolve_device(pick.device), answer, judge, standing)
+    summary, ended = _search(spec, job_budget, workers, keeper)
     late = _late(deadline, "the search")
     answer = _last_look(keeper)
+    if ended.kind is Kind.BUG:  # our own bug: loudly, now that the best answer is in place
+        note(f"the search stopped on a bug; the submission in place is {answer.source} -> {answer.path}")
+        raise ended.exc
     result = None
     if deadline.left() >= PICK_MIN_S:
-        note(f"search done ({summary.get('trials_finished', 0)} trials); the pick gets the {deadline.left():.0f} s "
-             "left")
-        result = _try_pick(replace(pick, budget=deadline.left()), answer)
+        done = (f"search done ({summary.get('trials_finished', 0)} trials)" if ended.kind is None else
+                f"search ended early ({ended.reason})")
+        note(f"{done}; the pick gets the {deadline.left():.0f} s left")
+        result = _try_pick(pick, deadline, answer, judge, standing)
     else:
         note(f"{deadline.left():.0f} s left, under the pick's {PICK_MIN_S:.0f} s minimum: the submission stays "
              f"{answer.source}")
     late = late or _late(deadline, "the pick")
     if result is None and not out.is_file():  # no floor, no trial with a value, no pick: nothing to submit
         raise LatentsweepError(f"no submission could be made: {answer.source}, and no trial finished an epoch")
-    return OneBudgetResult(summary, answer, result, deadline.overrun(), late)
+    if result is None:
+        _write_answer_manifest(spec, out, standing, "the pick did not replace the answer in place")
+    if ended.kind is not None:
+        note(f"submission: {out} ({'the pick' if result is not None else standing.source}); the search ended early: "
+             f"{ended.reason}")
+    return OneBudgetResult(summary, answer, result, deadline.overrun(), late, standing.record(), ended.reason)
 
 
-def _floor(spec: RunSpec, test, out: Path) -> SafeAnswer:
+@dataclass(frozen=True)
+class SearchEnd:
+    """Why the search ended: `kind` None when it ended as planned (its budget or its trials), else the class of the
+    failure that ended it (search.failures) with its one line and the exception."""
+    kind: Kind | None = None
+    reason: str = ""
+    exc: BaseException | None = None
+
+
+def _search(spec: RunSpec, job_budget: JobBudget, workers: int, keeper: Keeper) -> tuple[dict, SearchEnd]:
+    """The search, with the keeper watching it. A failure inside it (a full disk, a store down, a worker that
+    stopped) ends the search, not the job: said in one line, the pick runs with what finished. A bug is returned
+    too, raised by the caller once the best answer is in place; an interrupt is raised at once."""
+    try:
+        with keeper:  # the best trial's answer replaces the floor while the search runs, when it beats it
+            return run_study(replace(spec, timeout=None, budget=job_budget), workers=workers, figures=False), \
+                SearchEnd()
+    except Exception as exc:  # noqa: BLE001 - classified once (search.failures)
+        failure = classify(exc)
+        return {"search_ended": failure.reason}, SearchEnd(failure.kind, failure.reason, exc)
+
+
+def _judge(spec: RunSpec, data, answer: SafeAnswer) -> tuple[Judge | None, Standing]:
+    """The val split every answer is scored on (search.pick.judge) and the floor's standing on it: the ridge fit on
+    the split's train part. Without a judge (a study that holds nothing out) answers replace each other unscored."""
+    standing = Standing(answer.source, None)
+    judge = make_judge(load_study_file(spec.study_file).base, data)
+    if judge is None:
+        note("warning: the study holds no val split out, so answers are not compared: each one replaces the last")
+        return None, standing
+    standing.judge = judge.describe()
+    if Path(answer.path).is_file():
+        started = time.monotonic()
+        try:
+            score = judge.score_floor(data)
+        except (RuntimeError, DataError) as exc:  # the solve on degenerate data: the floor stays, unscored
+            note(f"warning: the floor could not be scored on the val split ({first_line(exc)})")
+            return judge, standing
+        standing.offer(answer.source, score)
+        note(f"the floor scores {score:.4f} MRR on the val split ({len(judge.held_images)} images, fit on the other "
+             f"{len(judge.train_images)} in {time.monotonic() - started:.1f} s): a trial replaces it only by beating "
+             "that")
+    return judge, standing
+
+
+def _floor(data, test, out: Path) -> SafeAnswer:
     """The closed-form ridge's answer; when degenerate data makes its solve fail, the job goes on without a floor."""
     try:
-        answer = ridge_answer(load_train_shared(spec.data_path), test, out)
+        answer = ridge_answer(data, test, out)
     except (RuntimeError, DataError) as exc:  # torch.linalg.LinAlgError is a RuntimeError
         note(f"warning: no closed-form answer ({first_line(exc)}); the first trial's answer will be the first")
         return SafeAnswer(out, "no answer yet (the closed form failed)", 0.0)
@@ -142,8 +205,8 @@ def _floor(spec: RunSpec, test, out: Path) -> SafeAnswer:
 
 
 def _last_look(keeper: Keeper) -> SafeAnswer:
-    """The keeper's last look after the search: the best trial's answer, or the answer in place when the look
-    fails on anything but our own bug (said in one line)."""
+    """The keeper's last look after the search: the best answer, or the answer in place when the look fails on
+    anything but our own bug (said in one line). The study's storage is closed after it."""
     try:
         answer = keeper.refresh()
     except Exception as exc:  # noqa: BLE001 - classified once: a bug is raised with its traceback
@@ -152,6 +215,8 @@ def _last_look(keeper: Keeper) -> SafeAnswer:
             raise
         note(f"warning: could not read the best trial ({failure.reason}); the submission stays {keeper.answer.source}")
         return keeper.answer
+    finally:
+        keeper.close()
     note(f"safe answer: {answer.source} (written in {answer.seconds:.1f} s) -> {answer.path}")
     return answer
 
@@ -161,16 +226,49 @@ def _late(deadline: Deadline, step: str) -> str:
     return step if deadline.passed() else ""
 
 
-def _try_pick(pick: PickOptions, answer: SafeAnswer) -> PickResult | None:
-    """The pick; when it fails on anything but our own bug or an interrupt, the safe answer stays, said in one line."""
+def _gate(judge: Judge | None, standing: Standing):
+    """The pick's last check (search.pick.picker.run_pick's `gate`): its ensemble of the chosen trials' checkpoints,
+    with the chosen weights, scored on the judge's val split; it replaces the answer in place unless it scores below
+    it (a tie goes to the pick: its refits are the same configs trained on more images). Returns the manifest's
+    `answer` record, or None (the pick loses, said in one line)."""
+    def gate(models, weights, device) -> dict | None:
+        score = None if judge is None else judge.score_models(models, weights, device)
+        if not standing.offer("the pick's ensemble", score, ties_win=True):
+            note(standing.lost_line("the pick's ensemble", score))
+            return None
+        return standing.record()
+
+    return gate
+
+
+def _try_pick(pick: PickOptions, deadline: Deadline, answer: SafeAnswer, judge: Judge | None,
+              standing: Standing) -> PickResult | None:
+    """The pick inside the job's deadline; None when it loses to the answer in place (search.pick.judge) or fails on
+    anything but our own bug or an interrupt: the answer in place stays, said in one line (and in the standings)."""
+    in_place = (standing.source, standing.score)
     try:
-        return run_pick(pick)
+        return pick_until(pick, deadline, _gate(judge, standing))
     except Exception as exc:  # noqa: BLE001 - classified once: a bug is raised with its traceback
         failure = classify(exc)
         if failure.kind is Kind.BUG:
             raise
+        standing.source, standing.score = in_place  # a pick that won but failed to write is not the answer
+        standing.offered.append({"answer": "the pick's ensemble", "val_mrr": None, "won": False,
+                                 "failed": failure.reason})
         note(f"warning: the pick did not finish ({failure.reason}); the submission stays {answer.source}")
         return None
+
+
+def _write_answer_manifest(spec: RunSpec, out: Path, standing: Standing, why: str) -> None:
+    """The manifest beside a submission the pick did not make: which answer is in place, its val MRR, and every
+    answer it was compared with (a failure to write it is said, the submission stays)."""
+    doc = {"study": spec.name, "submission": str(out), "made_by": standing.source, "pick": why,
+           "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "answer": standing.record()}
+    try:
+        with atomic_write(out.with_name(f"{out.stem}.manifest.json")) as fh:
+            fh.write(json.dumps(doc, indent=2, default=float) + "\n")
+    except OSError as exc:
+        note(f"warning: could not write the manifest beside {out} ({first_line(exc)})")
 
 
 __all__ = ["MIN_TOTAL_S", "OneBudgetResult", "check_pick_inputs", "describe_split", "parse_duration",

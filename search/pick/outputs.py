@@ -70,6 +70,8 @@ class PickRun:
     test: TestSet
     test_pred: np.ndarray  # [N_test, Di] the submission's rows
     budget: float | None  # the seconds the pick had (None: no bound)
+    answer: dict[str, Any] | None = None  # a one-budget job's standings: which answer won on the val split, by how
+    # much, against which (search.pick.judge.Standing.record); None for `latentsweep pick`
 
 
 def _make_dirs(directory: Path) -> list[Path]:
@@ -208,6 +210,7 @@ def manifest(r: PickRun, run: dict[str, Any]) -> dict[str, Any]:
         "data": {"path": str(data.path), "fingerprint": data.fingerprint},
         "test": {"path": str(test.path), "fingerprint": test.fingerprint, "rows": int(len(test.ids))},
         "submission": str(paths.out), "report_table": str(paths.report),
+        **({"answer": r.answer} if r.answer is not None else {}),
         "mlflow": run,
     }
 

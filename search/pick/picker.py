@@ -35,6 +35,7 @@ from search.tracking.probe import probe_tracking_store
 from search.tracking import make_tracker
 from search.tracking.base import Tracker
 from trainers.data import TestSet, TrainSet, load_test, load_train_shared
+from trainers.deadline import Deadline
 from trainers.loop import resolve_device
 
 
@@ -76,7 +77,7 @@ def choose_oof(opts: PickOptions, pool: list[Candidate], data, paths: Paths, dev
     p = plan_mod.plan(cost, min(opts.top, len(ordered)), opts.folds, opts.refit_seeds, clock.left())
     for line in p.notes:
         note(line)
-    budget = f" (budget {clock.budget:.0f} s)" if clock.budget is not None else ""
+    budget = f" (budget {clock.left():.0f} s left)" if clock.budget is not None else ""
     note(f"plan: {p.describe()}{budget}")
     cands, sel = (ordered[:p.top], None) if p.folds == 0 else select_oof(ordered[:p.top], data, p.folds, opts,
                                                                          paths.picks, device, clock)
@@ -162,26 +163,50 @@ def load_inputs(opts: PickOptions, downloads: Path, device) -> PickInputs:
 
 
 def run_pick(opts: PickOptions) -> PickResult:
-    """The whole pick; returns search.pick.outputs.PickResult. Cheap checks come before any training."""
+    """`latentsweep pick`: the whole pick within --budget (search.pick.plan); returns search.pick.outputs.PickResult.
+    Cheap checks come before any training."""
     started = time.monotonic()
     check_options(opts)
     device = resolve_device(opts.device)
     with tempfile.TemporaryDirectory(prefix="latentsweep-pick-") as downloads:
         inp = load_inputs(opts, Path(downloads), device)
-        paths, data, test = inp.paths, inp.data, inp.test
-        clock = Clock(pick_budget(opts, inp.study), started)
-        cands, sel = choose(opts, inp.pool, data, paths, device, clock)
-        models, notes = submission_models(opts, cands, sel, data, paths, device, clock)
-        for line in notes:
-            note(line)
-        sel.notes.extend(notes)
-        made = pd.DataFrame([{"role": "submission_model", "name": m.name, "weight": m.weight, "origin": m.origin}
-                             for m in models])
-        sel.table = pd.concat([sel.table, made], ignore_index=True)
-        test_pred = ensemble.combine(ensemble.predict_all([m.model for m in models], test.embeddings, device),
-                                     [m.weight for m in models])
-        result = write_outputs(inp.tracker, PickRun(opts, paths, inp.study, cands, sel, models, data, test, test_pred,
-                                                    clock.budget))
+        return _pick(opts, inp, Deadline.after(pick_budget(opts, inp.study), started), device, None, started)
+
+
+def pick_until(opts: PickOptions, deadline: Deadline, gate=None) -> PickResult | None:
+    """The pick of a one-budget job (search.pick.onebudget): inside the job's `deadline` (opts.budget is not read),
+    and, with `gate(models, weights, device) -> manifest record or None`, written only when the gate lets the chosen
+    ensemble replace the answer in place (None: it lost, nothing written)."""
+    started = time.monotonic()
+    check_options(opts)
+    device = resolve_device(opts.device)
+    with tempfile.TemporaryDirectory(prefix="latentsweep-pick-") as downloads:
+        inp = load_inputs(opts, Path(downloads), device)
+        return _pick(opts, inp, deadline, device, gate, started)
+
+
+def _pick(opts: PickOptions, inp: PickInputs, deadline: Deadline, device, gate, started: float) -> PickResult | None:
+    """Selection, refits and outputs on the loaded inputs; the gate (if any) judges the chosen trials' checkpoints
+    with the chosen weights before anything is written."""
+    paths, data, test = inp.paths, inp.data, inp.test
+    clock = Clock(deadline, started)
+    cands, sel = choose(opts, inp.pool, data, paths, device, clock)
+    answer = None
+    if gate is not None:
+        answer = gate([c.model for c in cands], list(sel.weights), device)
+        if answer is None:
+            return None
+    models, notes = submission_models(opts, cands, sel, data, paths, device, clock)
+    for line in notes:
+        note(line)
+    sel.notes.extend(notes)
+    made = pd.DataFrame([{"role": "submission_model", "name": m.name, "weight": m.weight, "origin": m.origin}
+                         for m in models])
+    sel.table = pd.concat([sel.table, made], ignore_index=True)
+    test_pred = ensemble.combine(ensemble.predict_all([m.model for m in models], test.embeddings, device),
+                                 [m.weight for m in models])
+    result = write_outputs(inp.tracker, PickRun(opts, paths, inp.study, cands, sel, models, data, test, test_pred,
+                                                clock.budget, answer))
     budget = f" of its {clock.budget:.0f} s budget" if clock.budget is not None else ""
     note(f"pick done in {clock.elapsed:.0f} s{budget}: {len(models)} model(s) in the submission")
     return result

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from search.progress import say
+from trainers.deadline import Deadline
 
 # The default budget is this fraction of the study's wall time: a pick is a finishing step, not a second study.
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -99,12 +100,13 @@ FACTOR_BOUNDS = (0.25, 4.0)
 
 
 class Clock:
-    """The pick's budget clock. A job starts only when its estimate (scaled by what the jobs so far really took
-    against their estimates) fits in what is left of the budget after the export's reserve, so a pick overruns its
-    budget by at most the error of one job's estimate; and one line per finished job."""
+    """The pick's clock on the job's one deadline (trainers.deadline; Deadline.never() for an unbounded pick). A job
+    starts only when its estimate (scaled by what the jobs so far really took against their estimates) fits in what
+    is left before the deadline after the export's reserve, and trains with that reserve's start as its own deadline
+    (search.pick.jobs.run_job): the export's share stays free; and one line per finished job."""
 
-    def __init__(self, budget: float | None, started: float | None = None):
-        self.budget = budget
+    def __init__(self, deadline: Deadline, started: float | None = None):
+        self.deadline = deadline
         self.started = time.monotonic() if started is None else started
         self.done = 0
         self.total = 0  # jobs announced so far (fold jobs, then refits as they are planned)
@@ -113,15 +115,17 @@ class Clock:
         self.finished: set[str] = set()
 
     @property
+    def budget(self) -> float | None:
+        """The pick's seconds from its start to the deadline (None: no deadline), for its lines and manifest."""
+        return self.deadline.end - self.started if self.deadline.bounded else None
+
+    @property
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def left(self) -> float | None:
-        """Seconds of budget left (never negative); None without a budget."""
-        return None if self.budget is None else max(self.budget - self.elapsed, 0.0)
-
-    def spent(self) -> bool:
-        return self.budget is not None and self.elapsed >= self.budget
+    def left(self) -> float:
+        """Seconds left before the deadline (never negative; inf without one)."""
+        return self.deadline.left()
 
     def export_reserve(self) -> float:
         return EXPORT_FIXED_S + EXPORT_PER_MODEL_S * self.models
@@ -145,24 +149,31 @@ class Clock:
 
     def admits(self, cost: float | None) -> bool:
         """Whether a job estimated at `cost` seconds may start: a reused job (cost 0) always, otherwise only while
-        its expected seconds fit in the budget left after the export's reserve."""
-        if self.budget is None or cost == 0.0:
+        its expected seconds fit before the deadline less the export's reserve."""
+        if not self.deadline.bounded or cost == 0.0:
             return True
-        left = self.budget - self.elapsed - self.export_reserve()
+        left = self.left() - self.export_reserve()
         return left > 0 and self.expect(cost) <= left
+
+    def job_deadline(self) -> Deadline:
+        """Where a job must stop (keeping its best finished epoch): the deadline less the export's reserve."""
+        return self.deadline.earlier(self.export_reserve()) if self.deadline.bounded else self.deadline
 
     def announce(self, jobs: int) -> None:
         self.total += jobs
 
     def timed(self, job, train: Callable[[], tuple], queue: list):
-        """Run `train()` -> (checkpoint, seconds or None when reused) for `job`; record it and report one line with
-        the expected seconds of the jobs of `queue` not yet run. Returns the checkpoint."""
+        """Run `train()` -> (checkpoint or None when the deadline left no finished epoch, seconds or None when
+        reused) for `job`; record it and report one line with the expected seconds of the jobs of `queue` not yet
+        run. Returns the checkpoint (None: the job was dropped, its seconds said)."""
         ckpt, seconds = train()
         if seconds is not None:
             self.trained.append((seconds, job.cost))
         self.finished.add(job.name)
         remaining = sum(self.expect(j.cost) for j in queue if j.name not in self.finished)
-        self.job_done(job.name, describe_job(job, seconds), remaining)
+        what = describe_job(job, seconds) if ckpt is not None else (
+            f"dropped: the deadline came before its first epoch ended ({seconds:.0f} s spent)")
+        self.job_done(job.name, what, remaining)
         return ckpt
 
     def job_done(self, name: str, what: str, remaining_estimate: float) -> None:

@@ -15,10 +15,14 @@ import numpy as np
 import optuna
 
 from search.failures import Kind, classify
-from search.pick.candidates import fetch_checkpoint, top_trials
+from search.pick.candidates import top_trials
 from search.pick.ensemble import predict_all
+from search.pick.judge import Judge, Standing
+from search.pick.plan import note
+from search.study.contract import TrialOutputs
 from search.study.report import load_existing_study
 from search.study.storage import dispose, storage_of
+from search.tracking.paths import resolve_in_state
 from trainers.checkpoint import load_model
 from trainers.closed_form import fit_ridge
 from trainers.data import TestSet, TrainSet, check_text_dim
@@ -57,10 +61,9 @@ def ridge_answer(data: TrainSet, test: TestSet, out: Path) -> SafeAnswer:
     """The closed-form ridge's submission (trainers.closed_form): the job's floor, before any trial."""
     started = time.monotonic()
     check_text_dim(test, data.text.shape[1], "the training captions have")
-    ridge, scores = fit_ridge(data)
+    ridge, _ = fit_ridge(data)
     put_submission(out, test, ridge.predict(test.embeddings))
-    held = f", held-out MRR {scores[ridge.alpha]:.4f}" if scores else ""
-    return SafeAnswer(out, f"closed-form ridge (alpha {ridge.alpha:g}{held})", time.monotonic() - started)
+    return SafeAnswer(out, f"the closed-form ridge (alpha {ridge.alpha:g})", time.monotonic() - started)
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
@@ -71,43 +74,84 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
         return None
 
 
-def trial_answer(trial: optuna.trial.FrozenTrial, root: Path, test: TestSet, out: Path, device) -> SafeAnswer | None:
-    """`trial`'s own checkpoint's submission; None when its checkpoint is not on disk under `root` (nothing is
-    downloaded: the job's trials wrote their checkpoints here)."""
-    started = time.monotonic()
-    found = fetch_checkpoint(trial, _NoTracker(), root, root)
-    if found is None:
-        return None
-    model, _, _ = load_model(found[0], device)
-    put_submission(out, test, predict_all([model], test.embeddings, device)[0])
-    return SafeAnswer(out, f"trial {trial.number}'s checkpoint", time.monotonic() - started)
+def local_checkpoint(trial: optuna.trial.FrozenTrial, root: Path) -> Path | None:
+    """`trial`'s best.pt on disk under the state directory `root`, or None (nothing is downloaded: the job's
+    trials wrote their checkpoints here)."""
+    local = TrialOutputs.of(trial).local_checkpoint
+    path = resolve_in_state(local, root) if local else None
+    return path if path is not None and path.is_file() else None
 
 
 class Keeper:
-    """Keeps the submission at `out` the best trial's answer while a search runs: a thread that looks at the study
-    every KEEP_POLL_S and rewrites the answer when the best trial changed, so a job killed mid-search still leaves
-    its best model's submission. `refresh()` does one look now (the job's last, after the search)."""
+    """Keeps the submission at `out` the best answer while a search runs: a thread that looks at the study every
+    KEEP_POLL_S and, when the best trial (or its value) changed, scores its checkpoint on the judge's val split and
+    rewrites the answer only when it beats the one in place (search.pick.judge; without a judge, any trial with a
+    value replaces the floor), so a job killed mid-search still leaves its best answer. `refresh()` does one look now
+    (the job's last, after the search). The keeper draws nothing from torch's global generator (its models are built
+    on the meta device, trainers.checkpoint.load_model's rng_free) and opens the study's storage once."""
 
-    def __init__(self, name: str, storage: str, root: Path, test: TestSet, out: Path, device, answer: SafeAnswer):
+    def __init__(self, name: str, storage: str, root: Path, test: TestSet, out: Path, device, answer: SafeAnswer,
+                 judge: Judge | None = None, standing: Standing | None = None):
         self.name, self.storage, self.root, self.test, self.out, self.device = name, storage, root, test, out, device
-        self.answer, self.number = answer, None
+        self.answer, self.judge = answer, judge
+        self.standing = standing or Standing(answer.source, None)
+        self.looked: set[tuple[int, float | None]] = set()  # (trial, value) already scored
+        self.missing: set[int] = set()  # trials whose missing checkpoint was said (once each)
+        self.study: optuna.Study | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="latentsweep-keeper", daemon=True)
 
+    def _open(self) -> optuna.Study | None:
+        """The study, opened once and kept (None while it does not exist yet: the search is starting)."""
+        if self.study is None:
+            try:
+                self.study = load_existing_study(self.name, self.storage)
+            except LatentsweepError:
+                return None
+        return self.study
+
+    def close(self) -> None:
+        """Close the study's storage (after the job's last look)."""
+        if self.study is not None:
+            dispose(storage_of(self.study))
+            self.study = None
+
     def refresh(self) -> SafeAnswer:
-        try:
-            study = load_existing_study(self.name, self.storage)
-        except LatentsweepError:  # not created yet: the search is starting
+        study = self._open()
+        if study is None:
             return self.answer
         try:
             best = best_trial(study)
-        finally:
-            dispose(storage_of(study))
-        if best is not None and best.number != self.number:
-            made = trial_answer(best, self.root, self.test, self.out, self.device)
-            if made is not None:
-                self.answer, self.number = made, best.number
+        except Exception:  # a store error: the next look opens the storage again
+            self.close()
+            raise
+        if best is None or (best.number, best.value) in self.looked:
+            return self.answer
+        found = local_checkpoint(best, self.root)
+        if found is None:
+            if best.number not in self.missing:
+                self.missing.add(best.number)
+                note(f"warning: trial {best.number}'s checkpoint is not under {self.root} (yet): the answer in place "
+                     "stays until it is")
+            return self.answer
+        self.looked.add((best.number, best.value))
+        self._consider(best.number, found)
         return self.answer
+
+    def _consider(self, number: int, checkpoint: Path) -> None:
+        """Score trial `number`'s checkpoint and put its answer in place when it beats the one there."""
+        started = time.monotonic()
+        model, _, _ = load_model(checkpoint, self.device, rng_free=True)
+        source = f"trial {number}'s checkpoint"
+        score = None if self.judge is None else self.judge.score_models([model], [1.0], self.device)
+        in_place = self.standing.source
+        if not self.standing.offer(source, score):
+            note(self.standing.lost_line(source, score))
+            return
+        put_submission(self.out, self.test, predict_all([model], self.test.embeddings, self.device)[0])
+        self.answer = SafeAnswer(self.out, source, time.monotonic() - started)
+        if score is not None:
+            note(f"{source} scores {score:.4f} MRR on the val split, above {in_place}: it is the answer now")
 
     def _watch(self) -> None:
         warned = False
@@ -130,11 +174,4 @@ class Keeper:
         self.thread.join()
 
 
-class _NoTracker:
-    """fetch_checkpoint's tracker for a local-only lookup: a trial whose best.pt is not on disk has no answer here."""
-
-    def download_artifact(self, run_id: str, path: str, directory: Path) -> Path:
-        raise FileNotFoundError(f"{path} of run {run_id}: the safe answer reads local checkpoints only")
-
-
-__all__ = ["Keeper", "SafeAnswer", "best_trial", "put_submission", "ridge_answer", "trial_answer"]
+__all__ = ["Keeper", "SafeAnswer", "best_trial", "local_checkpoint", "put_submission", "ridge_answer"]

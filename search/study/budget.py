@@ -36,20 +36,21 @@ RESERVE_TRIALS = 3
 
 
 @dataclass(frozen=True)
-class SearchBudget:
-    """The whole job's budget: `total` seconds ending at `deadline` (the one deadline of the job, trainers.deadline);
-    `safe_s` is what the safe answer measured on this machine (the reserve's floor)."""
+class JobBudget:
+    """The whole one-budget job's time (search and pick): `total_s` seconds ending at `deadline` (the one deadline
+    of the job, trainers.deadline); `floor_s` is what the closed-form floor (search.pick.safe) took on this machine
+    (the reserve's lowest bound)."""
     deadline: Deadline
-    total: float
-    safe_s: float = 0.0
+    total_s: float
+    floor_s: float = 0.0
 
     def reserve(self, study: optuna.Study, captions: int, images: int) -> float:
         """Seconds kept for the pick: RESERVE_REFITS refits of the best measured trials on every labelled image
         (`captions`, `images`) plus the pick's fixed work, within RESERVE_MIN/MAX_FRACTION of the total and never
         below SAFE_FACTOR x the safe answer. Monotone: a slower machine or bigger data never gets a smaller one."""
         costs = refit_costs(study, captions, images)
-        low, high = RESERVE_MIN_FRACTION * self.total, RESERVE_MAX_FRACTION * self.total
-        floor = SAFE_FACTOR * self.safe_s
+        low, high = RESERVE_MIN_FRACTION * self.total_s, RESERVE_MAX_FRACTION * self.total_s
+        floor = SAFE_FACTOR * self.floor_s
         if not costs:
             return self.opening_reserve()
         fixed = PICK_FIXED_S + PICK_POOL * statistics.fmean(c.eval_s for c in costs)
@@ -58,19 +59,16 @@ class SearchBudget:
 
     def opening_reserve(self) -> float:
         """The reserve before anything is measured: no trial starts unless more than this is left."""
-        return max(RESERVE_MAX_FRACTION * self.total, SAFE_FACTOR * self.safe_s)
+        return max(RESERVE_MAX_FRACTION * self.total_s, SAFE_FACTOR * self.floor_s)
 
     def hard_stop(self) -> Deadline:
         """When the search's workers must be gone whatever their trials measured: before the smallest reserve the
         pick may ever get (the watchdog of search.study.runner enforces it on spawned workers)."""
-        return self.deadline.earlier(max(RESERVE_MIN_FRACTION * self.total, SAFE_FACTOR * self.safe_s))
+        return self.deadline.earlier(max(RESERVE_MIN_FRACTION * self.total_s, SAFE_FACTOR * self.floor_s))
 
     def search_end(self, study: optuna.Study, captions: int, images: int) -> Deadline:
         """When the search stops: no trial starts after it and a running one stops there."""
         return self.deadline.earlier(self.reserve(study, captions, images))
-
-    def left(self) -> float:
-        return self.deadline.left()
 
 
 @dataclass(frozen=True)
@@ -80,12 +78,11 @@ class TrialCost:
     eval_s: float
 
 
-def workers_stop(budget: SearchBudget | None, timeout: float | None) -> Deadline | None:
+def workers_stop(budget: JobBudget | None, timeout: float | None) -> Deadline:
     """When a launcher stops the workers it spawned now (SIGTERM; their trials are retried): a one-budget run's
-    hard stop, or `--timeout` + WATCHDOG_GRACE_S from now, the sooner; None: never."""
-    stops = [d for d in (budget.hard_stop() if budget is not None else None,
-                         Deadline.after(timeout + WATCHDOG_GRACE_S) if timeout is not None else None) if d is not None]
-    return min(stops, key=lambda d: d.end) if stops else None
+    hard stop, or `--timeout` + WATCHDOG_GRACE_S from now, the sooner (Deadline.never() without either)."""
+    hard = budget.hard_stop() if budget is not None else Deadline.never()
+    return hard.sooner(Deadline.after(None if timeout is None else timeout + WATCHDOG_GRACE_S))
 
 
 def refit_costs(study: optuna.Study, captions: int, images: int) -> list[TrialCost]:
@@ -106,4 +103,4 @@ def refit_costs(study: optuna.Study, captions: int, images: int) -> list[TrialCo
     return out
 
 
-__all__ = ["SearchBudget", "TrialCost", "refit_costs", "workers_stop"]
+__all__ = ["JobBudget", "TrialCost", "refit_costs", "workers_stop"]

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 from search.failures import Kind, StudyHalted, classify, release_interrupted
 from search.process import raise_if_interrupted
 from search.redact import redact_url
-from search.study.budget import SearchBudget
+from search.study.budget import JobBudget
 from search.study.contract import TrialOutputs
 from search.study.objective import ERROR_ATTR, HALT_ATTR, TrialRunner
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
@@ -61,7 +61,7 @@ class RunSpec:
     threads: int = 0
     progress: bool = True  # tqdm bars (a terminal and no --quiet); the per-trial lines are printed regardless
     verbose: bool = False  # one line per epoch when there are no bars
-    budget: SearchBudget | None = None  # a one-budget run's clock: trials stop where the pick's reserve begins
+    budget: JobBudget | None = None  # a one-budget run's clock: trials stop where the pick's reserve begins
     gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; search.study.devices)
     per_gpu: int = 1  # local workers per GPU
     cuda_visible: str | None = None  # the GPU this spawned worker sees (set before its first CUDA call); None: as is

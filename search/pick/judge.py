@@ -1,0 +1,123 @@
+"""The held-out images every candidate answer of a `latentsweep run` job is scored on (the closed-form floor, each
+trial's checkpoint, the pick's ensemble), so an answer is replaced only by a better one on the same images, and the
+standings the manifest records (which answer won, by how much)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from search.pick.ensemble import combine, predict_all
+from trainers.closed_form import ALPHAS, VAL_RATIO, Ridge, moments, solve
+from trainers.config import Config
+from trainers.data import TrainSet
+from trainers.metrics import evaluate_leaderboard
+from trainers.errors import ConfigError
+from trainers.splits import captions_and_local_images, captions_of, split_by_hash
+from trainers.tasks import split_images
+
+
+@dataclass(frozen=True)
+class Judge:
+    """The study's val split (the images every trial validates on, trainers.tasks.split_images of the study's
+    [base]) and its leaderboard protocol: a candidate trained without these images is scored here by MRR."""
+    train_images: np.ndarray  # [Nt] image indices the candidates may train on
+    held_images: np.ndarray  # [Nv] image indices of the val split
+    text: np.ndarray  # [Nq, Dt] the val captions
+    gallery: np.ndarray  # [Nv, Di] the val images
+    target: np.ndarray  # [Nq] each caption's image, as an index into `gallery`
+    gallery_size: int
+    seed: int
+
+    def score(self, pred: np.ndarray) -> float:
+        """Leaderboard MRR of the val captions' predictions `pred` [Nq, Di] (trainers.metrics, as a trial's
+        val/mrr: same images, same galleries)."""
+        return float(evaluate_leaderboard(pred, self.gallery, self.target, gallery_size=self.gallery_size,
+                                          seed=self.seed)["mrr"])
+
+    def score_models(self, models: Sequence[torch.nn.Module], weights: Sequence[float], device) -> float:
+        """MRR of the weighted ensemble of `models` (one model: weight 1) on the val captions."""
+        kept = [(m, float(w)) for m, w in zip(models, weights) if w > 0]
+        preds = predict_all([m for m, _ in kept], self.text, device)
+        return self.score(combine(preds, [w for _, w in kept]) if len(preds) > 1 else preds[0])
+
+    def score_floor(self, data: TrainSet) -> float:
+        """MRR of the closed-form ridge fit on the train part only (its alpha chosen there too): the floor as a
+        candidate, like with like; the submission's floor is still the one fit on every image."""
+        return self.score(fit_ridge_on(data, self.train_images).predict(self.text))
+
+    def describe(self) -> dict[str, Any]:
+        return {"val_images": int(len(self.held_images)), "val_captions": int(len(self.text)),
+                "metric": "leaderboard MRR", "gallery_size": self.gallery_size, "eval_seed": self.seed}
+
+
+def make_judge(base: Config, data: TrainSet) -> Judge | None:
+    """The judge of a study whose [base] is `base`; None when it holds nothing out (data.split 'all') or its task is
+    not caption -> image (no MRR to compare)."""
+    if base.data.split == "all" or base.data.task != "translate":
+        return None
+    train_img, held_img = split_images(base, data)
+    caps, local = captions_and_local_images(data.cap2img, held_img)
+    return Judge(train_img, held_img, np.asarray(data.text[caps], np.float32), np.asarray(data.image[held_img]),
+                 local, base.eval.gallery_size, base.eval.seed)
+
+
+@dataclass
+class Standing:
+    """The answer in place and its val MRR (None: not scored), and every answer offered so far."""
+    source: str
+    score: float | None
+    offered: list[dict[str, Any]] = field(default_factory=list)
+    judge: dict[str, Any] | None = None  # what the scores were measured on (Judge.describe)
+
+    def offer(self, source: str, score: float | None, ties_win: bool = False) -> bool:
+        """Whether the answer `source` scoring `score` replaces the one in place: only when strictly better (or
+        equal, with `ties_win`: the pick's refits are the same configs trained on more images); an answer that
+        cannot be compared (either score None) replaces it, as before any judge existed."""
+        wins = (self.score is None or score is None or score > self.score
+                or (ties_win and score == self.score))
+        self.offered.append({"answer": source, "val_mrr": score, "won": wins,
+                             "at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        if wins:
+            self.source, self.score = source, score
+        return wins
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's `answer` field: the winner, its val MRR and its margin over the best answer it beat or
+        that lost to it (None when it is the only one scored)."""
+        others = [o["val_mrr"] for o in self.offered if o["answer"] != self.source and o["val_mrr"] is not None]
+        margin = None if self.score is None or not others else self.score - max(others)
+        return {"winner": self.source, "val_mrr": self.score, "margin_val_mrr": margin,
+                "scored_on": self.judge, "offered": list(self.offered)}
+
+    def lost_line(self, source: str, score: float | None) -> str:
+        """One line: `source` lost to the answer in place."""
+        return (f"{source} scores {score:.4f} MRR on the val split, not above the answer in place ({self.source}, "
+                f"{self.score:.4f}): the submission stays {self.source}")
+
+
+def fit_ridge_on(data: TrainSet, images: np.ndarray, seed: int = 0) -> Ridge:
+    """trainers.closed_form.fit_ridge restricted to `images` (indices into data.image) and their captions, reading
+    rows in place (no copy of the training set): its strength chosen on a hash split of those images by leaderboard
+    MRR, then refitted on all of them. The floor as a candidate, scored on images it never saw."""
+    images = np.sort(np.asarray(images, np.int64))
+    try:
+        fit_local, held_local = split_by_hash(data.image_names[images], VAL_RATIO, salt=f"closed-form{seed}")
+    except ConfigError:  # too few images for a side: the middle strength without a choice, as fit_ridge does
+        fit_local = held_local = np.zeros(0, np.int64)
+    fit_img, held_img = images[fit_local], images[held_local]
+    if len(fit_img) < 2 or len(held_img) < 2:
+        return solve(moments(data, captions_of(data.cap2img, images)), ALPHAS[len(ALPHAS) // 2])
+    fit_caps, held_caps = captions_of(data.cap2img, fit_img), captions_of(data.cap2img, held_img)
+    on_fit, on_held = moments(data, fit_caps), moments(data, held_caps)
+    local = np.full(len(data.image), -1)
+    local[held_img] = np.arange(len(held_img))
+    scores = {alpha: evaluate_leaderboard(solve(on_fit, alpha).predict(data.text[held_caps]), data.image[held_img],
+                                          local[data.cap2img[held_caps]], seed=seed)["mrr"] for alpha in ALPHAS}
+    return solve(on_fit + on_held, max(ALPHAS, key=lambda a: scores[a]))
+
+
+__all__ = ["Judge", "Standing", "fit_ridge_on", "make_judge"]
