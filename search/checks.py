@@ -73,13 +73,24 @@ def check_registry_name(name: str, value) -> str:
     return value
 
 
-def check_not_inputs(option: str, outputs: list[Path], inputs: dict[str, Path]) -> None:
-    """No output file may be one of the inputs (writing it would replace what is being read)."""
+def check_outputs(option: str, outputs: list[Path | str], inputs: dict[str, Path | str | None],
+                  protected: dict[Path, str] | None = None) -> None:
+    """No output may resolve (through symlinks) to one of the command's `inputs` (name: path; None skipped), nor to
+    or into a file or folder the state needs (`protected`: search.stores.protected_paths). Checked before any work:
+    writing there would replace what is being read, or a store."""
+    guarded = {Path(path).expanduser(): f"the input {name}" for name, path in inputs.items() if path}
+    guarded.update(protected or {})
+    held = {path.resolve(): what for path, what in guarded.items()}
     for out in outputs:
-        for name, given in inputs.items():
-            if out.exists() and given.exists() and out.resolve() == given.resolve():
-                raise LatentsweepError(f"{option}: {out} is the input {name}: writing it would replace the input; "
-                                       "choose another output directory")
+        given = Path(out).expanduser()
+        target = given.resolve()
+        via = f" (through the link to {target})" if target != given.absolute() else ""
+        for path, what in held.items():
+            if target == path or (path.is_dir() and path in target.parents):
+                where = "is" if target == path else "is inside"
+                raise LatentsweepError(f"{option}: {given} {where} {what}{via}: writing it would replace "
+                                       f"{'the input' if what.startswith('the input') else what}; choose another "
+                                       "path")
 
 
 def check_new_files(option: str, paths: list[Path], force: str = "--force") -> None:

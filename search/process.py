@@ -59,10 +59,23 @@ def configure_process() -> None:
     quiet_mlflow()
 
 
-# Signals received inside an interrupt_on block. Their KeyboardInterrupt can be lost: raised while a finalizer or a
-# weakref callback runs (SQLAlchemy's run at garbage collection), Python prints "Exception ignored" and goes on, and
-# a Ctrl-C was once lost that way in a study; raise_if_interrupted raises it again at the next check.
-_received: set[int] = set()
+# Signals received inside the outermost interrupt_on block, in order. Their KeyboardInterrupt can be lost: raised while
+# a finalizer or a weakref callback runs (SQLAlchemy's run at garbage collection), Python prints "Exception ignored"
+# and goes on, and a Ctrl-C was once lost that way in a study; raise_if_interrupted raises it again at the next check.
+_received: list[int] = []
+_depth = 0  # interrupt_on blocks entered (main thread): nested blocks share the outermost one's signals
+# Signals that stop a command as Ctrl-C does (a scheduler's SIGTERM, a closed terminal's SIGHUP); the exit code is
+# 128 + the first one's number, as a shell reports a process killed by it (130, 143, 129).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+# The signal that forces a stop: the second is ignored so the first's clean-up (closing the running trial and its
+# MLflow run, stopping the workers, removing temporary folders) finishes; a third is raised anyway.
+FORCE_AFTER = 3
+
+
+def _interrupt(signum, _frame) -> None:
+    _received.append(signum)
+    if len(_received) in (1, FORCE_AFTER) or len(_received) > FORCE_AFTER:
+        raise KeyboardInterrupt
 
 
 def raise_if_interrupted() -> None:
@@ -72,23 +85,62 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
+def stopped_by() -> int | None:
+    """The first signal received in the current (or last) interrupt_on block; None when none came."""
+    return _received[0] if _received else None
+
+
+def exit_code() -> int:
+    """What a command stopped by a signal exits with: 128 + its number (130 for Ctrl-C or an interrupt raised
+    without a signal)."""
+    return 128 + (stopped_by() or signal.SIGINT)
+
+
 @contextlib.contextmanager
 def interrupt_on(*signals: int | None) -> Iterator[None]:
     """Inside the block, each of `signals` (None entries are skipped) raises KeyboardInterrupt, so a run stops as on
-    Ctrl-C, and is remembered for raise_if_interrupted; the previous handlers are restored after. Handlers can only
-    be set in the main thread; elsewhere this does nothing."""
-    def interrupt(signum, _frame):
-        _received.add(signum)
-        raise KeyboardInterrupt
-
-    _received.clear()
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, interrupt) for sig in signals if sig is not None and in_main}
+    Ctrl-C, and is remembered for raise_if_interrupted; a second signal is ignored while the first one's clean-up
+    runs (FORCE_AFTER). The previous handlers are restored after. Blocks nest: an inner block keeps what the outer
+    one received. Handlers can only be set in the main thread; elsewhere this does nothing."""
+    global _depth
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if _depth == 0:
+        _received.clear()
+    _depth += 1
+    previous = {sig: signal.signal(sig, _interrupt) for sig in signals if sig is not None}
     try:
         yield
     finally:
+        _depth -= 1
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def spawned_child(target, *args) -> None:
+    """The entry of a child process a launcher spawned with STOP_SIGNALS blocked (search.study.runner): the
+    terminal's Ctrl-C reaches the whole process group, but the launcher stops its children itself (SIGTERM), so a
+    child ignores SIGINT until its own work installs a handler, and a SIGTERM or SIGHUP during its start-up (imports)
+    ends it without a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with interrupt_on(*(s for s in STOP_SIGNALS if s != signal.SIGINT)):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        try:
+            target(*args)
+        except KeyboardInterrupt:
+            pass
+
+
+@contextlib.contextmanager
+def signals_blocked() -> Iterator[None]:
+    """STOP_SIGNALS held back (not lost) in this thread inside the block: processes started here inherit the mask,
+    so none is interrupted in its start-up before spawned_child decides what a signal means to it."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def process_started() -> float:

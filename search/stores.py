@@ -72,18 +72,68 @@ def writable_dir(path: Path) -> bool:
         return False
 
 
+def local_artifact_path(root: str) -> Path | None:
+    """The directory of a local artifact root (a path or a file: URI); None for a remote one (s3:, http:, ...)."""
+    if "://" in root and not root.startswith("file:"):
+        return None
+    return Path(root[len("file://"):] if root.startswith("file://") else root[len("file:"):]
+                if root.startswith("file:") else root).expanduser()
+
+
 def check_artifact_root(root: str) -> None:
     """A local artifact root (path or file: URI) must be creatable; remote ones (s3:, mlflow-artifacts:, …) are
     checked by MLflow when it writes."""
-    if "://" in root and not root.startswith("file:"):
+    path = local_artifact_path(root)
+    if path is None:
         return
-    path = Path(root[len("file://"):] if root.startswith("file://") else root[len("file:"):]
-                if root.startswith("file:") else root).expanduser()
     ancestor = path
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir() or not writable_dir(ancestor):
         raise LatentsweepError(f"--artifact-root {root}: cannot create it ({ancestor} is not a writable directory)")
+
+
+# What a state directory holds that no output may replace: the stores (with SQLite's journal files beside them), the
+# trials' folders (config, metrics and best.pt of every trial: STATE/studies, search.study.worker.study_dir) and the
+# artifacts. Not STATE/picks and STATE/train: the default outputs of `pick` and `train` go there.
+STATE_FILES = {"optuna.db": "the Optuna storage", "mlflow.db": "the MLflow tracking store"}
+STATE_DIRS = {"studies": "the trials' folders (checkpoints)", ARTIFACTS: "the MLflow artifacts"}
+SQLITE_SIDECARS = ("-wal", "-shm", "-journal")
+
+
+def sqlite_path(url: str | None) -> Path | None:
+    """The file of a local SQLite URL (sqlite:///path, with URI options stripped); None for anything else."""
+    if not url or not url.startswith("sqlite:///"):
+        return None
+    path = url[len("sqlite:///"):].split("?", 1)[0]
+    return Path(path.removeprefix("file:")) if path else None
+
+
+def protected_paths(root: Path | None, storage: str | None = None, tracking_uri: str | None = None,
+                    artifact_root: str | None = None) -> dict[Path, str]:
+    """Every file or folder a command's outputs must never replace or write into, each with what it is: the state
+    directory `root`'s stores, trials' folders and artifacts, and the stores the command was given (local SQLite
+    files, a local artifact root) wherever they are."""
+    dbs: dict[Path, str] = {}
+    if root is not None:
+        dbs.update({root / name: what for name, what in STATE_FILES.items()})
+    for url, what in ((storage, "the Optuna storage"), (tracking_uri, "the MLflow tracking store")):
+        db = sqlite_path(url)
+        if db is not None:
+            dbs[db] = what
+    found = {db.with_name(db.name + tail): what for db, what in dbs.items() for tail in ("", *SQLITE_SIDECARS)}
+    if root is not None:
+        found.update({root / name: what for name, what in STATE_DIRS.items()})
+    local = local_artifact_path(artifact_root) if artifact_root else None
+    if local is not None:
+        found[local] = "the MLflow artifacts"
+    return found
+
+
+def default_protected() -> dict[Path, str]:
+    """protected_paths of the default state directory ($LATENTSWEEP_STATE_DIR or ./mlruns), for the commands that
+    take no --state-dir (`predict`, `data holdout`, `study init`): nothing is created."""
+    return protected_paths(Path(os.environ.get(ENV_VAR) or DEFAULT_DIR).expanduser().resolve())
 
 
 def default_storage(root: Path) -> str:

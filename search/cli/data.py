@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from search.checks import check_new_files, check_not_inputs, check_seed
+from search.checks import check_new_files, check_outputs, check_seed
 from search.cli.demo import add_parser as add_build_demo
 from trainers.data import describe_npz, load_answers, load_test, load_train
+from search.stores import default_protected
 from trainers.holdout import HOLDOUT_FILES, write_holdout
 
 # Rows per step when computing norms, so no full-size temporary is made (einsum needs none, slicing keeps it small).
@@ -86,7 +87,7 @@ def _answers_lines(path: str) -> list[str]:
 def cmd_data_holdout(args) -> int:
     check_seed("--seed", args.seed)
     outputs = [Path(args.out).expanduser() / name for name in HOLDOUT_FILES]
-    check_not_inputs("--out", outputs, {"PATH": Path(args.path).expanduser()})
+    check_outputs("--out", outputs, {"PATH": args.path}, default_protected())
     if not args.force:
         check_new_files("--out", outputs)
     h = write_holdout(load_train(args.path, texts=True), args.fraction, args.seed, args.out)

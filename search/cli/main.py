@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import time
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
-from search.process import configure_process, process_started
+from search.process import STOP_SIGNALS, configure_process, exit_code, interrupt_on, process_started
 
 # Each module of search.cli named here exposes add_parser(subparsers); the handler it sets as `func` returns an exit
 # code and is named after its command: `latentsweep study run` -> cmd_study_run (tests/test_layout.py checks it).
@@ -71,11 +72,27 @@ def build_parser(command: str | None = None, light: bool = False) -> argparse.Ar
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `latentsweep` entry point: the one place (with a spawned worker's entry) that sets process-wide state."""
+    """The `latentsweep` entry point: the one place (with a spawned worker's entry) that sets process-wide state.
+    SIGTERM and SIGHUP stop a command as Ctrl-C does, from its start-up (imports) to its end: one line, the command's
+    clean-up run (trials closed, workers stopped, temporary folders removed), exit 128 + the signal's number."""
     # A budget (`run --time`) counts from the process's start, imports included, as the user's clock does; called
     # from Python (a test, a notebook), from this call.
-    started = process_started() if argv is None else time.monotonic()
-    argv = sys.argv[1:] if argv is None else list(argv)
+    real = argv is None
+    started = process_started() if real else time.monotonic()
+    argv = sys.argv[1:] if real else list(argv)
+    with interrupt_on(*STOP_SIGNALS):
+        try:
+            code = _main(argv, started)
+        except KeyboardInterrupt:
+            name = signal.Signals(exit_code() - 128).name
+            print(f"latentsweep: interrupted{'' if name == 'SIGINT' else f' ({name})'}", file=sys.stderr)
+            code = exit_code()
+    if real:  # the process is ending: a late Ctrl-C cannot interrupt its exit with a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
+def _main(argv: list[str], started: float) -> int:
     parser = build_parser(argv[0] if argv else None, light=True)
     try:
         args = parser.parse_args(argv)
@@ -86,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("latentsweep: interrupted", file=sys.stderr)
-        return 130
+        raise
     except Exception as exc:  # classified once (search.failures): a bug keeps its traceback, the rest is one line
         from search.failures import StudyHalted, one_line  # imported here: it loads torch, which --version must not
 

@@ -1,6 +1,10 @@
 """`latentsweep study presets|init`: the bundled study files, listed and copied out to edit."""
 from __future__ import annotations
 
+from pathlib import Path
+
+from search.checks import check_outputs
+from search.stores import default_protected
 from search.study.presets import init_preset, presets, presets_dir
 
 
@@ -28,6 +32,9 @@ def cmd_study_presets(args) -> int:
 
 
 def cmd_study_init(args) -> int:
+    dest = Path(args.dest).expanduser()
+    target = dest / f"{args.preset.removesuffix('.toml')}.toml" if dest.is_dir() else dest
+    check_outputs("DEST", [target], {}, default_protected())  # a study file never replaces a store or a checkpoint
     written = init_preset(args.preset, args.dest, force=args.force)
     print(f"wrote {written[0]}" + (f" (and the recipes it enqueues: {', '.join(p.name for p in written[1:])})"
                                    if written[1:] else ""))

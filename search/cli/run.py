@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from search.cli.pick import print_result
 from search.cli.study import add_worker_args, make_spec, worker_plan
 from search.cli.study_inspect import liveness_args, stores_args
+from search.checks import check_outputs
+from search.pick.candidates import test_path_for
+from search.pick.options import out_path, pick_outputs
 from search.pick.onebudget import check_pick_inputs, parse_duration, run_one_budget
 from search.pick.picker import PickOptions
-from search.stores import safe_name
+from search.stores import protected_paths, safe_name
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.redact import redact_url
 
@@ -38,6 +42,14 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_run)
 
 
+def check_run_outputs(spec, args) -> None:
+    """The submission, and the pick's manifest and report beside it, replace no input and nothing the state needs."""
+    out = out_path(PickOptions(study=safe_name(spec.name), out=args.out), Path(spec.state_dir))
+    check_outputs("--out", pick_outputs(args.out, out), {"STUDY": spec.study_file, "--data": spec.data_path,
+                                             "--test": test_path_for(Path(spec.data_path), args.test)},
+                  protected_paths(Path(spec.state_dir), spec.storage.url, spec.tracking_uri, spec.artifact_root))
+
+
 def cmd_run(args) -> int:
     started = getattr(args, "started", None) or time.monotonic()  # set by search.cli.main at its start
     total = parse_duration(args.time)
@@ -45,6 +57,7 @@ def cmd_run(args) -> int:
     args.timeout = None  # the budget is the bound
     with no_new_empty_state_dir(args.state_dir):
         spec = make_spec(args, plan=plan)
+        check_run_outputs(spec, args)  # before preflight opens a store
         preflight(spec)
         pick = check_pick_inputs(PickOptions(
             study=safe_name(spec.name), state_dir=spec.state_dir, storage=spec.storage.url,

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from search.stores import add_state_arg, state_dir
+from search.checks import check_outputs
+from search.stores import add_state_arg, default_protected, protected_paths, state_dir
 from search.study.progress import is_terminal
 from search.study.studyfile import load_study_file, resolve_data_path
 from trainers.checkpoint import load_model
@@ -20,6 +21,10 @@ from trainers.loop import resolve_device, train
 from trainers.submission import check_submission, write_submission
 from trainers.tasks import check_split, predict
 from trainers.validate import validate
+
+
+# What `train` writes in its --out directory (trainers.loop: best.pt; trainers.records: metrics.csv).
+TRAIN_FILES = ("config.toml", "result.json", "best.pt", "metrics.csv")
 
 
 def add_parser(sub) -> None:
@@ -62,6 +67,8 @@ def cmd_train(args) -> int:
            else state_dir(args.state_dir) / "train" / f"{study.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and not out.is_dir():
         raise LatentsweepError(f"--out {out}: exists and is not a directory")
+    check_outputs("--out", [out / name for name in TRAIN_FILES], {"STUDY": args.study, "--data": data_path},
+                  protected_paths(state_dir(args.state_dir, create=False)))
     made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -81,6 +88,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_predict(args) -> int:
+    check_outputs("--out", [args.out], {"CHECKPOINT": args.checkpoint, "--test": args.test}, default_protected())
     model, cfg, _ = load_model(args.checkpoint)
     test = load_test(args.test)
     check_text_dim(test, model.text_mean.shape[0])

@@ -11,11 +11,13 @@ import torch
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
-from search.pick.options import PickOptions
+from search.checks import check_outputs
+from search.pick.options import PickOptions, out_path, pick_outputs
 from search.pick.plan import note
 from search.study.contract import TrialOutputs
 from search.study.objective import TIMING_ATTR
 from search.study.side import side_values
+from search.stores import state_dir
 from search.study.studyfile import resolve_data_path
 from search.tracking.base import Tracker
 from search.tracking.paths import resolve_in_state
@@ -157,7 +159,10 @@ def resolve_data(opts: PickOptions, cands: list[Candidate]) -> tuple[Path, Path]
     demo test (demo data) or a test.clean.npz beside the train file."""
     recorded = next((c.cfg.data.path for c in cands if c.cfg.data.path), "")
     data = resolve_data_path(opts.data or recorded)
-    return data, test_path_for(data, opts.test)
+    test = test_path_for(data, opts.test)
+    check_outputs("--out", pick_outputs(opts.out, out_path(opts, state_dir(opts.state_dir, create=False))),
+                  {"--data": data, "--test": test})  # the recorded train file and the test beside it
+    return data, test
 
 
 def test_path_for(data: Path, test: str | None) -> Path:

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from search.checks import (
-    MAX_REFIT_SEEDS, check_count, check_registry_name, check_seconds, check_seed, check_type,
+    MAX_REFIT_SEEDS, check_count, check_outputs, check_registry_name, check_seconds, check_seed, check_type,
 )
 from search.pick.ensemble import METHODS
-from search.stores import resolve_stores, state_dir, writable_dir
+from search.stores import protected_paths, resolve_stores, state_dir, writable_dir
 from trainers.errors import LatentsweepError
 
 # Refit seeds per chosen member by default: averaging 3 seeds was worth about +0.015 MRR on challenge-format data.
@@ -78,10 +78,21 @@ def resolve_paths(opts: PickOptions) -> Paths:
     picks = root / "picks" / opts.study
     out = out_path(opts, root)
     check_writable(out)
+    check_outputs("--out", pick_outputs(opts.out, out), {"--data": opts.data, "--test": opts.test},
+                  protected_paths(root, stores.storage, stores.tracking_uri, stores.artifact_root))
     if not writable_dir(root):  # fold jobs and refits are kept beside the submission instead (and reused there)
         picks = out.parent / f".{opts.study}-runs"
-    return Paths(root, stores.storage, stores.tracking_uri, stores.artifact_root, picks, out,
-                 out.with_name(f"{out.stem}.manifest.json"), out.with_name(f"{out.stem}.report.csv"))
+    return Paths(root, stores.storage, stores.tracking_uri, stores.artifact_root, picks, *pick_files(out))
+
+
+def pick_files(out: Path) -> tuple[Path, Path, Path]:
+    """What a pick writes for the submission `out`: itself, its manifest and its report table, side by side."""
+    return out, out.with_name(f"{out.stem}.manifest.json"), out.with_name(f"{out.stem}.report.csv")
+
+
+def pick_outputs(given: str | None, out: Path) -> list[Path]:
+    """pick_files of --out as the user wrote it (so an error names their path) and of `out`, where it resolves."""
+    return [*(pick_files(Path(given).expanduser()) if given else ()), *pick_files(out)]
 
 
 def out_path(opts: PickOptions, root: Path) -> Path:

@@ -247,8 +247,12 @@ def _put_files(r: PickRun) -> dict[str, Any]:
         r.sel.table.to_csv(staged[paths.report], index=False)
         doc = manifest(r, {"tracking_uri": redact_url(paths.tracking_uri), "run_id": None})
         staged[paths.manifest].write_text(json.dumps(doc, indent=2, default=float) + "\n")
-        for final, tmp in staged.items():
-            os.replace(tmp, final)
+        # An earlier job's manifest and report go first and the new manifest comes last: killed at any moment, the
+        # files beside the submission are from the job that wrote it, or absent.
+        for final in (paths.manifest, paths.report):
+            final.unlink(missing_ok=True)
+        for final in (paths.out, paths.report, paths.manifest):
+            os.replace(staged[final], final)
         return doc
     except BaseException:
         _remove_empty(created)

@@ -6,7 +6,8 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from search.stores import check_artifact_root, state_dir
+from search.checks import check_outputs
+from search.stores import check_artifact_root, local_artifact_path, sqlite_path, state_dir
 from search.study.space import config_key
 from search.study.storage import (
     StorageSettings, dispose, open_storage, redact_url, tracking_has_experiment,
@@ -49,6 +50,7 @@ def preflight(spec: RunSpec) -> None:
     the data loads and splits, the objective is a logged metric, both stores answer, and a stored study of that
     name agrees with the file (direction, distributions of its knobs)."""
     study_file = load_study_file(spec.study_file)
+    check_store_paths(spec)
     validate(study_file.base)
     check_devices(study_file, spec)
     keys = TASKS.get(study_file.base.data.task).val_keys(study_file.base)
@@ -59,6 +61,18 @@ def preflight(spec: RunSpec) -> None:
     check_split(with_values(study_file.base, {"data.path": spec.data_path}), load_train_shared(spec.data_path))
     check_stores(StoreSpec.of(spec))
     check_existing(study_file, spec)
+
+
+def check_store_paths(spec: RunSpec) -> None:
+    """The stores a study writes (local SQLite files, a local artifact root) are none of its inputs."""
+    inputs = {"STUDY": spec.study_file, "--data": spec.data_path}
+    for option, url in (("--storage", spec.storage.url), ("--tracking-uri", spec.tracking_uri)):
+        db = sqlite_path(url)
+        if db is not None:
+            check_outputs(option, [db], inputs)
+    root = local_artifact_path(spec.artifact_root) if spec.artifact_root else None
+    if root is not None:
+        check_outputs("--artifact-root", [root], inputs)
 
 
 def study_devices(study_file: StudyFile) -> list[tuple[str, str]]:

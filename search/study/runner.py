@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from search.failures import Kind, StudyHalted, classify, one_line, release_interrupted
-from search.process import configure_process, interrupt_on
+from search.process import configure_process, interrupt_on, signals_blocked, spawned_child
 
 from search.study.budget import workers_stop
 from search.study.devices import assign_slots, pin_process
@@ -162,17 +162,22 @@ def run_study(spec: RunSpec, workers: int = 1, figures: bool = True) -> dict:
 
 
 def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Tracker) -> None:
+    """`workers` spawned worker processes until they end, the watchdog stops them, or this process is interrupted
+    (Ctrl-C, SIGTERM, SIGHUP): then each is sent SIGTERM (it closes its trial, which is retried) and killed after
+    STOP_GRACE_S, and the trials of any that died are failed for retry at once. No worker outlives this call."""
     ctx = mp.get_context("spawn")  # fork after torch/SQLAlchemy initialisation is unsafe
     child = replace(spec, threads=cpu_threads(workers), progress=False)
     slots = assign_slots(spec.gpus, spec.per_gpu, workers)  # each worker's GPU; all None without --gpus
-    procs = [ctx.Process(target=worker_main, args=(replace(child, cuda_visible=slots[i]),), name=f"worker-{i}")
-             for i in range(workers)]
-    for p in procs:
-        p.start()
-    bar = _StudyBar(spec, study) if spec.progress else None
+    procs = [ctx.Process(target=spawned_child, args=(worker_main, replace(child, cuda_visible=slots[i])),
+                         name=f"worker-{i}") for i in range(workers)]
+    bar = None
     stop, watchdog = threading.Event(), workers_stop(spec.budget, spec.timeout)
     reaped: set[int] = set()
     try:
+        for p in procs:
+            with signals_blocked():  # the child starts with them held; spawned_child decides what they mean
+                p.start()
+        bar = _StudyBar(spec, study) if spec.progress else None
         while any(p.is_alive() for p in procs):
             _reap_dead_children(study, tracker, procs, reaped)
             if bar:
@@ -182,28 +187,37 @@ def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Trac
                 break
             stop.wait(POLL_S)
     except KeyboardInterrupt:
-        for p in procs:  # the children got SIGINT too; give them time to close their trials
-            p.join(timeout=60)
+        # Children in start-up ignore the terminal's SIGINT: they get SIGTERM; 60 s for closing their trials on a
+        # loaded machine (the parent's wait before this change).
+        _stop_children(procs, quiet=True, grace=60.0)
         raise
     finally:
-        for p in procs:
-            p.join()
-        _reap_dead_children(study, tracker, procs, reaped)
-        if bar:
-            bar.refresh()
-            bar.close()
+        try:
+            for p in procs:
+                if p.pid is not None:
+                    p.join()
+        finally:
+            for p in procs:  # a forced stop (a third signal) still leaves no worker behind
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            _reap_dead_children(study, tracker, procs, reaped)
+            if bar:
+                bar.refresh()
+                bar.close()
 
 
-def _stop_children(procs) -> None:
-    """The watchdog: workers still running past their stop get SIGTERM (each closes its trial, which is retried, as
-    on Ctrl-C), then SIGKILL after STOP_GRACE_S (a dead worker's trial is reaped by the caller)."""
+def _stop_children(procs, quiet: bool = False, grace: float = STOP_GRACE_S) -> None:
+    """Workers still running get SIGTERM (each closes its trial, which is retried, as on Ctrl-C), then SIGKILL after
+    `grace` seconds (a dead worker's trial is reaped by the caller). The watchdog's stop at the search's end is said in
+    a line; a stop on an interrupt (`quiet`) is not (the command says it was interrupted)."""
     alive = [p for p in procs if p.is_alive()]
-    if alive:
+    if alive and not quiet:
         log.warning("stopping %d worker(s) still running at the search's end", len(alive))
     for p in alive:
         p.terminate()
     for p in alive:
-        p.join(timeout=STOP_GRACE_S)
+        p.join(timeout=grace)
         if p.is_alive():
             p.kill()
 
