@@ -3,19 +3,40 @@
 The contract (search/ builds on it): a `Member` is one trial's config with its own callback (Optuna's report and
 prune), output folder, deadline and `done` hook; `train_population` trains them and hands each member's end (a
 TrainResult, or the exception that ended it) to its `done` hook, once, however it ended. A member that fails
-(NaN, a bad configuration, a pruner) ends alone; the others go on. KeyboardInterrupt/SystemExit stop them all.
+(NaN, a bad configuration, a pruner) ends alone; the others go on. KeyboardInterrupt/SystemExit stop them all, after
+each member's best.pt is written (no `done` then: the caller's stop handling fails the trials it holds).
 `join()` is asked for a new member whenever a place is free; None means no more.
+
+Members of one `stack_key` train in one stacked step (trainers.stack): each is built exactly as `trainers.loop.train`
+builds its run (seeded, its model, its trainers.run.RunState: criterion, optimiser, schedule, scaler, average,
+augmentation, checkpoint), keeps its own global RNG state (swapped in around everything it does: its dropout masks
+are drawn in its own order) and its own batch order; the forward and backward are one for all. A member whose key
+is None, or differs from the stack's, trains alone through `train`. Each member computes what it computes alone
+(tests/test_population.py compares histories, best epochs, pruning points and best.pt).
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
+from trainers.checkpoint import CenteredModel
 from trainers.config import Config
 from trainers.data import TrainSet
 from trainers.deadline import Deadline
-from trainers.loop import EpochReport, TrainResult, train
+from trainers.devices import resolve_device
+from trainers.heap import release_free_heap
+from trainers.loop import TrainingDiverged, _BestCheckpoint, seed_everything, torch_threads, train
+from trainers.models import build_model
+from trainers.population_step import Live, own_rng, population_size, rng_state, stacked_step
+from trainers.run import DeadlineReached, EpochReport, RunState, TrainResult, now_past
+from trainers.stack import NotStackable, Stack, stack_key
+from trainers.tasks import TASKS
+from trainers.validate import validate
 
 
 @dataclass(frozen=True)
@@ -28,31 +49,178 @@ class Member:
     done: Callable[[TrainResult | BaseException], None] | None = None  # the member's end, called once
 
 
-def stack_key(cfg: Config) -> tuple | None:
-    """Members whose keys are equal may share one stacked step; None: this config trains alone."""
-    return None
+class _Population:
+    """The members in training, their stack, and the ends handed back."""
+
+    def __init__(self, data: TrainSet, progress: bool):
+        self.data, self.progress = data, progress
+        self.live: list[Live] = []
+        self.ends: list[TrainResult | BaseException | None] = []
+        self.key: tuple | None = None
+        self.task = None
+        self.stack: Stack | None = None
+        self.device: torch.device | None = None
+
+    def alone(self, member: Member) -> None:
+        """A member that cannot stack here: trained through `train`, now."""
+        self.ends.append(None)
+        try:
+            end: TrainResult | BaseException = train(member.cfg, self.data, callback=member.callback,
+                                                     out_dir=member.out_dir, progress=self.progress,
+                                                     deadline=member.deadline)
+        except Exception as exc:  # noqa: BLE001 - the member's end, handed to its caller who classifies it
+            end = exc
+        self._hand(member, len(self.ends) - 1, end)
+
+    def _hand(self, member: Member, slot: int, end: TrainResult | BaseException) -> None:
+        self.ends[slot] = end
+        release_free_heap()
+        if member.done is not None:
+            member.done(end)
+
+    def start(self, member: Member) -> bool:
+        """Build the member as `train` builds its run and put it in the stack; False: it trains alone instead."""
+        cfg = member.cfg
+        key = stack_key(cfg)
+        if key is None or (self.live and key != self.key):
+            return False
+        self.ends.append(None)
+        slot, best_pt = len(self.ends) - 1, _BestCheckpoint(member.out_dir)
+        try:
+            started = time.monotonic()
+            validate(cfg)
+            if now_past(member.deadline):
+                raise DeadlineReached("the deadline had passed before the run started")
+            if key != self.key or self.task is None:  # a new group: its task (no RNG drawn: shared by its members)
+                self.key, self.stack, self.device = key, None, resolve_device(cfg.train.device)
+                self.task = TASKS.get(cfg.data.task)(cfg, self.data, self.device)
+            cuda = self.device.type == "cuda"
+            gen = seed_everything(cfg.train.seed)
+            model = CenteredModel(build_model(cfg, self.task.model_context()), self.task.text_mean).to(self.device)
+            run = RunState(cfg, self.data, self.device, self.task, model, gen, started, callback=member.callback,
+                           out_dir=member.out_dir, progress=self.progress, deadline=member.deadline, best_pt=best_pt)
+            if self.stack is None:
+                self.stack = Stack(model, self.device, run.parts.amp, cfg.train.batch_size, self.task.dim_in)
+        except NotStackable:
+            self.ends.pop()
+            return False
+        except Exception as exc:  # noqa: BLE001 - this member's end (a bad configuration): alone
+            best_pt.write(quiet=True)
+            self._hand(member, slot, exc)
+            return True
+        self.live.append(Live(member, slot, run, best_pt, rng_state(cuda, full=True)))
+        self.rebind()
+        return True
+
+    def rebind(self) -> None:
+        """The members changed: stack their tensors again (each one's average re-paired with its moved tensors)."""
+        self.stack.bind([lv.run.model for lv in self.live])
+        for lv in self.live:
+            lv.run.parts.average.rebind(lv.run.model)
+
+    def finish(self, lv: Live, end: TrainResult | BaseException | None = None) -> None:
+        """The member leaves: its own storage back, its result (or `end`), its done hook."""
+        Stack.release(lv.run.model)
+        lv.run.parts.average.rebind(lv.run.model)
+        if end is None:
+            try:
+                with own_rng(lv, self.cuda):
+                    end = lv.run.result()
+            except Exception as exc:  # noqa: BLE001 - writing its best.pt failed: its end
+                end = exc
+        if isinstance(end, BaseException):
+            lv.run.bar.close()
+            lv.best_pt.write(quiet=True)  # whatever ended it, best.pt is its best epoch so far
+        lv.end = end  # it keeps its place in the stack (unused) until the epoch's end binds the others again
+        self._hand(lv.member, lv.slot, end)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def epoch(self) -> None:
+        """One epoch of every member (each at its own epoch number), then their validation; members that end
+        leave and the stack is bound again."""
+        before = list(self.live)
+        for lv in before:
+            try:
+                with own_rng(lv, self.cuda):
+                    going = lv.run.begin_epoch()
+            except Exception as exc:  # noqa: BLE001 - a hook's error: this member's end
+                self.finish(lv, exc)
+                continue
+            if not going:
+                self.finish(lv)
+                continue
+            lv.run.model.train()
+            lv.batches, lv.sums, lv.steps, lv.cut = lv.run.task.batches(lv.run.parts.gen), {}, 0, False
+        if any(lv.end is None for lv in self.live):
+            self._steps()
+        for lv in before:
+            if lv.end is None:
+                self._end_epoch(lv)
+        self.live = [lv for lv in self.live if lv.end is None]
+        if self.live and len(self.live) != len(before):
+            self.rebind()
+
+    def _end_epoch(self, lv: Live) -> None:
+        try:
+            with own_rng(lv, self.cuda):
+                if lv.cut:
+                    lv.run.cut()
+                    going = False
+                else:
+                    means = {f"train/{k}": float(v) / max(lv.steps, 1) for k, v in lv.sums.items()}
+                    if not all(math.isfinite(v) for v in means.values()):
+                        raise TrainingDiverged(f"loss is not finite at epoch {lv.run.epoch}: {means}")
+                    going = lv.run.end_epoch(means)
+        except Exception as exc:  # noqa: BLE001 - a pruner, a diverged loss, the deadline: this member's end
+            self.finish(lv, exc)
+            return
+        if not going:
+            self.finish(lv)
+
+    def _steps(self) -> None:
+        """The epoch's steps of every member in the stack: one stacked forward and one backward per step."""
+        while True:
+            batches = []
+            for lv in self.live:
+                batch = next(lv.batches, None) if not lv.cut and lv.end is None else None
+                batches.append(batch)
+            if all(b is None for b in batches):
+                return
+            stacked_step(self, batches)
 
 
 def train_population(members: Sequence[Member], data: TrainSet, *, join: Callable[[], Member | None] | None = None,
                      progress: bool = False) -> list[TrainResult | BaseException]:
-    """Train `members` (and those `join` adds) and return each one's end in the order they started. This first
-    version trains them one after another; the stacked step replaces it with the same contract."""
-    ends: list[TrainResult | BaseException] = []
+    """Train `members` (and those `join` adds, at epoch boundaries, each from its own epoch 0) and return each
+    one's end in the order they started. Members of one stack_key share a stacked step; the places are
+    len(members) (at least 1)."""
+    places = max(1, len(members))
+    pop = _Population(data, progress)
     queue = list(members)
-    while queue or join is not None:
-        member = queue.pop(0) if queue else join()
-        if member is None:
-            break
-        try:
-            end: TrainResult | BaseException = train(member.cfg, data, callback=member.callback,
-                                                     out_dir=member.out_dir, progress=progress,
-                                                     deadline=member.deadline)
-        except Exception as exc:  # noqa: BLE001 - the member's end, handed to its caller who classifies it
-            end = exc
-        ends.append(end)
-        if member.done is not None:
-            member.done(end)
-    return ends
+    threads = members[0].cfg.train.threads if members else 0
+    try:
+        with torch_threads(threads):
+            while True:
+                while len(pop.live) < places and (queue or join is not None):
+                    member = queue.pop(0) if queue else join()
+                    if member is None:
+                        join = None
+                        break
+                    if not pop.start(member):
+                        pop.alone(member)
+                if not pop.live:
+                    break
+                pop.epoch()
+    except BaseException:
+        for lv in pop.live:
+            lv.best_pt.write(quiet=True)  # a stop (Ctrl-C): each member's best.pt is its best epoch so far
+        raise
+    finally:
+        release_free_heap()
+    return [end for end in pop.ends if end is not None]
 
 
-__all__ = ["Member", "stack_key", "train_population"]
+__all__ = ["Member", "population_size", "stack_key", "train_population"]

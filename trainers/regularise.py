@@ -86,6 +86,9 @@ class WeightAverage:
     def after_step(self) -> None:
         """Called after every optimiser step."""
 
+    def rebind(self, model: nn.Module) -> None:
+        """The live model's tensors moved (trainers.stack): nothing is paired without an average."""
+
     def after_epoch(self, epoch: int) -> None:
         """Called after every training epoch, before validation."""
 
@@ -106,7 +109,12 @@ class _Averaged(WeightAverage):
         super().__init__(cfg, model)
         self.avg = copy.deepcopy(model).requires_grad_(False)
         self.n = 0  # live states averaged so far
-        # The live tensors are updated in place (optimiser steps, load_state_dict), so the pairing is made once.
+        self.rebind(model)
+
+    def rebind(self, model: nn.Module) -> None:
+        """Pair the average with the live state. The live tensors are updated in place (optimiser steps,
+        load_state_dict), so this is done once, and again only when they move (trainers.stack re-stacks a
+        population's members)."""
         pairs = list(zip(self.avg.state_dict().values(), model.state_dict().values()))
         self.floats = [[a for a, _ in pairs if a.is_floating_point()], [b for a, b in pairs if a.is_floating_point()]]
         self.others = [(a, b) for a, b in pairs if not a.is_floating_point()]
