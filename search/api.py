@@ -44,9 +44,10 @@ def presets() -> pd.DataFrame:
 def run_study(study: str | Path, *, data: str | None = None, n_trials: int | None = None,
               timeout: float | None = None, workers: int = 1, name: str | None = None, state_dir: str | None = None,
               storage: str | None = None, tracking_uri: str | None = None, artifact_root: str | None = None,
-              progress: bool = True) -> dict:
+              progress: bool = True, warm_start: bool = True, warm_from: tuple[str, ...] = ()) -> dict:
     """Create or resume a study (a study file's path or a preset's name) and run its trials here, as `latentsweep
-    study run`; returns the summary (trials by state, best value and trial)."""
+    study run`; returns the summary (trials by state, best value and trial). A new study first tries earlier
+    studies' best configurations on the same data (`warm_start`, `warm_from`: docs/warm-start.md)."""
     _check_common(study, workers, progress, data=data, name=name, state_dir=state_dir, storage=storage,
                   tracking_uri=tracking_uri, artifact_root=artifact_root)
     if n_trials is not None:
@@ -57,15 +58,15 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
     with no_new_empty_state_dir(state_dir):
         spec = build_spec(study_file, data=data, n_trials=n_trials, timeout=timeout, name=name, state=state_dir,
                           storage=storage, tracking_uri=tracking_uri, artifact_root=artifact_root,
-                          progress=progress)
+                          progress=progress, warm_start=warm_start, warm_from=tuple(warm_from))
         preflight(spec)
     return {"study": spec.name, **_run_study(spec, workers=workers)}
 
 
 @honours_progress
 def run(study: str | Path, time: str | float, *, data: str | None = None, test: str | None = None,
-        register: str | None = None, workers: int = 1, state_dir: str | None = None, progress: bool = True
-        ) -> OneBudgetResult:
+        register: str | None = None, workers: int = 1, state_dir: str | None = None, progress: bool = True,
+        warm_start: bool = True, warm_from: tuple[str, ...] = ()) -> OneBudgetResult:
     """Search and pick within one wall-clock budget, as `latentsweep run STUDY --time T` (T: seconds or "30m");
     returns the job's result (.summary of the study, .pick: the pick's result or None, .answer: the submission in
     place); the ensemble is registered under `register` (default: the study's name)."""
@@ -78,7 +79,8 @@ def run(study: str | Path, time: str | float, *, data: str | None = None, test: 
     study_file = load_study_file(study)
     with no_new_empty_state_dir(state_dir):
         spec = build_spec(study_file, data=data, n_trials=None, timeout=None, name=None, state=state_dir,
-                          storage=None, tracking_uri=None, artifact_root=None, progress=progress)
+                          storage=None, tracking_uri=None, artifact_root=None, progress=progress,
+                          warm_start=warm_start, warm_from=tuple(warm_from))
         preflight(spec)
         pick = check_pick_inputs(PickOptions(  # every pick input before the search, as the CLI
             study=spec.name, state_dir=spec.state_dir, storage=spec.storage.url, tracking_uri=spec.tracking_uri,

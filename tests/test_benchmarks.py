@@ -17,7 +17,8 @@ SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
 # a study. The suite's 10 minutes on 2 cores keep them out; .ci/run's slow step runs them. A script not listed here
 # (a new one) runs in the suite.
 SLOW = {"end_to_end.py", "ensemble_size.py", "full_search.py", "gpu.py", "knob_ab.py", "knob_cost.py",
-        "memory_peak.py", "one_budget.py", "screenshots.py", "search_efficiency.py", "seed_repro.py", "throughput.py",
+        "memory_peak.py", "one_budget.py", "portfolio.py", "screenshots.py", "search_efficiency.py", "seed_repro.py",
+        "throughput.py",
         "trial_costs.py", "workers.py"}
 
 

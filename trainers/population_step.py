@@ -14,7 +14,7 @@ import torch
 from trainers.config import Config
 from trainers.data import TrainSet
 from trainers.run import RunState, TrainResult, now_past
-from trainers.stack import stack_key
+from trainers.stack import stack_key, used_outputs
 
 # Population size on a CPU: 1 (each trial trains alone). Measured on the 2-core machine of issue 38 with
 # benchmarks/gpu.py --population-cpu (docs/gpu.md, "Population trials"): K = 4 stacked was no faster than 4 runs
@@ -122,7 +122,7 @@ def stacked_step(pop, batches: list[dict | None]) -> None:
         # (TrainingDiverged at the epoch's end, as alone), and nothing of it can reach another member's slice.
         scaled = torch.where(torch.isfinite(scaled), scaled, torch.zeros_like(scaled))
         total = scaled if total is None else total + scaled
-        taken[k] = (out_k, loss, terms)
+        taken[k] = (out_k, loss, terms, used_outputs(loss, out_k))
     if total is None:
         return
     stack.zero_grad()
@@ -132,19 +132,18 @@ def stacked_step(pop, batches: list[dict | None]) -> None:
         for k in taken:
             pop.finish(pop.live[k], exc)
         return
-    for k, (out_k, loss, terms) in taken.items():
+    for k, (out_k, loss, terms, used) in taken.items():
         lv = pop.live[k]
         if lv.end is None:
-            _after_backward(lv, k, stack, cuda, batches[k], out_k, loss, terms, pop)
+            _after_backward(lv, k, stack, cuda, batches[k], (out_k, loss, terms, used), pop)
 
 
-def _after_backward(lv: Live, k: int, stack, cuda: bool, real: dict, out_k: dict, loss: torch.Tensor,
-                    terms: dict, pop) -> None:
-    """Member k's grads (views of its slice), then its own clipping, optimiser, scaler, schedule, average and
+def _after_backward(lv: Live, k: int, stack, cuda: bool, real: dict, taken: tuple, pop) -> None:
+    """Member k's grads (views of its slice; `taken`: its outputs, loss, terms and the outputs its loss read), then its own clipping, optimiser, scaler, schedule, average and
     loss state, as trainers.loop._train_epoch runs them."""
-    p = lv.run.parts
+    p, (out_k, loss, terms, used) = lv.run.parts, taken
     try:
-        stack.grads_to(k, lv.run.model)
+        stack.grads_to(k, lv.run.model, used)
         with own_rng(lv, cuda, full=False):
             if p.cfg.train.grad_clip > 0:
                 p.scaler.unscale_(p.opt)

@@ -75,7 +75,8 @@ class Stack:
 
     def __init__(self, model: nn.Module, device: torch.device, amp: bool, batch_size: int, dim_in: int):
         self.device, self.amp = device, amp
-        self.dropouts = _probe_dropouts(model, device, amp, batch_size, dim_in)  # [(name, width, dtype)] call order
+        # [(name, width, dtype)] in call order; output key -> the parameters it depends on
+        self.dropouts, self.reach = _probe(model, device, amp, batch_size, dim_in)
         self.template = copy.deepcopy(model).train()
         for name, _, _ in self.dropouts:
             parent, _, leaf = name.rpartition(".")
@@ -131,33 +132,58 @@ class Stack:
         for leaf in self.params.values():
             leaf.grad = None
 
-    def grads_to(self, k: int, model: nn.Module) -> None:
-        """Member k's .grad: views of its slice of the stacked grads, for the parameters it trains now (a frozen one,
-        requires_grad False, gets none, as in its own backward)."""
+    def grads_to(self, k: int, model: nn.Module, used: set[str]) -> None:
+        """Member k's .grad: views of its slice of the stacked grads, for the parameters its own backward reaches:
+        those the outputs its loss read (`used`, used_outputs) depend on and that it trains now. The others get None,
+        as in its own backward (a frozen one, or the slot head under a loss that reads no slot): its optimiser then
+        skips them, weight decay and moments included, where a zero grad would step them."""
+        reached = set().union(*(self.reach.get(key, ()) for key in used))
         for n, p in model.named_parameters():
             g = self.params[n].grad
-            p.grad = g[k] if (p.requires_grad and g is not None) else None
+            p.grad = g[k] if (p.requires_grad and g is not None and n in reached) else None
 
 
-def _probe_dropouts(model: nn.Module, device: torch.device, amp: bool, batch: int, dim_in: int) \
-        -> list[tuple[str, int, torch.dtype]]:
-    """(name, width, dtype) of every nn.Dropout in the order the model's training forward calls it, from one
-    forward of a copy on zeros with the RNG forked (nothing of the caller's RNG is consumed)."""
+def used_outputs(loss: torch.Tensor, out: dict[str, torch.Tensor]) -> set[str]:
+    """The keys of `out` (one member's outputs) that `loss`'s autograd graph reads: a walk of the loss's part of the
+    graph, stopped at the outputs."""
+    targets = {v.grad_fn: key for key, v in out.items() if v.grad_fn is not None}
+    found, seen, todo = set(), set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in targets:
+            found.add(targets[node])
+            continue
+        todo.extend(nxt for nxt, _ in node.next_functions)
+    return found
+
+
+def _probe(model: nn.Module, device: torch.device, amp: bool, batch: int, dim_in: int) \
+        -> tuple[list[tuple[str, int, torch.dtype]], dict[str, set[str]]]:
+    """From one training forward of a copy on zeros, with the RNG forked (nothing of the caller's RNG is consumed):
+    (name, width, dtype) of every nn.Dropout in the order the forward calls it, and for each output key the names of
+    the parameters it depends on."""
     probe = copy.deepcopy(model).train()
     seen: list[tuple[str, int, torch.dtype]] = []
-    hooks = []
     for name, mod in probe.named_modules():
         if isinstance(mod, nn.Dropout):
-            hooks.append(mod.register_forward_pre_hook(
-                lambda _m, args, name=name: seen.append((name, args[0].shape[-1], args[0].dtype))))
-        elif isinstance(mod, (nn.modules.dropout._DropoutNd,)):
+            mod.register_forward_pre_hook(
+                lambda _m, args, name=name: seen.append((name, args[0].shape[-1], args[0].dtype)))
+        elif isinstance(mod, nn.modules.dropout._DropoutNd):
             raise NotStackable(f"{type(mod).__name__} at {name}")
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.autocast(device.type, enabled=amp):
-        probe(torch.zeros(batch, dim_in, device=device))
-    for h in hooks:
-        h.remove()
+    params = dict(probe.named_parameters())
+    for p in params.values():
+        p.requires_grad_(True)  # a frozen one (geometry's base) too: reachable is structural
+    with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=amp):
+        out = probe(torch.zeros(batch, dim_in, device=device))
+    reach = {}
+    for key, value in out.items():
+        grads = torch.autograd.grad(value.float().sum(), list(params.values()), allow_unused=True, retain_graph=True)
+        reach[key] = {n for n, g in zip(params, grads) if g is not None}
     names = [n for n, _, _ in seen]
     if len(set(names)) != len(names):
         raise NotStackable("a dropout module called twice in one forward")
-    return seen
+    return seen, reach

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from search.cli.pick import print_result
-from search.cli.study import add_worker_args, make_spec, worker_plan
+from search.cli.study import add_worker_args, make_spec, warm_args, worker_plan
 from search.cli.study_inspect import liveness_args, stores_args
 from search.checks import check_outputs
 from search.pick.candidates import test_path_for
@@ -34,6 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--n-trials", type=int, help="the search also ends after this many finished trials (default: the "
                                                 "file's n_trials)")
     add_worker_args(p)
+    warm_args(p)
     p.add_argument("--device", default=PickOptions.device, help="the pick's device: auto | cpu | cuda | cuda:N")
     stores_args(p)
     liveness_args(p)

@@ -42,9 +42,11 @@ def add_parser(sub) -> None:
     run = ssub.add_parser("run", help="create or resume a study and run trials on this machine")
     _common(run)
     add_worker_args(run)
+    warm_args(run)
     run.set_defaults(func=cmd_study_run)
     create = ssub.add_parser("create", help="create a study (and its MLflow parent run) without running trials")
     _common(create)
+    warm_args(create)
     create.set_defaults(func=cmd_study_create)
     study_inspect.add_actions(ssub)
     presets.add_actions(ssub)
@@ -61,6 +63,15 @@ def add_worker_args(p) -> None:
                    help="worker processes on this machine: a number, or auto (every GPU slot: GPUs x --per-gpu; "
                         "without GPUs one per 2 cores) (default 1)")
     gpu_args(p, "each worker sees one GPU (its cuda:0)")
+
+
+def warm_args(p) -> None:
+    """--no-warm-start and --warm-from (search.study.warm): what a new study tries first."""
+    p.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                   help="a new study does not first try the best configurations of earlier studies on the same data "
+                        "(nor the bundled portfolio when there are none)")
+    p.add_argument("--warm-from", action="append", default=[], metavar="STATE_DIR|URL",
+                   help="also look for earlier studies on the same data there (repeatable)")
 
 
 def gpu_args(p, each: str) -> None:
@@ -83,7 +94,8 @@ def make_spec(args, study_file=None, plan: WorkerPlan | None = None):
                       n_trials=getattr(args, "n_trials", None), timeout=getattr(args, "timeout", None),
                       name=args.name, state=args.state_dir, storage=args.storage, tracking_uri=args.tracking_uri,
                       artifact_root=args.artifact_root, heartbeat=args.heartbeat, grace=args.grace,
-                      progress=not args.quiet and is_terminal(), verbose=args.verbose)
+                      progress=not args.quiet and is_terminal(), verbose=args.verbose,
+                      warm_start=getattr(args, "warm_start", True), warm_from=tuple(getattr(args, "warm_from", ())))
     return spec if plan is None else replace(spec, gpus=plan.gpus, per_gpu=plan.per_gpu)
 
 

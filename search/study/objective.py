@@ -21,6 +21,7 @@ from search.process import raise_if_interrupted
 from search.redact import redact_url
 from search.study.storage import retry_callback, storage_of, trial_id
 from search.study.studyfile import StudyFile
+from search.study.warm import warm_tags
 from search.tracking.base import (
     BEST_EPOCH_METRIC, NOTE_TAG, SEARCH_PARAM_PREFIX, SEARCHED_TAG, DatasetRecord, Tracker, best_metric,
 )
@@ -238,6 +239,7 @@ class TrialRunner:
             tags["latentsweep.retry_of"] = str(retry_of)
         if SIDE_ATTR in trial.user_attrs:
             tags[SIDE_ATTR] = trial.user_attrs[SIDE_ATTR]
+        tags.update(warm_tags(trial))  # a warm-started trial names its source study and trial (search.study.warm)
         return tags
 
     def _close(self, run_id: str, out: Path, state: str, ranks=None, error: str | None = None) -> None:

@@ -12,6 +12,7 @@ from search.redact import redact_url
 from search.study.devices import DEVICE_ATTR
 from search.study.side import side_values
 from search.study.storage import StorageSettings, dispose, open_storage
+from search.study.warm import warm_column
 from search.tracking.base import SUMMARY_STEP_KEY
 from trainers.errors import LatentsweepError
 
@@ -50,7 +51,7 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
     frame["value"] = pd.to_numeric(frame["value"])  # all None (no trial has a value yet) would be an object column
     # all None (only waiting trials) is an object column: converted, it is NaT, printed empty
     frame["duration_s"] = pd.to_timedelta(frame.pop("duration")).dt.total_seconds().round(1)
-    fixed = FIXED + _devices(study, frame)
+    fixed = FIXED + _devices(study, frame) + warm_column(study, frame)
     knobs = [c for c in frame.columns if c not in fixed]
     if varying_only:
         knobs = [c for c in knobs if frame[c].astype(str).nunique(dropna=False) > 1]

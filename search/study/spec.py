@@ -2,6 +2,8 @@
 API build before they launch anything."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from search.checks import check_seconds
 from search.stores import resolve_stores, safe_name, state_dir
 from search.study.preflight import check_liveness
@@ -17,7 +19,7 @@ def build_spec(study_file: StudyFile, *, data: str | None = None, n_trials: int 
                timeout: float | None = None, name: str | None = None, state: str | None = None,
                storage: str | None = None, tracking_uri: str | None = None, artifact_root: str | None = None,
                heartbeat: int = HEARTBEAT_S, grace: int = GRACE_S, progress: bool = True,
-               verbose: bool = False) -> RunSpec:
+               verbose: bool = False, warm_start: bool = True, warm_from: tuple[str, ...] = ()) -> RunSpec:
     """RunSpec from explicit values, the study file and the state-directory defaults (checked, one-line errors)."""
     check_liveness(heartbeat, grace)
     if n_trials is not None and n_trials < 1:  # 0 must not fall back to the file's value
@@ -34,4 +36,6 @@ def build_spec(study_file: StudyFile, *, data: str | None = None, n_trials: int 
         state_dir=str(stores.root), data_path=str(train),
         n_trials=n_trials if n_trials is not None else study_file.n_trials,
         timeout=timeout if timeout is not None else study_file.timeout, progress=progress, verbose=verbose,
+        warm_start=bool(warm_start), warm_from=(str(warm_from),) if isinstance(warm_from, (str, Path)) else
+        tuple(map(str, warm_from)),
     )

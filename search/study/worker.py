@@ -26,6 +26,7 @@ from search.study.storage import (
 )
 from search.stores import safe_name
 from search.study.studyfile import StudyFile
+from search.study.warm import warm_start
 from search.tracking import make_tracker
 from search.tracking.base import REAPED_TAG, Tracker
 from trainers.errors import LatentsweepError
@@ -65,6 +66,8 @@ class RunSpec:
     gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; search.study.devices)
     per_gpu: int = 1  # local workers per GPU
     cuda_visible: str | None = None  # the GPU this spawned worker sees (set before its first CUDA call); None: as is
+    warm_start: bool = True  # at creation, queue earlier studies' best configs on the same data (search.study.warm)
+    warm_from: tuple[str, ...] = ()  # more places to look for them: state directories or Optuna storage URLs
 
 
 def check_plugins(study, study_file: StudyFile, write: bool) -> None:
@@ -121,6 +124,7 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
         enqueue_side(study, study_file.side)  # first: one cheap config each (the knn: seconds on the demo)
         for values in study_file.enqueue:
             study.enqueue_trial(values, user_attrs={"latentsweep.enqueued": True}, skip_if_exists=True)
+        warm_start(study, study_file, spec.data_path, spec.warm_start, spec.warm_from)  # after the recipes
         study.set_user_attr(ENQUEUED_ATTR, True)
     study.set_user_attr("objective", study_file.objective)
     if study.metric_names != [study_file.objective]:

@@ -1,0 +1,149 @@
+"""Build the warm-start portfolio (search/study/portfolio.toml): the configurations that did best on demo holdouts.
+
+For each holdout seed S (`latentsweep data holdout DEMO --seed S`), a cold study `studies/full.toml` runs on the
+holdout's train part for SECONDS (`study run --timeout SECONDS --no-warm-start`, its own state directory). The
+searched trials that completed (not the study file's recipes nor side trials: every study tries those anyway) are
+ranked within their holdout by value; the portfolio takes them round robin, the best of each holdout first, then the
+second of each, ..., skipping repeats, until SIZE configurations. Each is written as its Optuna parameters of
+studies/full.toml with its source and its value relative to its holdout's best. A new study on new data tries them
+after its own recipes (search/study/warm.py).
+
+    python benchmarks/portfolio.py --work DIR [--seeds 0 1 2] [--seconds 120] [--size 5] [--out PATH]
+    python benchmarks/portfolio.py --smoke    # tiny synthetic data, one 15-s study, a temp file (about a minute)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "search"]
+OUT = ROOT / "search" / "study" / "portfolio.toml"
+
+
+def holdout_train(train: Path, seed: int, out: Path) -> Path:
+    """The train part of holdout `seed` of `train` in `out` (made once)."""
+    if not (out / "train.npz").is_file():
+        subprocess.run([*CLI, "data", "holdout", str(train), "--seed", str(seed), "--out", str(out)], cwd=ROOT,
+                       check=True, capture_output=True)
+    return out / "train.npz"
+
+
+def cold_study(study: Path, train: Path, seconds: int, state: Path) -> list[dict]:
+    """Run one cold study; its searched COMPLETE trials as {params, value}, best first."""
+    import optuna
+
+    name = f"portfolio-{state.name}"
+    proc = subprocess.run([*CLI, "study", "run", str(study), "--data", str(train), "--timeout", str(seconds),
+                           "--name", name, "--state-dir", str(state), "--no-warm-start", "--quiet"], cwd=ROOT,
+                          capture_output=True, text=True)
+    (state / "log.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"study on {train} failed (exit {proc.returncode}); see {state / 'log.txt'}")
+    loaded = optuna.load_study(study_name=name, storage=f"sqlite:///{state / 'optuna.db'}")
+    done = [t for t in loaded.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+            if t.params and "latentsweep.enqueued" not in t.user_attrs]
+    sign = -1.0 if loaded.direction == optuna.study.StudyDirection.MAXIMIZE else 1.0
+    return [{"params": t.params, "value": t.value, "trial": t.number} for t in sorted(done, key=lambda t: sign * t.value)]
+
+
+def round_robin(per_holdout: dict[str, list[dict]], size: int) -> list[dict]:
+    """The best of each holdout, then the second of each, ..., skipping repeated parameters, up to `size`."""
+    chosen, seen = [], set()
+    for rank in range(max((len(v) for v in per_holdout.values()), default=0)):
+        for label, rows in per_holdout.items():
+            if rank < len(rows) and len(chosen) < size:
+                key = json.dumps(rows[rank]["params"], sort_keys=True)
+                if key not in seen:
+                    seen.add(key)
+                    best = rows[0]["value"]
+                    chosen.append({**rows[rank], "source": f"{label} trial {rows[rank]['trial']}",
+                                   "relative": rows[rank]["value"] / best if best else 1.0})
+    return chosen
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string (JSON escapes are TOML's)
+
+
+def write_portfolio(chosen: list[dict], out: Path, header: str) -> None:
+    lines = [f"# {line}" for line in header.splitlines()]
+    for c in chosen:
+        lines += ["", "[[config]]", f"source = {toml_value(c['source'])}",
+                  f"value = {c['relative']:.4f}  # relative to its holdout's best"]
+        lines += [f"{json.dumps(k)} = {toml_value(v)}" for k, v in sorted(c["params"].items())]
+    out.write_text("\n".join(lines) + "\n")
+
+
+def build(study: Path, trains: dict[str, Path], seconds: int, size: int, work: Path, out: Path) -> list[dict]:
+    started, load = time.monotonic(), os.getloadavg()[0]
+    per_holdout = {label: cold_study(study, train, seconds, work / label) for label, train in trains.items()}
+    for label, rows in per_holdout.items():
+        print(f"{label}: {len(rows)} searched complete trial(s), best {rows[0]['value'] if rows else None}")
+    chosen = round_robin(per_holdout, size)
+    header = (f"The warm-start portfolio (search/study/warm.py): written by benchmarks/portfolio.py, do not edit.\n"
+              f"{len(trains)} holdout(s) ({', '.join(trains)}) x a {seconds}-s cold study of {study.name}; "
+              f"{len(chosen)} configuration(s), round robin by rank.\n"
+              f"Built in {time.monotonic() - started:.0f} s, 1-minute load average {load:.1f} at the start "
+              f"({os.cpu_count()} cores).")
+    write_portfolio(chosen, out, header)
+    print(f"wrote {out}: {len(chosen)} configuration(s)")
+    return chosen
+
+
+def smoke() -> int:
+    """One 15-s study of a tiny study file on tiny synthetic data, written to a temp portfolio and read back."""
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))
+    import tomllib
+
+    from conftest import tiny_study_file
+    from trainers.synthetic import write_synthetic
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        train, _, _ = write_synthetic(tmp / "data", 240, dim_text=24, dim_image=32, n_test=100)
+        study = tiny_study_file(tmp, "smoke", n_trials=3, epochs=2)
+        out = tmp / "portfolio.toml"
+        (tmp / "holdout-synthetic").mkdir()
+        chosen = build(study, {"holdout-synthetic": train}, 15, 2, tmp, out)
+        configs = tomllib.loads(out.read_text())["config"]
+        return 0 if chosen and len(configs) == len(chosen) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, help="working directory (holdouts, studies)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="holdout seeds (default 0 1 2)")
+    p.add_argument("--seconds", type=int, default=120, help="each cold study's --timeout (default 120)")
+    p.add_argument("--size", type=int, default=5, help="configurations in the portfolio (default 5)")
+    p.add_argument("--study", type=Path, default=ROOT / "studies" / "full.toml")
+    p.add_argument("--out", type=Path, default=OUT, help=f"portfolio file (default {OUT.relative_to(ROOT)})")
+    p.add_argument("--smoke", action="store_true", help="one 15-s study on tiny synthetic data, a temp file")
+    args = p.parse_args(argv)
+    if args.smoke:
+        return smoke()
+    if args.work is None:
+        p.error("--work is required (or --smoke)")
+    sys.path.insert(0, str(ROOT))
+    from trainers.demo import default_train_path
+
+    trains = {f"holdout-{s}": holdout_train(default_train_path(), s, args.work / f"data-{s}") for s in args.seeds}
+    for label in trains:
+        (args.work / label).mkdir(parents=True, exist_ok=True)
+    build(args.study, trains, args.seconds, args.size, args.work, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Warm start: a new study first tries the best configurations of earlier studies on the same data, else the portfolio.
+
+Same data means the same training file contents: the sha256 fingerprint of its bytes (trainers.data.fingerprint), which
+every study records at creation (IDENTITY_ATTR), so a copied or renamed file is still the same data and an edited one
+is not. Earlier studies are looked for in the study's own storage and in each `--warm-from` source (a state directory
+or an Optuna storage URL); one is a source when its data fingerprint, objective metric and direction match. Their
+COMPLETE trials, best first and distinct once translated into the new space (search/study/space.py), are enqueued
+after the study file's own recipes, WARM_K at most; each records where it came from (WARM_ATTR, and the MLflow tag of
+the same name). Without any source, the bundled portfolio (portfolio.toml, written by benchmarks/portfolio.py) is
+enqueued the same way. Done once, when the study is created (search/study/worker.py load_or_create).
+
+Not done: adding the earlier trials themselves to the new study (Optuna's add_trials) so the sampler models them.
+Every reader of a study's trials (the budget count, `study status`, the best trial, the pick's candidates, the
+one-budget reserve's trial timings) would have to tell them apart; the enqueued configurations, once run, are the new
+study's own trials, and the sampler learns from them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.study import StudyDirection
+from optuna.trial import TrialState
+
+from search.redact import redact_url
+from search.study.progress import emit
+from search.study.side import side_values
+from search.study.space import Param, config_key
+from search.study.storage import StorageSettings, dispose, open_storage, storage_of
+from search.study.studyfile import StudyFile
+from search.stores import read_only_storage
+from trainers.config import coerce, flatten
+from trainers.data import fingerprint
+from trainers.errors import LatentsweepError
+
+log = logging.getLogger("latentsweep")
+
+WARM_ATTR = "latentsweep.warm_from"  # trial attr and MLflow tag: "study NAME:TRIAL" or "portfolio:INDEX"
+IDENTITY_ATTR = "latentsweep.data"  # study attr: {fingerprint, objective, direction, split...} (see identity())
+# At most this many configurations are taken: SageMaker's warm start takes at most 5 parent jobs, and a 60-s `run`
+# on the demo finishes about 5-10 trials on 2 cores, of which the study file's recipes are the first.
+WARM_K = 5
+PORTFOLIO = Path(__file__).with_name("portfolio.toml")
+SPLIT_KEYS = ("data.split", "data.val_ratio", "data.salt", "data.n_folds", "data.fold")
+
+
+@dataclass
+class Changes:
+    """What translating configurations into the new space changed, said once per kind of change."""
+    dropped: set[str] = field(default_factory=set)  # knobs the new space lacks
+    clipped: set[str] = field(default_factory=set)  # values moved into the new range
+    skipped: set[str] = field(default_factory=set)  # a categorical value not among the new choices: config skipped
+    new: set[str] = field(default_factory=set)  # knobs new to this space: left to the sampler
+
+    def lines(self) -> list[str]:
+        said = [(self.dropped, "dropped (not in this study's space)"),
+                (self.clipped, "clipped into this study's range"),
+                (self.skipped, "outside this study's choices (their configurations skipped)"),
+                (self.new, "new in this study (left to the sampler)")]
+        return [f"warm start: {len(keys)} knob(s) {what}: {', '.join(sorted(keys))}" for keys, what in said if keys]
+
+
+def identity(study_file: StudyFile, data_path: str) -> dict[str, Any]:
+    """What makes two studies' values comparable: the train file's fingerprint, the objective and its direction,
+    and the validation split (recorded; only the first three decide what a study warm-starts from)."""
+    base = flatten(study_file.base)
+    return {"fingerprint": fingerprint(data_path), "objective": study_file.objective,
+            "direction": study_file.direction, **{k: str(base.get(k)) for k in SPLIT_KEYS}}
+
+
+def same_objective(mine: dict, theirs: Any) -> bool:
+    return isinstance(theirs, dict) and all(theirs.get(k) == mine[k] for k in ("fingerprint", "objective",
+                                                                                 "direction"))
+
+
+def source_storages(warm_from: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(label, Optuna storage URL) of each --warm-from: a URL as given, a state directory's optuna.db read-only."""
+    out = []
+    for source in warm_from:
+        if "://" in source:
+            out.append((redact_url(source), source))
+        else:
+            root = Path(source).expanduser().resolve()
+            if not root.is_dir():
+                raise LatentsweepError(f"--warm-from {source}: not a directory nor a storage URL")
+            out.append((str(root), read_only_storage(root)))
+    return out
+
+
+def earlier_trials(storage, mine: dict, exclude: str, where: str) -> list[tuple[str, str, optuna.trial.FrozenTrial]]:
+    """(source label, study name, trial) of the COMPLETE trials of every study in `storage` on the same data and
+    objective, except study `exclude` (the new study itself); side trials (no parameters) are left out."""
+    found = []
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        if summary.study_name == exclude or not same_objective(mine, summary.user_attrs.get(IDENTITY_ATTR)):
+            continue
+        label = f"study '{summary.study_name}'" + (f" in {where}" if where else "")
+        study_id = storage.get_study_id_from_name(summary.study_name)
+        found += [(label, summary.study_name, t) for t in storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
+                  if t.value is not None and t.params and side_values(t) is None]
+    return found
+
+
+def translate(params: dict[str, Any], space: tuple[Param, ...], base_values: dict[str, Any],
+              changes: Changes) -> dict[str, Any] | None:
+    """{Optuna parameter: value} of `params` (an earlier trial's parameters) in `space`, in sampling order; None when
+    a categorical value is not among the new choices. Out-of-range numbers are clipped (and put on the step)."""
+    by_key: dict[str, Any] = {}
+    for name, value in params.items():
+        by_key.setdefault(config_key(name), value)  # a branch renamed in the new space: the knob is the same
+    changes.dropped |= {config_key(n) for n in params} - {p.key for p in space}
+    current, out = dict(base_values), {}
+    for p in space:
+        if not p.active(current):
+            continue
+        value = params.get(p.name, by_key.get(p.key))
+        if value is None:  # a knob the earlier study did not search: not fixed, so the sampler proposes it
+            changes.new.add(p.key)
+            continue
+        if p.type == "categorical":
+            if value not in p.choices:
+                changes.skipped.add(p.key)
+                return None
+        else:
+            fitted = fit_range(p, value)
+            if fitted != value:
+                changes.clipped.add(p.key)
+            value = fitted
+        out[p.name] = value
+        current[p.key] = coerce(p.key, value)
+    return out
+
+
+def fit_range(p: Param, value: float) -> float | int:
+    """`value` clipped into [low, high] and onto the parameter's step grid (ints rounded)."""
+    value = min(max(float(value), p.low), p.high)
+    if p.step:
+        value = p.low + round((value - p.low) / p.step) * p.step
+        value = min(value, p.high)
+    if p.type == "int":
+        return int(round(value))
+    return value
+
+
+def ranked(trials: list[tuple[str, optuna.trial.FrozenTrial]], direction: str) -> list:
+    sign = -1.0 if direction == "maximize" else 1.0
+    return sorted(trials, key=lambda found: (sign * found[2].value, found[0], found[2].number))
+
+
+def portfolio() -> list[dict[str, Any]]:
+    """The bundled portfolio's configurations ({Optuna parameter of studies/full.toml: value}), best first."""
+    if not PORTFOLIO.is_file():
+        return []
+    with PORTFOLIO.open("rb") as fh:
+        tables = tomllib.load(fh).get("config", [])
+    return [{k: v for k, v in t.items() if k not in ("source", "value")} for t in tables]
+
+
+def enqueue(study: optuna.Study, values: dict[str, Any], source: str) -> bool:
+    """Queue one configuration unless the study has it already (a recipe of the study file); True when queued."""
+    before = len(study.get_trials(deepcopy=False))
+    study.enqueue_trial(values, user_attrs={"latentsweep.enqueued": True, WARM_ATTR: source}, skip_if_exists=True)
+    return len(study.get_trials(deepcopy=False)) > before
+
+
+def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabled: bool = True,
+               warm_from: tuple[str, ...] = (), k: int = WARM_K) -> str:
+    """Record the study's identity, then (when `enabled`) enqueue the best distinct configurations of earlier
+    studies on the same data, else the portfolio; says what it took in one line (one more per kind of change to the
+    configurations) and returns those lines ("" when disabled)."""
+    mine = identity(study_file, data_path)
+    study.set_user_attr(IDENTITY_ATTR, mine)
+    if not enabled:
+        return ""
+    found = earlier_trials(storage_of(study), mine, study.study_name, "")
+    for label, url in source_storages(warm_from):
+        storage = open_storage(StorageSettings(url))
+        try:
+            found += earlier_trials(storage, mine, study.study_name if url == storage_of(study).url else "", label)
+        finally:
+            dispose(storage)
+    base_values, changes = flatten(study_file.base), Changes()
+    taken: dict[str, int] = {}
+    seen: set[str] = set()
+    if found:
+        for label, name, trial in ranked(found, study_file.direction):
+            values = translate(trial.params, study_file.space, base_values, changes)
+            text = json.dumps(values, sort_keys=True, default=str)
+            if values and text not in seen:
+                seen.add(text)
+                if enqueue(study, values, f"{name}:{trial.number}"):
+                    taken[label] = taken.get(label, 0) + 1
+            if sum(taken.values()) >= k:
+                break
+        what = ", ".join(f"{n} from {label}" for label, n in taken.items())
+        head = (f"warm start: {sum(taken.values())} configuration(s) of earlier studies on the same data "
+                f"({mine['fingerprint']}): {what or 'none new (each one is queued already or none fits this space)'}")
+    else:
+        queued = 0
+        for i, params in enumerate(portfolio()):
+            values = translate(params, study_file.space, base_values, changes)
+            if values and json.dumps(values, sort_keys=True, default=str) not in seen:
+                seen.add(json.dumps(values, sort_keys=True, default=str))
+                queued += enqueue(study, values, f"portfolio:{i}")
+        head = (f"warm start: no earlier study on this data ({mine['fingerprint']}); {queued} configuration(s) of "
+                f"the bundled portfolio queued")
+    lines = [head, *changes.lines()]
+    for line in lines:
+        emit(line)
+    return "\n".join(lines)
+
+
+def warm_tags(trial) -> dict[str, str]:
+    """The MLflow tag of a warm-started trial (its source), {} for any other."""
+    source = trial.user_attrs.get(WARM_ATTR)
+    return {WARM_ATTR: str(source)} if source else {}
+
+
+def warm_column(study: optuna.Study, frame) -> list[str]:
+    """`study status`: add the `warm_from` column (each trial's source) when any trial was warm-started."""
+    sources = {t.number: t.user_attrs.get(WARM_ATTR) for t in study.get_trials(deepcopy=False)}
+    if not any(sources.values()):
+        return []
+    frame["warm_from"] = frame["number"].map(sources)
+    return ["warm_from"]
+
+
+__all__ = ["IDENTITY_ATTR", "WARM_ATTR", "WARM_K", "identity", "portfolio", "translate", "warm_column",
+           "warm_start", "warm_tags"]

@@ -1,0 +1,151 @@
+"""Warm start (search/study/warm.py): a new study first tries the best configurations of earlier studies on the same
+data, translated into its space, with their source recorded; the portfolio when there are none; off with a flag."""
+from __future__ import annotations
+
+import fnmatch
+import tomllib
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+from optuna.distributions import FloatDistribution
+
+from conftest import tiny_study_file
+from search.cli.main import main
+from search.study.report import study_table
+from search.study.studyfile import load_study_file
+from search.study.warm import IDENTITY_ATTR, PORTFOLIO, WARM_ATTR, identity, portfolio
+from trainers.synthetic import write_synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+LR, WEIGHT, MARGIN = "optim.lr", "loss.triplet.weight", "loss.triplet.margin"
+# The earlier study's trials: (lr, triplet weight, margin or None when the weight is too small for it, value)
+EARLIER = [(3e-3, 0.9, 0.3, 0.50), (5e-3, 0.2, None, 0.40), (2e-4, 0.8, 0.1, 0.30), (1e-3, 0.7, 0.2, 0.10)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    """Two small train files: one, and other data (a different seed: other bytes, another fingerprint)."""
+    root = tmp_path_factory.mktemp("warm")
+    same, _, _ = write_synthetic(root / "same", 120, dim_text=16, dim_image=16)
+    other, _, _ = write_synthetic(root / "other", 120, dim_text=16, dim_image=16, seed=1)
+    return same, other
+
+
+def earlier_study(tmp_path: Path, train: Path) -> Path:
+    """A finished study 'earlier' on `train` in a fresh state directory, written directly (no training)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    study = optuna.create_study(study_name="earlier", storage=f"sqlite:///{state / 'optuna.db'}",
+                                direction="maximize")
+    study.set_user_attr(IDENTITY_ATTR, identity(load_study_file(tiny_study_file(tmp_path, "earlier")), str(train)))
+    for lr, weight, margin, value in EARLIER:
+        params = {LR: lr, WEIGHT: weight, **({MARGIN: margin} if margin is not None else {})}
+        dists = {LR: FloatDistribution(1e-4, 1e-2, log=True), WEIGHT: FloatDistribution(0.0, 1.0),
+                 MARGIN: FloatDistribution(0.05, 0.4)}
+        study.add_trial(optuna.trial.create_trial(params=params, distributions={k: dists[k] for k in params},
+                                                  value=value))
+    return state
+
+
+def create(tmp_path: Path, state: Path, train: Path, name: str, extra_args=(), **file) -> optuna.Study:
+    """`study create` of a tiny study file (no trial runs); the stored study."""
+    sf = tiny_study_file(tmp_path, name, **file)
+    assert main(["study", "create", str(sf), "--data", str(train), "--state-dir", str(state), *extra_args]) == 0
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{state / 'optuna.db'}")
+
+
+def warm(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in study.get_trials() if WARM_ATTR in t.user_attrs]
+
+
+def test_a_new_study_on_the_same_data_queues_the_earlier_best_first(tmp_path, data, capsys):
+    state = earlier_study(tmp_path, data[0])
+    study = create(tmp_path, state, data[0], "second")
+    queued = warm(study)
+    assert [t.user_attrs[WARM_ATTR] for t in queued] == ["earlier:0", "earlier:1", "earlier:2", "earlier:3"]
+    assert queued[0].system_attrs["fixed_params"] == {LR: 3e-3, WEIGHT: 0.9, MARGIN: 0.3}
+    assert all(t.state == optuna.trial.TrialState.WAITING for t in queued)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warm start:")]
+    assert len(lines) == 1 and "4 configuration(s)" in lines[0] and "from study 'earlier'" in lines[0]
+    assert "warm_from" in study_table(study, varying_only=False).columns  # `study status` shows the source
+
+
+def test_no_warm_start_takes_nothing(tmp_path, data, capsys):
+    state = earlier_study(tmp_path, data[0])
+    study = create(tmp_path, state, data[0], "cold", ["--no-warm-start"])
+    assert warm(study) == [] and "warm start" not in capsys.readouterr().err
+    assert study.user_attrs[IDENTITY_ATTR]["fingerprint"]  # still recorded: a later study can warm-start from it
+
+
+def test_a_changed_space_takes_what_fits_and_says_what_changed(tmp_path, data, capsys):
+    state = earlier_study(tmp_path, data[0])
+    # lr narrowed to [1e-4, 1e-3], the margin removed, dropout added
+    sf = tiny_study_file(tmp_path, "changed", extra='"model.dropout" = { type = "float", low = 0.0, high = 0.3 }\n')
+    sf.write_text(sf.read_text().replace("high = 1e-2", "high = 1e-3").replace(
+        '"loss.triplet.margin" = { type = "float", low = 0.05, high = 0.4, when = "loss.triplet.weight > 0.5" }', ""))
+    assert main(["study", "create", str(sf), "--data", str(data[0]), "--state-dir", str(state)]) == 0
+    study = optuna.load_study(study_name="changed", storage=f"sqlite:///{state / 'optuna.db'}")
+    fixed = [t.system_attrs["fixed_params"] for t in warm(study)]
+    assert fixed[0] == {LR: 1e-3, WEIGHT: 0.9}  # clipped, margin dropped, dropout left to the sampler
+    assert all(set(f) == {LR, WEIGHT} and f[LR] <= 1e-3 for f in fixed)
+    err = capsys.readouterr().err
+    assert "dropped (not in this study's space): loss.triplet.margin" in err
+    assert "clipped into this study's range: optim.lr" in err
+    assert "new in this study (left to the sampler): model.dropout" in err
+
+
+def test_a_categorical_choice_the_new_space_lacks_skips_that_configuration(tmp_path, data, capsys):
+    state = earlier_study(tmp_path, data[0])
+    extra = '"model.kind" = { type = "categorical", choices = ["residual_mlp"] }\n'
+    study = optuna.load_study(study_name="earlier", storage=f"sqlite:///{state / 'optuna.db'}")
+    trial = study.trials[0]
+    study.add_trial(optuna.trial.create_trial(  # the best earlier trial, a kind the new study does not search
+        params={**trial.params, "model.kind": "mlp"}, value=0.9,
+        distributions={**trial.distributions,
+                       "model.kind": optuna.distributions.CategoricalDistribution(["mlp", "residual_mlp"])}))
+    created = create(tmp_path, state, data[0], "kinds", extra=extra)
+    assert "earlier:4" not in [t.user_attrs[WARM_ATTR] for t in warm(created)]
+    assert "outside this study's choices (their configurations skipped): model.kind" in capsys.readouterr().err
+
+
+def test_other_data_takes_nothing_and_gets_the_portfolio(tmp_path, data):
+    state = earlier_study(tmp_path, data[0])
+    study = create(tmp_path, state, data[1], "elsewhere")
+    sources = [t.user_attrs[WARM_ATTR] for t in warm(study)]
+    assert sources and all(s.startswith("portfolio:") for s in sources)
+
+
+def test_warm_from_another_state_directory(tmp_path, data):
+    elsewhere = earlier_study(tmp_path, data[0])
+    (tmp_path / "mine").mkdir()
+    study = create(tmp_path / "mine", tmp_path / "mine" / "state", data[0], "fresh", ["--warm-from", str(elsewhere)])
+    assert warm(study)[0].user_attrs[WARM_ATTR] == "earlier:0"
+
+
+def test_the_portfolio_ships_in_the_wheel_and_fits_the_full_study():
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert any(fnmatch.fnmatch(PORTFOLIO.name, pattern) for pattern in package_data["search.study"])
+    configs = portfolio()
+    assert configs, f"{PORTFOLIO} holds no configuration"
+    space = {p.name: p for p in load_study_file(ROOT / "studies" / "full.toml").space}
+    for config in configs:
+        assert set(config) <= set(space) and all(space[k].contains(v) for k, v in config.items())
+
+
+@pytest.mark.slow
+def test_a_second_study_run_starts_from_the_first_with_no_flag(tmp_path, data, capsys):
+    state = tmp_path / "state"
+    sf = tiny_study_file(tmp_path, "first", n_trials=3)
+    args = ["--data", str(data[0]), "--state-dir", str(state), "--quiet"]
+    assert main(["study", "run", str(sf), *args]) == 0
+    assert main(["study", "run", str(sf), "--name", "second", "--n-trials", "1", *args]) == 0
+    storage = f"sqlite:///{state / 'optuna.db'}"
+    first = optuna.load_study(study_name="first", storage=storage)
+    trial = optuna.load_study(study_name="second", storage=storage).trials[0]
+    assert trial.user_attrs[WARM_ATTR] == f"first:{first.best_trial.number}"
+    assert trial.params == first.best_trial.params
+    run = MlflowClient(f"sqlite:///{state / 'mlflow.db'}").get_run(trial.user_attrs["mlflow_run_id"])
+    assert run.data.tags[WARM_ATTR] == f"first:{first.best_trial.number}"
+    assert "from study 'first'" in capsys.readouterr().err
