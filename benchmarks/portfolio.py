@@ -1,9 +1,10 @@
 """Build the warm-start portfolio (search/study/portfolio.toml): the configurations that did best on demo holdouts.
 
 For each holdout seed S (`latentsweep data holdout DEMO --seed S`), a cold study `studies/full.toml` runs on the
-holdout's train part for SECONDS (`study run --timeout SECONDS --no-warm-start`, its own state directory). The
-searched trials that completed (not the study file's recipes nor side trials: every study tries those anyway) are
-ranked within their holdout by value; the portfolio takes them round robin, the best of each holdout first, then the
+holdout's train part for SECONDS (`study run --timeout SECONDS --no-warm-start`, its own state directory), from a
+copy of the study file without its [[enqueue]] recipes and [[side]] trials (every study tries those anyway, and a
+short study would spend its seconds on them). The sampled trials that completed are ranked within their holdout by
+value; the portfolio takes them round robin, the best of each holdout first, then the
 second of each, ..., skipping repeats, until SIZE configurations. Each is written as its Optuna parameters of
 studies/full.toml with its source and its value relative to its holdout's best. A new study on new data tries them
 after its own recipes (search/study/warm.py).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +35,29 @@ def holdout_train(train: Path, seed: int, out: Path) -> Path:
         subprocess.run([*CLI, "data", "holdout", str(train), "--seed", str(seed), "--out", str(out)], cwd=ROOT,
                        check=True, capture_output=True)
     return out / "train.npz"
+
+
+def searched_only(study: Path, out: Path) -> Path:
+    """A copy of `study` without its [[enqueue]] recipes and [[side]] trials: every study tries those anyway, so the
+    portfolio's short studies spend their seconds on sampled configurations only."""
+    keep, skipping = [], False
+    for line in study.read_text().splitlines():
+        if re.match(r"\s*\[\[(enqueue|side)\]\]", line):
+            skipping = True
+        elif re.match(r"\s*\[", line):
+            skipping = False
+        if not skipping:
+            keep.append(line)
+    out.mkdir(parents=True, exist_ok=True)
+    copy = out / study.name
+    copy.write_text("\n".join(keep) + "\n")
+    sys.path.insert(0, str(ROOT))
+    from search.study.studyfile import load_study_file
+
+    loaded = load_study_file(copy)
+    if loaded.enqueue or loaded.side:
+        raise SystemExit(f"{copy}: could not remove the recipes and side trials of {study}")
+    return copy
 
 
 def cold_study(study: Path, train: Path, seconds: int, state: Path) -> list[dict]:
@@ -87,7 +112,8 @@ def write_portfolio(chosen: list[dict], out: Path, header: str) -> None:
 
 def build(study: Path, trains: dict[str, Path], seconds: int, size: int, work: Path, out: Path) -> list[dict]:
     started, load = time.monotonic(), os.getloadavg()[0]
-    per_holdout = {label: cold_study(study, train, seconds, work / label) for label, train in trains.items()}
+    searched = searched_only(study, work / "study")
+    per_holdout = {label: cold_study(searched, train, seconds, work / label) for label, train in trains.items()}
     for label, rows in per_holdout.items():
         print(f"{label}: {len(rows)} searched complete trial(s), best {rows[0]['value'] if rows else None}")
     chosen = round_robin(per_holdout, size)

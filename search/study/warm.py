@@ -5,9 +5,10 @@ every study records at creation (IDENTITY_ATTR), so a copied or renamed file is 
 is not. Earlier studies are looked for in the study's own storage and in each `--warm-from` source (a state directory
 or an Optuna storage URL); one is a source when its data fingerprint, objective metric and direction match. Their
 COMPLETE trials, best first and distinct once translated into the new space (search/study/space.py), are enqueued
-after the study file's own recipes, WARM_K at most; each records where it came from (WARM_ATTR, and the MLflow tag of
-the same name). Without any source, the bundled portfolio (portfolio.toml, written by benchmarks/portfolio.py) is
-enqueued the same way. Done once, when the study is created (search/study/worker.py load_or_create).
+before the study file's own recipes (the earlier studies ranked those too), WARM_K at most; each records where it came
+from (WARM_ATTR, and the MLflow tag of the same name). Without any source, the bundled portfolio (portfolio.toml,
+written by benchmarks/portfolio.py) is enqueued after the recipes. Done once, when the study is created
+(search/study/worker.py load_or_create).
 
 Not done: adding the earlier trials themselves to the new study (Optuna's add_trials) so the sampler models them.
 Every reader of a study's trials (the budget count, `study status`, the best trial, the pick's candidates, the
@@ -169,14 +170,16 @@ def enqueue(study: optuna.Study, values: dict[str, Any], source: str) -> bool:
 
 
 def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabled: bool = True,
-               warm_from: tuple[str, ...] = (), k: int = WARM_K) -> str:
-    """Record the study's identity, then (when `enabled`) enqueue the best distinct configurations of earlier
-    studies on the same data, else the portfolio; says what it took in one line (one more per kind of change to the
-    configurations) and returns those lines ("" when disabled)."""
+               warm_from: tuple[str, ...] = (), k: int = WARM_K) -> bool:
+    """Record the study's identity, then (when `enabled`) queue the best distinct configurations of earlier studies
+    on the same data, saying what it took in one line (and one per kind of change to them). Called before the study
+    file's recipes are queued: the earlier studies ran those recipes on this data too and ranked them with the rest,
+    so the best known configuration runs first. Returns whether the portfolio is due (enabled, nothing found): it
+    goes after the recipes (queue_portfolio)."""
     mine = identity(study_file, data_path)
     study.set_user_attr(IDENTITY_ATTR, mine)
     if not enabled:
-        return ""
+        return False
     found = earlier_trials(storage_of(study), mine, study.study_name, "")
     for label, url in source_storages(warm_from):
         storage = open_storage(StorageSettings(url))
@@ -184,35 +187,42 @@ def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabl
             found += earlier_trials(storage, mine, study.study_name if url == storage_of(study).url else "", label)
         finally:
             dispose(storage)
-    base_values, changes = flatten(study_file.base), Changes()
-    taken: dict[str, int] = {}
-    seen: set[str] = set()
-    if found:
-        for label, name, trial in ranked(found, study_file.direction):
-            values = translate(trial.params, study_file.space, base_values, changes)
-            text = json.dumps(values, sort_keys=True, default=str)
-            if values and text not in seen:
-                seen.add(text)
-                if enqueue(study, values, f"{name}:{trial.number}"):
-                    taken[label] = taken.get(label, 0) + 1
-            if sum(taken.values()) >= k:
-                break
-        what = ", ".join(f"{n} from {label}" for label, n in taken.items())
-        head = (f"warm start: {sum(taken.values())} configuration(s) of earlier studies on the same data "
-                f"({mine['fingerprint']}): {what or 'none new (each one is queued already or none fits this space)'}")
-    else:
-        queued = 0
-        for i, params in enumerate(portfolio()):
-            values = translate(params, study_file.space, base_values, changes)
-            if values and json.dumps(values, sort_keys=True, default=str) not in seen:
-                seen.add(json.dumps(values, sort_keys=True, default=str))
-                queued += enqueue(study, values, f"portfolio:{i}")
-        head = (f"warm start: no earlier study on this data ({mine['fingerprint']}); {queued} configuration(s) of "
-                f"the bundled portfolio queued")
-    lines = [head, *changes.lines()]
+    if not found:
+        return True
+    changes, taken, seen = Changes(), {}, set()
+    for label, name, trial in ranked(found, study_file.direction):
+        values = translate(trial.params, study_file.space, flatten(study_file.base), changes)
+        text = json.dumps(values, sort_keys=True, default=str)
+        if values and text not in seen:
+            seen.add(text)
+            if enqueue(study, values, f"{name}:{trial.number}"):
+                taken[label] = taken.get(label, 0) + 1
+        if sum(taken.values()) >= k:
+            break
+    what = ", ".join(f"{n} from {label}" for label, n in taken.items())
+    say([f"warm start: {sum(taken.values())} configuration(s) of earlier studies on the same data "
+         f"({mine['fingerprint']}) first: {what or 'none (each one is queued already or none fits this space)'}",
+         *changes.lines()])
+    return False
+
+
+def queue_portfolio(study: optuna.Study, study_file: StudyFile) -> None:
+    """The first study on new data: queue the bundled portfolio's configurations (after the study file's recipes)."""
+    changes, seen, queued = Changes(), set(), 0
+    for i, params in enumerate(portfolio()):
+        values = translate(params, study_file.space, flatten(study_file.base), changes)
+        text = json.dumps(values, sort_keys=True, default=str)
+        if values and text not in seen:
+            seen.add(text)
+            queued += enqueue(study, values, f"portfolio:{i}")
+    say([f"warm start: no earlier study on this data ({study.user_attrs[IDENTITY_ATTR]['fingerprint']}); "
+         f"{queued} configuration(s) of the bundled portfolio queued after the study file's recipes",
+         *changes.lines()])
+
+
+def say(lines: list[str]) -> None:
     for line in lines:
         emit(line)
-    return "\n".join(lines)
 
 
 def warm_tags(trial) -> dict[str, str]:
@@ -230,5 +240,5 @@ def warm_column(study: optuna.Study, frame) -> list[str]:
     return ["warm_from"]
 
 
-__all__ = ["IDENTITY_ATTR", "WARM_ATTR", "WARM_K", "identity", "portfolio", "translate", "warm_column",
-           "warm_start", "warm_tags"]
+__all__ = ["IDENTITY_ATTR", "WARM_ATTR", "WARM_K", "identity", "portfolio", "queue_portfolio", "translate",
+           "warm_column", "warm_start", "warm_tags"]

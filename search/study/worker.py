@@ -26,7 +26,7 @@ from search.study.storage import (
 )
 from search.stores import safe_name
 from search.study.studyfile import StudyFile
-from search.study.warm import warm_start
+from search.study.warm import queue_portfolio, warm_start
 from search.tracking import make_tracker
 from search.tracking.base import REAPED_TAG, Tracker
 from trainers.errors import LatentsweepError
@@ -122,9 +122,11 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
         study.set_user_attr(PARENT_ATTR, tracker.ensure_study(spec.name, settings))
     if not attrs.get(ENQUEUED_ATTR):
         enqueue_side(study, study_file.side)  # first: one cheap config each (the knn: seconds on the demo)
+        portfolio_due = warm_start(study, study_file, spec.data_path, spec.warm_start, spec.warm_from)
         for values in study_file.enqueue:
             study.enqueue_trial(values, user_attrs={"latentsweep.enqueued": True}, skip_if_exists=True)
-        warm_start(study, study_file, spec.data_path, spec.warm_start, spec.warm_from)  # after the recipes
+        if portfolio_due:  # nothing earlier on this data (search.study.warm)
+            queue_portfolio(study, study_file)
         study.set_user_attr(ENQUEUED_ATTR, True)
     study.set_user_attr("objective", study_file.objective)
     if study.metric_names != [study_file.objective]:
