@@ -93,7 +93,7 @@ def targets() -> list[tuple[object, str, str]]:
         (runner, "open_tracker", "study start: open tracker"), (runner, "load_or_create", "study start: load/create"),
         (runner, "load_train_shared", "study start: load data"), (runner, "finish", "study end: summary, figures"),
         (objective.TrialRunner, "run", "trial"), (objective, "train", "train"),
-        (objective.TrialRunner, "_start", "start"), (objective.TrialRunner, "_tags", "tags"),
+        (objective.TrialRunner, "start", "start"), (objective.TrialRunner, "_tags", "tags"),
         (MlflowTracker, "start_trial", "mlflow start_trial"), (MlflowTracker, "log_dataset", "mlflow log_dataset"),
         (loop, "train", "train"), (loop, "_train_epoch", "training"), (loop, "_val_loss", "validation (val loss)"),
         (loop, "build_model", "setup: model"), (loop, "build_optimizer", "setup: optimiser"),

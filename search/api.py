@@ -21,6 +21,7 @@ from search.progress import honours_progress
 from search.pick.picker import run_pick
 from search.stores import resolve_stores, state_dir as resolve_state_dir
 from search.study.preflight import no_new_empty_state_dir, preflight
+from search.study.devices import check_population
 from search.study.presets import presets as _presets
 from search.study.report import load_existing_study, study_table
 from search.study.runner import run_study as _run_study
@@ -44,10 +45,13 @@ def presets() -> pd.DataFrame:
 def run_study(study: str | Path, *, data: str | None = None, n_trials: int | None = None,
               timeout: float | None = None, workers: int = 1, name: str | None = None, state_dir: str | None = None,
               storage: str | None = None, tracking_uri: str | None = None, artifact_root: str | None = None,
-              progress: bool = True, warm_start: bool = True, warm_from: tuple[str, ...] = ()) -> dict:
+              progress: bool = True, warm_start: bool = True, warm_from: tuple[str, ...] = (),
+              population: int | str = "auto") -> dict:
     """Create or resume a study (a study file's path or a preset's name) and run its trials here, as `latentsweep
     study run`; returns the summary (trials by state, best value and trial). A new study first tries earlier
-    studies' best configurations on the same data (`warm_start`, `warm_from`: docs/warm-start.md)."""
+    studies' best configurations on the same data (`warm_start`, `warm_from`: docs/warm-start.md). `population`:
+    trials trained side by side per worker, a number or "auto" (docs/gpu.md)."""
+    check_population("population", population)
     _check_common(study, workers, progress, data=data, name=name, state_dir=state_dir, storage=storage,
                   tracking_uri=tracking_uri, artifact_root=artifact_root)
     if n_trials is not None:
@@ -58,7 +62,8 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
     with no_new_empty_state_dir(state_dir):
         spec = build_spec(study_file, data=data, n_trials=n_trials, timeout=timeout, name=name, state=state_dir,
                           storage=storage, tracking_uri=tracking_uri, artifact_root=artifact_root,
-                          progress=progress, warm_start=warm_start, warm_from=tuple(warm_from))
+                          progress=progress, warm_start=warm_start, warm_from=tuple(warm_from),
+                          population=population)
         preflight(spec)
     return {"study": spec.name, **_run_study(spec, workers=workers)}
 
@@ -66,11 +71,14 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
 @honours_progress
 def run(study: str | Path, time: str | float, *, data: str | None = None, test: str | None = None,
         register: str | None = None, workers: int = 1, state_dir: str | None = None, progress: bool = True,
-        warm_start: bool = True, warm_from: tuple[str, ...] = ()) -> OneBudgetResult:
+        warm_start: bool = True, warm_from: tuple[str, ...] = (), population: int | str = "auto"
+        ) -> OneBudgetResult:
     """Search and pick within one wall-clock budget, as `latentsweep run STUDY --time T` (T: seconds or "30m");
     returns the job's result (.summary of the study, .pick: the pick's result or None, .answer: the submission in
-    place); the ensemble is registered under `register` (default: the study's name)."""
+    place); the ensemble is registered under `register` (default: the study's name); `population` as in
+    run_study."""
     started = _time.monotonic()  # the deadline's clock (trainers.deadline)
+    check_population("population", population)
     _check_common(study, workers, progress, data=data, test=test, state_dir=state_dir)
     check_type("time", time, str, int, float)
     total = parse_duration(str(time))  # bounded: finite, at most a week
@@ -80,7 +88,7 @@ def run(study: str | Path, time: str | float, *, data: str | None = None, test: 
     with no_new_empty_state_dir(state_dir):
         spec = build_spec(study_file, data=data, n_trials=None, timeout=None, name=None, state=state_dir,
                           storage=None, tracking_uri=None, artifact_root=None, progress=progress,
-                          warm_start=warm_start, warm_from=tuple(warm_from))
+                          warm_start=warm_start, warm_from=tuple(warm_from), population=population)
         preflight(spec)
         pick = check_pick_inputs(PickOptions(  # every pick input before the search, as the CLI
             study=spec.name, state_dir=spec.state_dir, storage=spec.storage.url, tracking_uri=spec.tracking_uri,

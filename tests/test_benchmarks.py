@@ -18,7 +18,7 @@ SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
 # (a new one) runs in the suite.
 SLOW = {"end_to_end.py", "ensemble_size.py", "full_search.py", "gpu.py", "knob_ab.py", "knob_cost.py",
         "memory_peak.py", "one_budget.py", "portfolio.py", "screenshots.py", "search_efficiency.py", "seed_repro.py",
-        "throughput.py",
+        "throughput.py", "warm_start.py",
         "trial_costs.py", "workers.py"}
 
 

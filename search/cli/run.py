@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from search.cli.pick import print_result
-from search.cli.study import add_worker_args, make_spec, warm_args, worker_plan
+from search.cli.study import add_worker_args, make_spec, say_plan, warm_args, worker_plan
 from search.cli.study_inspect import liveness_args, stores_args
 from search.checks import check_outputs
 from search.pick.candidates import test_path_for
@@ -64,6 +64,7 @@ def cmd_run(args) -> int:
             study=safe_name(spec.name), state_dir=spec.state_dir, storage=spec.storage.url,
             tracking_uri=spec.tracking_uri, data=spec.data_path, test=args.test, out=args.out,
             register=args.register or spec.name, device=args.device, progress=spec.progress), spec.data_path)
+    say_plan(plan, spec)
     print(f"study '{spec.name}': storage {redact_url(spec.storage.url)}, tracking {redact_url(spec.tracking_uri)}",
           file=sys.stderr)
     done = run_one_budget(spec, total, pick, plan.workers, started)

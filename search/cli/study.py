@@ -11,7 +11,7 @@ from pathlib import Path
 from search.cli import presets, study_inspect
 from search.cli.study_inspect import liveness_args, stores_args
 from search.study.devices import (
-    GPUS_ENV, PER_GPU_ENV, WorkerPlan, claim_slot, pin_process, plan_workers, workers_arg,
+    AUTO, GPUS_ENV, PER_GPU_ENV, WorkerPlan, claim_slot, describe_plan, pin_process, plan_workers, workers_arg,
 )
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.study.progress import is_terminal
@@ -59,9 +59,9 @@ def add_parser(sub) -> None:
 
 def add_worker_args(p) -> None:
     """--workers, --gpus and --per-gpu of the commands that start local workers (`study run`, `run`)."""
-    p.add_argument("--workers", type=workers_arg, default=1,
+    p.add_argument("--workers", type=workers_arg,
                    help="worker processes on this machine: a number, or auto (every GPU slot: GPUs x --per-gpu; "
-                        "without GPUs one per 2 cores) (default 1)")
+                        "without GPUs one per 2 cores) (default: one per GPU on a CUDA machine, else 1)")
     gpu_args(p, "each worker sees one GPU (its cuda:0)")
 
 
@@ -81,6 +81,9 @@ def gpu_args(p, each: str) -> None:
                         f"none: nothing pinned)")
     p.add_argument("--per-gpu", type=int, metavar="M", default=os.environ.get(PER_GPU_ENV) or None,
                    help=f"workers per GPU of --gpus (default ${PER_GPU_ENV}, else 1)")
+    p.add_argument("--population", type=workers_arg, default=AUTO, metavar="N|auto",
+                   help="trials each worker trains side by side, each its own trial and run (default auto: sized on "
+                        "the worker's GPU; 1 on a CPU)")
 
 
 def worker_plan(args) -> WorkerPlan:
@@ -95,6 +98,7 @@ def make_spec(args, study_file=None, plan: WorkerPlan | None = None):
                       name=args.name, state=args.state_dir, storage=args.storage, tracking_uri=args.tracking_uri,
                       artifact_root=args.artifact_root, heartbeat=args.heartbeat, grace=args.grace,
                       progress=not args.quiet and is_terminal(), verbose=args.verbose,
+                      population=getattr(args, "population", AUTO),
                       warm_start=getattr(args, "warm_start", True), warm_from=tuple(getattr(args, "warm_from", ())))
     return spec if plan is None else replace(spec, gpus=plan.gpus, per_gpu=plan.per_gpu)
 
@@ -104,11 +108,17 @@ def cmd_study_run(args) -> int:
     with no_new_empty_state_dir(args.state_dir):
         spec = make_spec(args, plan=plan)
         preflight(spec)
+    say_plan(plan, spec)
     print(f"study '{spec.name}': storage {redact_url(spec.storage.url)}, tracking {redact_url(spec.tracking_uri)}",
           file=sys.stderr)
     summary = run_study(spec, workers=plan.workers)
     print(json.dumps({"study": spec.name, **summary}, default=str))
     return 0
+
+
+def say_plan(plan: WorkerPlan, spec) -> None:
+    if plan.machine:  # the devices were the machine's choice: one line says what it chose
+        print(describe_plan(plan, spec.population), file=sys.stderr)
 
 
 def cmd_study_create(args) -> int:

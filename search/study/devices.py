@@ -19,6 +19,9 @@ ALL = "all"
 # The device a trial trained on ('cpu' or 'cuda:K', K the machine's GPU): a tag of its MLflow run and a user attribute
 # of its Optuna trial, shown by `study status`.
 DEVICE_ATTR = "latentsweep.device"
+# A trial user attr and its run's tag: {"id": "<host:pid>/<n>", "size": K}, the population it trained in
+# (search.study.population; absent for a trial trained alone), shown by `study status`.
+POPULATION_ATTR = "latentsweep.population"
 AUTO = "auto"
 # `--workers auto` on a machine without GPUs: one worker per this many cores, the threads each compose worker gets by
 # default (WORKER_THREADS in docker-compose.yml), so auto never asks for more threads than the machine has.
@@ -35,16 +38,46 @@ class WorkerPlan:
     workers: int
     gpus: tuple[str, ...] = ()
     per_gpu: int = 1
+    machine: bool = False  # chosen by machine_defaults (no device option given, GPUs seen): said in one line
 
 
 def workers_arg(text: str) -> int | str:
-    """argparse type of `--workers`: a whole number, or auto (anything else is argparse's one-line error)."""
+    """argparse type of `--workers` and `--population`: a whole number, or auto (anything else is argparse's
+    one-line error)."""
     if text == AUTO:
         return AUTO
     try:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number or auto, got '{text}'") from None
+
+
+def check_population(name: str, value) -> int | str:
+    """`--population`: auto, or a whole number >= 1 (one-line errors)."""
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LatentsweepError(f"{name} must be a whole number >= 1 or auto, got {value!r}")
+    return value
+
+
+def machine_defaults(count: int, workers: int | str | None, gpus: str | None, per_gpu: int | None,
+                     population: int | str | None = None) -> tuple[int | str, str | None, int | str]:
+    """(workers, gpus, population) of `study run|run` from the CUDA devices seen and the options given (None: not
+    given). With no device option on a machine with GPUs: every GPU, one worker each (auto), populations sized on
+    each GPU; on a CPU machine one worker, as before. A device option given (--workers, --gpus, --per-gpu) is the
+    user's plan, kept as it is; the population is auto unless given (1 on a CPU: search.study.population)."""
+    population = AUTO if population is None else population
+    if workers is None and gpus is None and per_gpu is None:
+        return (AUTO, ALL, population) if count > 0 else (1, None, population)
+    return (1 if workers is None else workers), gpus, population
+
+
+def describe_plan(plan: WorkerPlan, population: int | str) -> str:
+    """The one line a command says when the machine chose its devices (WorkerPlan.machine)."""
+    each = "sized on each GPU from its memory and step time" if population == AUTO else f"{population} per worker"
+    return (f"using every GPU: {len(plan.gpus)} ({','.join(plan.gpus)}), {plan.workers} worker(s) ({plan.per_gpu} "
+            f"per GPU), population {population} ({each}); --workers 1 --population 1 trains one trial at a time")
 
 
 def parse_gpus(text: str, count: int) -> tuple[int, ...]:
@@ -92,15 +125,18 @@ def auto_workers(gpus: Sequence[str], per_gpu: int, cpus: int) -> int:
     return len(gpus) * per_gpu if gpus else max(1, cpus // CPU_THREADS_PER_WORKER)
 
 
-def plan_workers(workers: int | str, gpus: str | None, per_gpu: int | None) -> WorkerPlan:
-    """The local workers of `study run|run` from `--workers`, `--gpus` and `--per-gpu`, checked against this
-    machine before anything is stored. Without --gpus nothing changes, except that `--workers auto` on a machine with
-    GPUs uses all of them. torch.cuda.device_count() asks NVML: it does not initialise CUDA in this process."""
+def plan_workers(workers: int | str | None, gpus: str | None, per_gpu: int | None) -> WorkerPlan:
+    """The local workers of `study run|run` from `--workers`, `--gpus` and `--per-gpu` (None: not given), checked
+    against this machine before anything is stored. None of them given on a machine with GPUs: all of them
+    (machine_defaults); `--workers auto` alone too; otherwise without --gpus nothing is pinned.
+    torch.cuda.device_count() asks NVML: it does not initialise CUDA in this process."""
     if per_gpu is not None and per_gpu < 1:
         raise LatentsweepError(f"--per-gpu must be >= 1, got {per_gpu}")
-    if workers != AUTO and workers < 1:
+    if workers not in (AUTO, None) and workers < 1:
         raise LatentsweepError(f"--workers must be >= 1 or auto, got {workers}")
     count = torch.cuda.device_count()
+    machine = count > 0 and workers is None and gpus is None and per_gpu is None
+    workers, gpus, _ = machine_defaults(count, workers, gpus, per_gpu)
     if gpus is None and workers == AUTO and count > 0:
         gpus = ALL
     if gpus is None:
@@ -111,7 +147,7 @@ def plan_workers(workers: int | str, gpus: str | None, per_gpu: int | None) -> W
     per_gpu = per_gpu or 1
     n = auto_workers(ids, per_gpu, os.cpu_count() or 1) if workers == AUTO else workers
     assign_slots(ids, per_gpu, n)  # the check: no more workers than slots
-    return WorkerPlan(n, ids, per_gpu)
+    return WorkerPlan(n, ids, per_gpu, machine)
 
 
 def pin_process(visible: str | None) -> None:

@@ -5,7 +5,9 @@ import functools
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import optuna
 from optuna.storages import RetryFailedTrialCallback
@@ -13,7 +15,7 @@ from optuna.trial import TrialState
 
 from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
 from search.study.contract import TrialOutputs
-from search.study.devices import DEVICE_ATTR
+from search.study.devices import DEVICE_ATTR, POPULATION_ATTR
 from search.study.progress import emit
 from search.study.side import SIDE_ATTR, side_values
 from search.study.space import sample
@@ -27,7 +29,7 @@ from search.tracking.base import (
 )
 from search.tracking.source import source_tags
 from search.tracking.plots import rank_histogram
-from trainers.config import dump_toml, flatten, with_values
+from trainers.config import Config, dump_toml, flatten, with_values
 from trainers.cost import Timing
 from trainers.data import TrainSet
 from trainers.deadline import Deadline
@@ -46,6 +48,16 @@ HALT_ATTR = "latentsweep.halted"
 # one-budget run its split with; and, on a trial the deadline cut short, where it stopped.
 TIMING_ATTR = "timing"
 DEADLINE_ATTR = "latentsweep.stopped_at_deadline"
+
+
+@dataclass(frozen=True)
+class Started:
+    """A trial whose config is written and whose MLflow run is open: what training it needs, and its epoch callback
+    (TrialRunner._report: the run's metrics, Optuna's report and pruning)."""
+    cfg: Config
+    out: Path
+    run_id: str
+    callback: Callable[[EpochReport], None]
 
 
 def relative_to_state(path: Path, state_dir: str | Path) -> str:
@@ -72,7 +84,7 @@ class TrialRunner:
     def __init__(self, study_file: StudyFile, spec, data: TrainSet, tracker: Tracker, out_root: Path):
         self.study_file, self.spec, self.data, self.tracker, self.out_root = study_file, spec, data, tracker, out_root
         self.base_values = flatten(study_file.base)
-        self.open_run: str | None = None  # the MLflow run of the trial in progress, until it is closed
+        self.open_runs: dict[int, str] = {}  # trial number -> its MLflow run, from its start until it is closed
         # `study run --timeout`: from this worker's start; a one-budget run's search end is re-estimated after every
         # epoch (search.study.budget). The sooner of the two is the search's end (trainers.deadline).
         self.timeout_end = Deadline.after(spec.timeout) if spec.timeout is not None else None
@@ -97,20 +109,41 @@ class TrialRunner:
 
     def run(self, trial: optuna.Trial) -> tuple[TrialState, float | None]:
         """COMPLETE or PRUNED; any failure (from sampling to recording the result) is raised, for fail(). In a
-        one-budget run the training stops at the search's end, keeping its best finished epoch."""
-        cfg, out, run_id = self._start(trial)
+        one-budget run the training stops at the search's end, keeping its best finished epoch. A population
+        (search.study.population) uses the same pieces: start, the started trial's callback, finish."""
+        started = self.start(trial)
         try:
-            result = train(cfg, self.data, callback=functools.partial(self._report, trial, run_id, {}), out_dir=out,
-                           progress=self.spec.progress, deadline=lambda: self.search_end)
-        except optuna.TrialPruned as exc:
-            self.tracker.log(run_id, tags={NOTE_TAG: f"Pruned by the study's pruner ({exc})."})
+            end = train(started.cfg, self.data, callback=started.callback, out_dir=started.out,
+                        progress=self.spec.progress, deadline=self.deadline)
+        except (optuna.TrialPruned, DeadlineReached) as exc:
+            end = exc
+        return self.finish(trial, started, end)
+
+    def deadline(self) -> Deadline | None:
+        """What training reads before every step: the search's end as last re-estimated (search_end_now)."""
+        return self.search_end
+
+    def start(self, trial: optuna.Trial, population: dict | None = None) -> Started:
+        """Sample the trial's config, write it and open its MLflow run (see configure and open)."""
+        return self.open(trial, *self.configure(trial), population=population)
+
+    def finish(self, trial: optuna.Trial, started: Started, end) -> tuple[TrialState, float | None]:
+        """A started trial's end (its TrainResult, or the exception that ended it) recorded and its run closed:
+        COMPLETE or PRUNED (the pruner, or the deadline before any epoch ended); any other exception is raised,
+        for fail()."""
+        run_id, out = started.run_id, started.out
+        if isinstance(end, optuna.TrialPruned):
+            self.tracker.log(run_id, tags={NOTE_TAG: f"Pruned by the study's pruner ({end})."})
             self._close(run_id, out, "PRUNED")
             return TrialState.PRUNED, None
-        except DeadlineReached as exc:  # the budget's end, before any epoch ended: nothing to keep, not a failure
-            trial.set_user_attr(DEADLINE_ATTR, str(exc))
-            self.tracker.log(run_id, tags={NOTE_TAG: f"Stopped at the run's deadline: {exc}."})
+        if isinstance(end, DeadlineReached):  # the budget's end, before any epoch ended: nothing to keep, no failure
+            trial.set_user_attr(DEADLINE_ATTR, str(end))
+            self.tracker.log(run_id, tags={NOTE_TAG: f"Stopped at the run's deadline: {end}."})
             self._close(run_id, out, "PRUNED")
             return TrialState.PRUNED, None
+        if isinstance(end, BaseException):
+            raise end
+        result = end
         value = float(result.best_metrics[self.study_file.objective])
         if result.stopped_at_deadline:
             # Cut short by the budget, its best finished epoch kept: pruned (Optuna's "stopped early"), and pick
@@ -128,12 +161,12 @@ class TrialRunner:
         self._close(run_id, out, "COMPLETE", ranks=getattr(result, "val_ranks", None))
         return TrialState.COMPLETE, value
 
-    def _start(self, trial: optuna.Trial):
-        """Sample the config, write trial-N/config.toml and open the MLflow run.
+    def configure(self, trial: optuna.Trial) -> tuple:
+        """Sample the config and write trial-N/config.toml: (cfg, out, the sampled values, a side trial's values).
 
         A search space whose distributions differ from the stored trials' is a config error (the trial counts); a
         file system that refuses the config (full, read-only, a name too long) is the machine's (MachineFailed: the
-        trial is retried). `self.open_run` names the run until it is closed, so fail() can close it.
+        trial is retried).
         """
         out = self.out_root / f"trial-{trial.number}"
         side = side_values(trial)  # a side trial's config is its own values: it samples nothing
@@ -149,16 +182,28 @@ class TrialRunner:
                 fh.write(dump_toml(cfg))
         except OSError as exc:
             raise MachineFailed(f"cannot write {exc.filename or out}: {exc.strerror or exc}") from exc
+        return cfg, out, values, side
+
+    def open(self, trial: optuna.Trial, cfg, out: Path, values: dict, side: dict | None,
+             population: dict | None = None) -> Started:
+        """Open the trial's MLflow run (params, tags, dataset); `population` (POPULATION_ATTR's value) when it trains
+        in one. `self.open_runs` names the run until it is closed, so fail() can close it."""
         params = {k: redact_url(str(v)) for k, v in flatten(cfg).items()}
         if side is None:  # search.<knob>: what the sampler chose (a side trial's values are in its side tag)
             params.update({f"{SEARCH_PARAM_PREFIX}{k}": redact_url(str(v)) for k, v in values.items()})
-        self.open_run = self.tracker.start_trial(trial.number, params, self._tags(trial, cfg))
-        TrialOutputs(mlflow_run_id=self.open_run, out_dir=relative_to_state(out, self.spec.state_dir)).record(trial)
-        self.tracker.log_dataset(self.open_run, DatasetRecord(
+        run_id = self.tracker.start_trial(trial.number, params, self._tags(trial, cfg, population))
+        self.open_runs[trial.number] = run_id
+        TrialOutputs(mlflow_run_id=run_id, out_dir=relative_to_state(out, self.spec.state_dir)).record(trial)
+        self.tracker.log_dataset(run_id, DatasetRecord(
             Path(self.spec.data_path).name, self.data.fingerprint, self.spec.data_path, "train",
             {"images": int(self.data.image.shape[0]), "captions": int(self.data.text.shape[0]),
              "text_dim": int(self.data.text.shape[1]), "image_dim": int(self.data.image.shape[1])}))
-        return cfg, out, self.open_run
+        return Started(cfg, out, run_id, functools.partial(self._report, trial, run_id, {}))
+
+    @property
+    def open_run(self) -> str | None:
+        """The run of the one trial in progress (the one-trial path), or None."""
+        return next(iter(self.open_runs.values()), None)
 
     def fail(self, study: optuna.Study, trial: optuna.Trial,
              exc: BaseException) -> tuple[Failure, optuna.trial.FrozenTrial]:
@@ -167,7 +212,7 @@ class TrialRunner:
         the study halted, so the other workers stop). The Optuna outcome is decided by `exc` alone: a tracker that
         cannot close the run is said in one line (`study reap` closes it later), unless that is a bug of its own."""
         failure = classify(exc)
-        run_id, self.open_run = self.open_run, None
+        run_id = self.open_runs.pop(trial.number, None)
         if run_id is not None:
             failure = self._close_failed(trial, run_id, failure)
         if failure.goes_on:
@@ -225,7 +270,7 @@ class TrialRunner:
         if trial.should_prune():
             raise optuna.TrialPruned(f"pruned at epoch {report.epoch}")
 
-    def _tags(self, trial: optuna.Trial, cfg) -> dict[str, str]:
+    def _tags(self, trial: optuna.Trial, cfg, population: dict | None = None) -> dict[str, str]:
         # Optuna's retry callback marks the WAITING copy with the retried number (read by its public static method)
         retry_of = RetryFailedTrialCallback.retried_trial_number(storage_of(trial.study).get_trial(trial_id(trial)))
         tags = {"optuna.trial_number": str(trial.number), "optuna.study": self.spec.name,
@@ -237,6 +282,9 @@ class TrialRunner:
         trial.set_user_attr(DEVICE_ATTR, tags[DEVICE_ATTR])  # `study status` reads Optuna, not MLflow
         if retry_of is not None:
             tags["latentsweep.retry_of"] = str(retry_of)
+        if population is not None:  # which population it trained in, and its size (search.study.population)
+            trial.set_user_attr(POPULATION_ATTR, population)
+            tags.update({POPULATION_ATTR: str(population["id"]), f"{POPULATION_ATTR}_size": str(population["size"])})
         if SIDE_ATTR in trial.user_attrs:
             tags[SIDE_ATTR] = trial.user_attrs[SIDE_ATTR]
         tags.update(warm_tags(trial))  # a warm-started trial names its source study and trial (search.study.warm)
@@ -261,7 +309,7 @@ class TrialRunner:
         finally:
             try:
                 self._end(run_id, state)
-                self.open_run = None
+                self.open_runs = {n: r for n, r in self.open_runs.items() if r != run_id}
             finally:
                 self.close_s = time.monotonic() - started
 

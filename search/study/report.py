@@ -9,7 +9,7 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from search.redact import redact_url
-from search.study.devices import DEVICE_ATTR
+from search.study.devices import DEVICE_ATTR, POPULATION_ATTR
 from search.study.side import side_values
 from search.study.storage import StorageSettings, dispose, open_storage
 from search.study.warm import warm_column
@@ -64,13 +64,18 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
 
 
 def _devices(study: optuna.Study, frame: pd.DataFrame) -> list[str]:
-    """Add the `device` column (search.study.devices.DEVICE_ATTR of each trial) when any trial recorded one; its
-    name in a list, or none (a study from before devices were recorded)."""
+    """Add the `device` column (search.study.devices.DEVICE_ATTR of each trial) when any trial recorded one, and the
+    `population` column (its size, POPULATION_ATTR) when any trained in one; their names in a list, or none (a study
+    from before devices were recorded)."""
     devices = {t.number: t.user_attrs.get(DEVICE_ATTR) for t in study.get_trials(deepcopy=False)}
     if not any(devices.values()):
         return []
     frame["device"] = frame["number"].map(devices)
-    return ["device"]
+    sizes = {t.number: (t.user_attrs.get(POPULATION_ATTR) or {}).get("size") for t in study.get_trials(deepcopy=False)}
+    if not any(sizes.values()):  # every trial trained alone (search.study.population): no column
+        return ["device"]
+    frame["population"] = frame["number"].map(sizes)
+    return ["device", "population"]
 
 
 def study_summary(study: optuna.Study) -> dict[str, Any]:

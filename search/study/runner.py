@@ -18,6 +18,7 @@ from search.process import configure_process, interrupt_on, signals_blocked, spa
 from search.study.budget import workers_stop
 from search.study.devices import assign_slots, pin_process
 from search.study.objective import TrialRunner
+from search.study.population import population_loop, population_size
 from search.study.progress import emit, trial_line
 from search.study.report import load_existing_study, study_summary
 from search.study.studyfile import load_study_file
@@ -64,6 +65,9 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
     try:
         reap(study, tracker)
         runner = TrialRunner(study_file, spec, data, tracker, study_dir(spec.state_dir, spec.name))
+        size = population_size(spec.population, study_file, spec, data)
+        if size > 1:  # K trials side by side, each its own trial and run (search.study.population)
+            return population_loop(study_file, spec, study, runner, size, on_trial=on_trial)
         return worker_loop(study_file, spec, study, runner, on_trial=on_trial)
     except KeyboardInterrupt as exc:  # between trials (the halted check, the search-end estimate): no trial failed it
         release_interrupted(exc)  # it may have landed inside a store call: closing the parent run writes next

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from search.checks import check_seconds
 from search.stores import resolve_stores, safe_name, state_dir
+from search.study.devices import AUTO, check_population
 from search.study.preflight import check_liveness
 from search.study.storage import StorageSettings
 from search.study.studyfile import StudyFile, resolve_data_path
@@ -19,9 +20,11 @@ def build_spec(study_file: StudyFile, *, data: str | None = None, n_trials: int 
                timeout: float | None = None, name: str | None = None, state: str | None = None,
                storage: str | None = None, tracking_uri: str | None = None, artifact_root: str | None = None,
                heartbeat: int = HEARTBEAT_S, grace: int = GRACE_S, progress: bool = True,
-               verbose: bool = False, warm_start: bool = True, warm_from: tuple[str, ...] = ()) -> RunSpec:
+               verbose: bool = False, population: int | str = AUTO,
+               warm_start: bool = True, warm_from: tuple[str, ...] = ()) -> RunSpec:
     """RunSpec from explicit values, the study file and the state-directory defaults (checked, one-line errors)."""
     check_liveness(heartbeat, grace)
+    population = check_population("--population", population)
     if n_trials is not None and n_trials < 1:  # 0 must not fall back to the file's value
         raise LatentsweepError(f"--n-trials must be >= 1, got {n_trials}")
     if timeout is not None:
@@ -36,6 +39,7 @@ def build_spec(study_file: StudyFile, *, data: str | None = None, n_trials: int 
         state_dir=str(stores.root), data_path=str(train),
         n_trials=n_trials if n_trials is not None else study_file.n_trials,
         timeout=timeout if timeout is not None else study_file.timeout, progress=progress, verbose=verbose,
+        population=population,
         warm_start=bool(warm_start), warm_from=(str(warm_from),) if isinstance(warm_from, (str, Path)) else
         tuple(map(str, warm_from)),
     )

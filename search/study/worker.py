@@ -66,6 +66,9 @@ class RunSpec:
     gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; search.study.devices)
     per_gpu: int = 1  # local workers per GPU
     cuda_visible: str | None = None  # the GPU this spawned worker sees (set before its first CUDA call); None: as is
+    # trials each worker trains side by side: a number, or "auto" (search.study.population.population_size: sized on
+    # the worker's GPU, 1 on a CPU); 1 is the one-trial worker_loop
+    population: int | str = "auto"
     warm_start: bool = True  # at creation, queue earlier studies' best configs on the same data (search.study.warm)
     warm_from: tuple[str, ...] = ()  # more places to look for them: state directories or Optuna storage URLs
 

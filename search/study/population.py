@@ -1,0 +1,219 @@
+"""A worker's population: up to K claimed trials trained side by side (trainers.population), each told on its own."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import optuna
+from optuna.trial import TrialState
+
+import trainers.population as stacking
+from search.failures import release_interrupted
+from search.process import raise_if_interrupted
+from search.study import worker
+from search.study.devices import AUTO
+from search.study.objective import Started, TrialRunner
+from search.study.storage import storage_of, trial_id
+from search.study.studyfile import StudyFile
+from trainers.config import with_values
+from trainers.data import TrainSet
+from trainers.devices import resolve_device
+from trainers.population import Member, stack_key
+
+log = logging.getLogger("latentsweep")
+
+
+def population_size(population: int | str, study_file: StudyFile, spec, data: TrainSet) -> int:
+    """The places of this worker's population: `--population N`, or auto: trainers.population.population_size for
+    the study's base config on the worker's device (measured there: memory and step time). On a CPU it is 1, the
+    one-trial path unchanged: two cores gain nothing from stacking trials that each already use every core."""
+    if population != AUTO:
+        return int(population)
+    cfg = with_values(study_file.base, {"data.path": spec.data_path, "train.threads": spec.threads})
+    device = resolve_device(cfg.train.device)
+    if device.type == "cpu":
+        return 1
+    sized = getattr(stacking, "population_size", None)  # the stacked step's own measure, once it exists
+    return max(1, int(sized(cfg, data, device))) if sized is not None else 1
+
+
+@dataclass
+class Seat:
+    """One claimed trial of the population: its heartbeat from its claim to its end, its open run once started."""
+    trial: optuna.Trial
+    beat: worker.Heartbeat
+    started: Started | None = None
+    key: tuple | None = None
+    group: int = 0  # the train_population call it trains in (its population's id, with the worker's)
+    ended: bool = False
+
+
+@dataclass
+class Population:
+    """Claims up to `size` trials, trains those of one stack_key together (train_population), tells each trial as
+    soon as it ends and fills its place with a newly claimed trial (`join`), within the budget and the search's end,
+    exactly as worker_loop claims (claim_trial counts running trials, next_trial_fits checks the time)."""
+    study_file: StudyFile
+    spec: object
+    study: optuna.Study
+    runner: TrialRunner
+    size: int
+    on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None
+    ran: int = 0
+    seats: list[Seat] = field(default_factory=list)  # claimed and not ended: training or waiting for their group
+    stop: BaseException | None = None  # the first failure that stops this worker, raised once its group is done
+    groups: int = 0
+    current: Seat | None = None  # a seat of the group in training (its key and group id), None between groups
+
+    def run(self) -> int:
+        """Claim, train and tell until the budget is reached or the next trial would not fit; how many it ran."""
+        poll = min(worker.WAIT_POLL_S, storage_of(self.study).get_heartbeat_interval() or worker.WAIT_POLL_S)
+        try:
+            while True:
+                raise_if_interrupted()
+                if self.stop is not None:
+                    raise self.stop
+                worker.check_halted(self.study)
+                waiting = list(self.seats)  # between groups every seat held waits for its group
+                if not waiting:
+                    seat = self._claim()
+                    if seat is None:
+                        if not self.runner.next_trial_fits(self.study) or worker.counted(self.study) >= \
+                                self.spec.n_trials:
+                            break
+                        time.sleep(poll)  # the budget is full of others' running trials: one may die
+                        continue
+                    while len(self.seats) < self.size and self._claim() is not None:
+                        pass
+                    continue
+                self._train([s for s in waiting if s.group == waiting[0].group])
+        except BaseException as exc:
+            self._end_all(exc)
+            raise
+        return self.ran
+
+    def _claim(self, joining: bool = False) -> Seat | None:
+        """Claim a trial when one fits (budget, search's end), start it and place it in a group; None when none. A
+        trial that fails to start (a config that cannot sample) is told at once and its place claimed again."""
+        while self.stop is None and self.runner.next_trial_fits(self.study):
+            try:
+                trial = worker.claim_trial(self.study, self.spec.n_trials)
+                if trial is None:
+                    worker.close_dead_runs(self.study, self.runner.tracker)  # the claim may have failed dead trials
+                    return None
+            except BaseException as exc:  # noqa: BLE001 - no trial to fail: one line, or the bug/interrupt itself
+                worker.fail_or_stop(self.study, self.runner, None, exc)
+            seat = Seat(trial, worker.Heartbeat(storage_of(self.study), trial_id(trial)))
+            self.seats.append(seat)
+            try:
+                seat.beat.__enter__()
+                worker.close_dead_runs(self.study, self.runner.tracker)
+                cfg, out, values, side = self.runner.configure(trial)
+                seat.key = stack_key(cfg)
+                seat.group = self._group_of(seat.key, joining)
+                seat.started = self.runner.open(trial, cfg, out, values, side, population={
+                    "id": f"{worker.worker_id()}/{seat.group}", "size": self.size})
+            except BaseException as exc:  # noqa: BLE001 - this trial's failure: told now; a stop is raised
+                self._told(seat, exc)
+                if self.stop is not None:
+                    raise self.stop
+                continue
+            return seat
+        return None
+
+    def _group_of(self, key: tuple | None, joining: bool) -> int:
+        """The group a newly claimed trial trains in: the group in training when it joins one of its key, else the
+        waiting group of its key, else a new group (a None key trains alone)."""
+        if joining and key is not None and self.current is not None and key == self.current.key:
+            return self.current.group
+        same = [s.group for s in self.seats if s.group and s.key == key and key is not None and not s.ended
+                and (self.current is None or s.group != self.current.group)]
+        if same:
+            return same[0]
+        self.groups += 1
+        return self.groups
+
+    def _member(self, seat: Seat) -> Member:
+        return Member(seat.started.cfg, callback=seat.started.callback, out_dir=seat.started.out,
+                      deadline=self.runner.deadline, done=lambda end: self._told(seat, end))
+
+    def _train(self, group: list[Seat]) -> None:
+        """Train one group, its free places filled by `join` while no other group waits."""
+        self.current = group[0]
+
+        def join() -> Member | None:
+            if self.stop is not None or any(s.group != self.current.group for s in self.seats):
+                return None  # the worker stops, or another group waits: let this one drain
+            try:
+                raise_if_interrupted()
+                worker.check_halted(self.study)  # as worker_loop, before each claim
+                seat = self._claim(joining=True)
+            except (KeyboardInterrupt, SystemExit):
+                raise  # stops the whole population (trainers.population); run() fails what it holds
+            except BaseException as exc:  # noqa: BLE001 - the group's members go on; raised once they end
+                self.stop = self.stop or exc
+                return None
+            return self._member(seat) if seat is not None and seat.group == self.current.group else None
+
+        try:
+            stacking.train_population([self._member(s) for s in group], self.runner.data, join=join,
+                                      progress=self.spec.progress)
+        finally:
+            self.current = None
+        lost = [s for s in self.seats if s.group == group[0].group]
+        if lost:  # a member train_population never ended: our bug or its, said loudly, its trial failed
+            raise RuntimeError(f"train_population ended without ending trial(s) "
+                               f"{', '.join(str(s.trial.number) for s in lost)}")
+
+    def _told(self, seat: Seat, end) -> None:
+        """A member's end: finish it (COMPLETE/PRUNED) or fail it (search.failures decides), tell Optuna at once and
+        free its place. A failure that stops the worker is kept in `stop` (the others of its group go on)."""
+        seat.ended = True
+        self.seats.remove(seat)
+        try:
+            try:
+                if seat.started is None:
+                    raise end
+                state, value = self.runner.finish(seat.trial, seat.started, end)
+            finally:
+                _stop_beat(seat)
+            frozen = self.study.tell(seat.trial, value, state=state)
+        except BaseException as exc:  # noqa: BLE001 - classified by fail_or_stop: goes on, or stops the worker
+            try:
+                frozen = worker.fail_or_stop(self.study, self.runner, seat.trial, exc)
+            except BaseException as stop:  # noqa: BLE001 - raised by run() once the group is done
+                self.stop = self.stop or stop
+                return
+        self.ran += 1
+        if self.on_trial is not None:
+            self.on_trial(frozen)
+
+    def _end_all(self, exc: BaseException) -> None:
+        """The worker stops: every trial it still holds is failed (and retried: an interrupt, or the worker's
+        stop), its run closed, before the error goes up."""
+        release_interrupted(exc)
+        for seat in list(self.seats):
+            seat.ended = True
+            self.seats.remove(seat)
+            _stop_beat(seat)
+            try:
+                self.runner.fail(self.study, seat.trial, exc if isinstance(exc, (KeyboardInterrupt, SystemExit))
+                                 else KeyboardInterrupt())
+            except Exception as inner:  # noqa: BLE001 - the reaper fails it after the grace; said in one line
+                log.warning("could not fail trial %d of a stopping population (%s)", seat.trial.number, inner)
+
+
+def _stop_beat(seat: Seat) -> None:
+    if seat.beat.thread.ident is not None:  # started (a thread that never started cannot be joined)
+        seat.beat.__exit__()
+
+
+def population_loop(study_file: StudyFile, spec, study: optuna.Study, runner: TrialRunner, size: int,
+                    on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None) -> int:
+    """worker_loop for a population of `size` > 1 places; returns how many trials this worker ran."""
+    return Population(study_file, spec, study, runner, size, on_trial).run()
+
+
+__all__ = ["Population", "population_loop", "population_size", "TrialState"]

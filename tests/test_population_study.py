@@ -1,0 +1,232 @@
+"""A worker's population (search.study.population): each member its own Optuna trial and MLflow run, told on its own;
+a failing member fails alone; join fills the budget exactly; the defaults a machine gets (CPU: unchanged; CUDA: every
+GPU). Real Optuna on SQLite, real MLflow on SQLite, the trainers' own population step."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from conftest import default_sigint, tiny_study_file
+from search.cli.main import main
+from trainers.errors import LatentsweepError
+from trainers.synthetic import write_synthetic
+
+POP = "latentsweep.population"
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("state")
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> Path:
+    train, _, _ = write_synthetic(tmp_path_factory.mktemp("syn"), 120, dim_text=8, dim_image=12, n_test=20)
+    return train
+
+
+@pytest.fixture
+def one_shape(monkeypatch):
+    """Every config of the tiny study in one stack group (the trainers' key may still split them by knobs): the
+    population then trains them together and `join` fills each free place."""
+    import search.study.population as population
+    monkeypatch.setattr(population, "stack_key", lambda cfg: ("tiny",))
+
+
+def run(sf: Path, state: Path, synthetic: Path, *extra: str) -> int:
+    return main(["study", "run", str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet",
+                 "--no-warm-start", *extra])  # each study its own trials, not earlier studies' best
+
+
+def trials(state: Path, name: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{state / 'optuna.db'}").get_trials()
+
+
+def runs(state: Path, name: str):
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(name)
+    return client, {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+
+
+def assert_nothing_running(state: Path, name: str) -> None:
+    assert [t.number for t in trials(state, name) if t.state.name == "RUNNING"] == []
+    assert [n for n, r in runs(state, name)[1].items() if r.info.status == "RUNNING"] == []
+
+
+def test_each_member_is_its_own_trial_and_run_and_join_fills_the_budget_exactly(state, synthetic, tmp_path,
+                                                                                  one_shape, capsys):
+    sf = tiny_study_file(tmp_path, "pop3", n_trials=3, epochs=2, pruner="median")
+    assert run(sf, state, synthetic, "--population", "2") == 0
+    got = trials(state, "pop3")
+    assert len(got) == 3  # join claimed one more after the first two: no trial beyond the budget
+    assert {t.state.name for t in got} <= {"COMPLETE", "PRUNED"}
+    assert {t.user_attrs["latentsweep.device"] for t in got} == {"cpu"}
+    populations = {t.user_attrs[POP]["id"] for t in got}
+    assert len(populations) == 1 and {t.user_attrs[POP]["size"] for t in got} == {2}  # one population, joins too
+    client, by_name = runs(state, "pop3")
+    for t in got:
+        r = by_name[f"trial-{t.number}"]
+        assert r.info.status == "FINISHED" and r.data.tags["latentsweep.device"] == "cpu"
+        assert r.data.tags[POP] == t.user_attrs[POP]["id"] and r.data.tags[f"{POP}_size"] == "2"
+        epochs = len(t.intermediate_values)
+        assert [m.step for m in client.get_metric_history(r.info.run_id, "val/mrr")] == list(range(epochs))
+        assert t.state.name == "PRUNED" or epochs == 2
+    assert len({by_name[f"trial-{t.number}"].info.run_id for t in got}) == 3
+    from search.study.report import study_table
+    table = study_table(optuna.load_study(study_name="pop3", storage=f"sqlite:///{state / 'optuna.db'}"))
+    assert set(table["population"]) == {2} and set(table["device"]) == {"cpu"}  # what `study status` shows
+    assert_nothing_running(state, "pop3")
+
+
+DIVERGES = """
+[study]
+name = "{name}"
+n_trials = 4
+sampler = {{ name = "random", seed = 0 }}
+pruner = {{ name = "none" }}
+
+[base.data]
+val_ratio = 0.25
+
+[base.model]
+kind = "mlp"
+hidden = [32]
+
+[base.loss]
+infonce = {{ weight = 1.0 }}
+
+[base.train]
+epochs = 2
+batch_size = 64
+
+[space]
+"optim.lr" = {{ type = "categorical", choices = [0.001, 1e30] }}
+
+[[enqueue]]
+"optim.lr" = 1e30
+
+[[enqueue]]
+"optim.lr" = 0.001
+"""
+
+
+def test_a_member_whose_config_fails_fails_alone(state, synthetic, tmp_path, one_shape, capsys):
+    sf = tmp_path / "diverge.toml"
+    sf.write_text(DIVERGES.format(name="diverge"))
+    assert run(sf, state, synthetic, "--population", "3") == 0
+    got = trials(state, "diverge")
+    assert len(got) == 4 and got[0].params["optim.lr"] == 1e30  # the enqueued diverging config first
+    diverged = [t.params["optim.lr"] == 1e30 for t in got]
+    assert [t.state.name for t in got] == ["FAIL" if d else "COMPLETE" for d in diverged] and not all(diverged)
+    _, by_name = runs(state, "diverge")
+    for t, d in zip(got, diverged):
+        assert by_name[f"trial-{t.number}"].info.status == ("FAILED" if d else "FINISHED")
+        if d:  # a config failure: counted, not retried
+            assert "not finite" in t.user_attrs["latentsweep.error"]
+    assert_nothing_running(state, "diverge")
+
+
+def test_population_one_and_a_cpu_default_are_the_one_trial_worker(state, synthetic, tmp_path, monkeypatch, capsys):
+    import search.study.population as population
+    from search.study.devices import WorkerPlan, plan_workers
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert plan_workers(None, None, None) == WorkerPlan(1)  # no option on a CPU machine: one worker, as before
+    looped = []
+    monkeypatch.setattr(population, "population_loop", lambda *a, **k: looped.append(1))  # must not be reached
+    sf = tiny_study_file(tmp_path, "cpudefault", n_trials=2, epochs=1)
+    assert run(sf, state, synthetic) == 0
+    assert run(tiny_study_file(tmp_path, "popone", n_trials=1, epochs=1), state, synthetic, "--population", "1") == 0
+    assert looped == []
+    got = trials(state, "cpudefault")
+    assert [t.state.name for t in got] == ["COMPLETE", "COMPLETE"]
+    assert all(POP not in t.user_attrs for t in got)  # trained alone: no population recorded
+    assert "using every GPU" not in capsys.readouterr().err
+
+
+def test_the_machine_decides_workers_gpus_and_population():
+    from search.study.devices import machine_defaults
+    assert machine_defaults(0, None, None, None) == (1, None, "auto")  # CPU: one worker; auto is 1 there
+    assert machine_defaults(4, None, None, None) == ("auto", "all", "auto")  # CUDA: every GPU, one worker each
+    assert machine_defaults(4, 1, None, None, 1) == (1, None, 1)  # --workers 1 --population 1: the old behaviour
+    assert machine_defaults(4, None, "1", None) == (1, "1", "auto")  # --gpus alone: one worker on it
+    assert machine_defaults(4, None, None, 2) == (1, None, "auto")  # --per-gpu alone is the user's (needs --gpus)
+    assert machine_defaults(2, "auto", None, None, 8) == ("auto", None, 8)
+
+
+def test_a_cuda_machine_uses_every_gpu_and_says_so_in_one_line(monkeypatch):
+    from search.study.devices import WorkerPlan, describe_plan, plan_workers
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    plan = plan_workers(None, None, None)
+    assert plan == WorkerPlan(2, ("0", "1"), 1, machine=True)
+    line = describe_plan(plan, "auto")
+    assert "\n" not in line and "2 (0,1)" in line and "2 worker(s)" in line and "population auto" in line
+    assert plan_workers(1, None, None) == WorkerPlan(1)  # --workers 1: nothing pinned, nothing said
+    assert not plan_workers("auto", None, None).machine  # an option given: the user's plan, not said
+
+
+def test_population_auto_is_one_on_a_cpu(synthetic):
+    from search.study.population import population_size
+    from search.study.studyfile import load_study_file
+    from search.study.worker import RunSpec
+    from trainers.data import load_train
+
+    sf = load_study_file("quickstart")
+    spec = RunSpec("quick", "q", None, "", None, ".", str(synthetic), 1, None)
+    assert population_size("auto", sf, spec, load_train(synthetic)) == 1
+    assert population_size(4, sf, spec, load_train(synthetic)) == 4
+
+
+@pytest.mark.parametrize("value, said", [("0", "--population must be a whole number >= 1 or auto, got 0"),
+                                         ("many", "must be a whole number or auto, got 'many'")])
+def test_a_bad_population_is_one_line(state, synthetic, tmp_path, capsys, value, said):
+    sf = tiny_study_file(tmp_path, "badpop")
+    assert run(sf, state, synthetic, "--population", value) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0]
+
+
+def test_the_api_takes_a_population(tmp_path):
+    from search.api import run_study
+    with pytest.raises(LatentsweepError, match="population must be a whole number >= 1 or auto, got -1"):
+        run_study("quickstart", population=-1, state_dir=str(tmp_path / "s"))
+
+
+@pytest.mark.slow
+def test_killing_a_worker_mid_population_leaves_nothing_running(state, synthetic, tmp_path):
+    """SIGKILL of one of two spawned workers while its population trains: the launcher reaps all its members at once,
+    the other worker finishes the budget, and a resume leaves nothing RUNNING."""
+    sf = tiny_study_file(tmp_path, "killpop", n_trials=10, epochs=60)
+    argv = [sys.executable, "-m", "search", "study", "run", str(sf), "--data", str(synthetic), "--state-dir",
+            str(state), "--quiet", "--no-warm-start", "--workers", "2", "--population", "3"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    victim, deadline = None, time.monotonic() + 120
+    while victim is None and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+        try:
+            running = [t for t in trials(state, "killpop") if t.state.name == "RUNNING"]
+        except Exception:  # noqa: BLE001 - the study is not created yet
+            continue
+        owners = [t.user_attrs.get("latentsweep.worker") for t in running]
+        victim = next((o for o in owners if o and owners.count(o) >= 2), None)
+    assert victim is not None, proc.communicate()
+    os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    killed = [t for t in trials(state, "killpop") if t.user_attrs.get("latentsweep.worker") == victim]
+    assert len([t for t in killed if t.state.name == "FAIL"]) >= 2  # every member of the dead worker reaped
+    assert_nothing_running(state, "killpop")
+    assert run(sf, state, synthetic, "--population", "3") == 0  # resumed: the retries run, nothing left open
+    assert_nothing_running(state, "killpop")
