@@ -1,0 +1,99 @@
+"""Degrade, never fail: a store outage inside the search of `latentsweep run` ends the search, not the job. The
+failure is real and below the code under test: the study's PostgreSQL database is dropped while the search runs
+(no monkeypatch). The job still ends with a valid submission, exit 0, and one line naming the submission and why the
+search ended."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+import uuid
+from pathlib import Path
+
+import optuna
+import pytest
+
+from conftest import tiny_study_file
+from trainers.data import load_test
+from trainers.submission import check_submission
+from trainers.synthetic import write_synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+PG = dict(host="127.0.0.1", port=5432, user="postgres", dbname="postgres", connect_timeout=5)
+
+
+def _admin():
+    import psycopg2
+
+    conn = psycopg2.connect(**PG)
+    conn.autocommit = True  # CREATE/DROP DATABASE cannot run in a transaction
+    return conn
+
+
+@pytest.fixture
+def pg_db():
+    """A fresh database (dropped at the end, if the test did not); skips only when the server is unreachable."""
+    psycopg2 = pytest.importorskip("psycopg2")
+    try:
+        conn = _admin()
+    except psycopg2.OperationalError as exc:
+        pytest.skip(f"PostgreSQL unreachable: {str(exc).strip().splitlines()[0]}")
+    name = f"ls_degrade_{uuid.uuid4().hex[:12]}"
+    with conn.cursor() as cur:
+        cur.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield name
+    finally:
+        with conn.cursor() as cur:
+            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("degrade")
+    train, test, _ = write_synthetic(root / "data", 240, dim_text=24, dim_image=32, n_test=60)
+    return types.SimpleNamespace(root=root, train=train, test=test)
+
+
+def _finished(url: str, name: str) -> int:
+    try:
+        study = optuna.load_study(study_name=name, storage=url)
+    except Exception:  # noqa: BLE001 - not created yet
+        return 0
+    return sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
+
+
+@pytest.mark.slow  # 30-60 s on 2 cores: a run until its first trials, then the outage and the job's end
+def test_a_store_dropped_mid_search_ends_the_search_not_the_job(world, tmp_path, pg_db):
+    url = f"postgresql+psycopg2://postgres@127.0.0.1:5432/{pg_db}"
+    study = tiny_study_file(tmp_path, "outage", n_trials=200, epochs=3)
+    state = tmp_path / "state"
+    cmd = [sys.executable, "-m", "search", "run", str(study), "--time", "180", "--storage", url, "--data",
+           str(world.train), "--test", str(world.test), "--state-dir", str(state), "--quiet"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        give_up = time.monotonic() + 120
+        while _finished(url, "outage") < 2 and proc.poll() is None and time.monotonic() < give_up:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        conn = _admin()  # the outage: the study's database is gone
+        with conn.cursor() as cur:
+            cur.execute(f'DROP DATABASE "{pg_db}" WITH (FORCE)')
+        conn.close()
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    submission = state / "picks" / "outage" / "submission.csv"
+    assert check_submission(submission, load_test(world.test), dim=32) == (60, 32)
+    last = [line for line in err.splitlines() if line.startswith("latentsweep: submission:")]
+    assert len(last) == 1 and str(submission) in last[0] and "the search ended early" in last[0], err[-3000:]
+    doc = json.loads(submission.with_name("submission.manifest.json").read_text())
+    assert doc["answer"]["winner"] == doc["made_by"]
