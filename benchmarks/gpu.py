@@ -8,12 +8,17 @@ One call, under 8 minutes on an H100/H200, printing a markdown table:
       captions, 1024 -> 1536, trainers/synthetic.py) for K = 1, 2, 4, 8 on one GPU (with `--gpus 0 --per-gpu K` when
       the CLI has them): trials finished within --window seconds of the first start, the run stopped after that;
   (c) `latentsweep run studies/full.toml --time 120` on the same data, scored on its held-out test file.
-(c) runs before (b), so that a short budget skips the last worker counts; a part that would overrun --budget is
-skipped and says so.
+  (d) population trials (trainers.population): K members of studies/full.toml's [base] trained in one stacked step
+      on the (b)/(c) data, K = 1, 2, 4, 8, 16, 32: seconds per step, samples/s summed over members, the MLP's FLOP
+      rate as a fraction of the float32 matmul rate, peak memory, and one member's step alone (trainers.loop's own
+      step) for comparison.
+(d) runs first after the data is written, then (c), then (b), so that a short budget skips the last worker counts; a
+part that would overrun --budget is skipped and says so.
 
     python benchmarks/gpu.py [--budget 470] [--window 30] [--workers 1 2 4 8] [--json OUT]
-    python benchmarks/gpu.py --smoke    # on CPU in seconds: (a) at toy sizes on CPU, tiny data written; the
-                                        # command lines of (b) and (c) checked by the CLI's parser, not run
+    python benchmarks/gpu.py --smoke    # on CPU in seconds: (a) and (d) at toy sizes on CPU, tiny data written;
+                                        # the command lines of (b) and (c) checked by the CLI's parser, not run
+    python benchmarks/gpu.py --population-only --images 2804 --ks 1 4   # (d) alone, here on a CPU at demo size
 
 On the lent GPU machine (see ../shared/gpu/README.md): `bash .gpu/setup.sh`, then
 `python3 benchmarks/gpu.py --json "$OUT/gpu.json" | tee "$OUT/gpu.md"`.
@@ -101,6 +106,98 @@ def captured_rate(dev, steps: int, dims, mode: str, eager: float) -> str:
     epoch = tp.TrainerEpoch(dev, steps, dims, mode)
     rate = max(epoch.run() for _ in range(2))
     return f"{rate:,.0f} samples/s = {rate / eager:.2f}x eager (step: {epoch.parts.forward.path})"
+
+
+# ---- (d) population trials -------------------------------------------------------------------------------------
+
+POPULATION_KS = (1, 2, 4, 8, 16, 32)
+POPULATION_STEPS = 10  # timed steps per K (after one untimed step); --smoke: 2
+
+
+def population_cfg(data: Path, device: str):
+    """studies/full.toml's [base] (the MLP of the search's first trials) on `data` and `device`."""
+    import tomllib
+
+    sys.path.insert(0, str(ROOT))
+    from trainers.config import from_dict, with_values
+
+    base = from_dict(tomllib.loads((ROOT / "studies" / "full.toml").read_text())["base"])
+    return with_values(base, {"data.path": str(data), "train.device": device})
+
+
+class _FirstBatches:
+    """A task whose epoch is its first `n` batches (the alone step timed over a few steps, not an epoch)."""
+
+    def __init__(self, task, n: int):
+        self.task, self.n = task, n
+
+    def batches(self, gen):
+        import itertools
+
+        return itertools.islice(self.task.batches(gen), self.n)
+
+
+def alone_step_seconds(cfg, data, steps: int) -> float:
+    """Seconds per step of one run of `cfg` through trainers.loop's own step (_train_epoch), after one step."""
+    import dataclasses
+
+    import torch
+    from trainers.checkpoint import CenteredModel
+    from trainers.devices import resolve_device
+    from trainers.loop import _BestCheckpoint, _train_epoch, seed_everything
+    from trainers.models import build_model
+    from trainers.run import RunState
+    from trainers.tasks import TASKS
+
+    device = resolve_device(cfg.train.device)
+    gen = seed_everything(0)
+    task = TASKS.get(cfg.data.task)(cfg, data, device)
+    model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
+    run = RunState(cfg, data, device, task, model, gen, time.monotonic(), callback=None, out_dir=None,
+                   progress=False, deadline=None, best_pt=_BestCheckpoint(None))
+    run.begin_epoch()
+    _train_epoch(dataclasses.replace(run.parts, task=_FirstBatches(task, 1)), 0)  # float() at its end: synced
+    start = time.perf_counter()
+    _train_epoch(dataclasses.replace(run.parts, task=_FirstBatches(task, steps)), 0)
+    return (time.perf_counter() - start) / steps
+
+
+def population_rows(data_path: Path, device: str, smoke: bool, ks: tuple[int, ...], clock: Clock) \
+        -> list[tuple[str, str]]:
+    """(label, value) rows of part (d)."""
+    import throughput as tp
+    import torch
+    from trainers.data import load_train
+    from trainers.population_step import measure
+
+    dev = torch.device(device)
+    cfg = population_cfg(data_path, device)
+    data = load_train(data_path)
+    steps = 2 if smoke else POPULATION_STEPS
+    hidden, batch = cfg.model.hidden, cfg.train.batch_size
+    widths = (data.text.shape[1], *hidden, data.image.shape[1])
+    flops = 3 * 2 * sum(a * b for a, b in zip(widths[:-1], widths[1:]))  # forward + backward matmuls per sample
+    peak = tp.matmul_rate(dev, 128 if smoke else 8192)
+    alone = alone_step_seconds(cfg, data, steps)
+    rows = [("(d) population: config", f"studies/full.toml [base], MLP {'-'.join(map(str, widths))}, batch {batch}, "
+                                       f"amp {cfg.train.amp and dev.type == 'cuda'}, {len(data.text):,} captions"),
+            ("(d) one run alone (the loop's step)", f"{alone * 1e3:.1f} ms/step = {batch / alone:,.0f} samples/s = "
+                                                    f"{batch * flops / alone / 1e9 / peak:.2f} of the matmul rate")]
+    for k in ks:
+        if not clock.fits(30):
+            rows.append((f"(d) population K={k}", f"skipped: {clock.left():.0f} s left of the budget"))
+            continue
+        try:
+            seconds, peak_bytes = measure(cfg, data, k, steps)
+        except Exception as exc:  # noqa: BLE001 - out of memory at a large K is a measurement
+            rows.append((f"(d) population K={k}", f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
+            break
+        rate = k * batch / seconds
+        memory = f"; peak {peak_bytes / 2**30:.2f} GiB" if dev.type == "cuda" else ""
+        rows.append((f"(d) population K={k}", f"{seconds * 1e3:.1f} ms/step, {rate:,.0f} samples/s summed "
+                                              f"({rate / (batch / alone):.2f}x one alone) = "
+                                              f"{rate * flops / 1e9 / peak:.2f} of the matmul rate{memory}"))
+    return rows
 
 
 # ---- (b) trials per minute by worker count -----------------------------------------------------------------------
@@ -199,11 +296,12 @@ def one_budget_run(paths: tuple[Path, Path, Path], work: Path) -> str:
 
 # ---- the call ----------------------------------------------------------------------------------------------------
 
-def write_data(work: Path, smoke: bool) -> tuple[Path, Path, Path]:
+def write_data(work: Path, smoke: bool, images: int | None = None) -> tuple[Path, Path, Path]:
     sys.path.insert(0, str(ROOT))
     from trainers.synthetic import write_synthetic
 
-    return write_synthetic(work / "data", **(SMOKE_DATA if smoke else FULL), seed=0)
+    sizes = SMOKE_DATA if smoke else FULL
+    return write_synthetic(work / "data", **(sizes | ({"n_images": images} if images else {})), seed=0)
 
 
 def measure(args: argparse.Namespace, work: Path) -> list[tuple[str, str]]:
@@ -211,12 +309,16 @@ def measure(args: argparse.Namespace, work: Path) -> list[tuple[str, str]]:
 
     cuda = torch.cuda.is_available() and not args.smoke
     clock = Clock(args.budget)
-    rows = step_rows("cuda" if cuda else "cpu", args.smoke)
+    rows = [] if args.population_only else step_rows("cuda" if cuda else "cpu", args.smoke)
     rows.append(("(a) took", f"{args.budget - clock.left():.0f} s"))
     start = time.monotonic()
-    paths = write_data(work, args.smoke)
+    paths = write_data(work, args.smoke, args.images)
     rows.append(("synthetic data", f"{paths[0].stat().st_size / 2**20:,.0f} MB written in "
                                    f"{time.monotonic() - start:.0f} s"))
+    ks = tuple(args.ks or ((1, 2, 4) if args.smoke else POPULATION_KS))
+    rows += population_rows(paths[0], "cuda" if cuda else "cpu", args.smoke, ks, clock)
+    if args.population_only:
+        return rows
     # (c) before (b): when the budget runs short, the last worker counts are skipped, not the one-budget run
     if args.smoke:
         rows.append((f"run --time {RUN_TIME_S}", check_argv(run_argv(paths, work))))
@@ -247,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--work", type=Path, help="keep the data, states and logs here (default: a temp dir)")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--ks", type=int, nargs="+", help="population sizes of (d) (default 1 2 4 8 16 32)")
+    p.add_argument("--population-only", action="store_true", help="write the data and run (d) only")
+    p.add_argument("--images", type=int, help="images of the synthetic data (default: the challenge's 25,000)")
     p.add_argument("--smoke", action="store_true",
                    help="on CPU in seconds: (a) at toy sizes, tiny data, (b) and (c) command lines parsed, not run")
     args = p.parse_args(argv)
