@@ -70,12 +70,32 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 # The signal that forces a stop: the second is ignored so the first's clean-up (closing the running trial and its
 # MLflow run, stopping the workers, removing temporary folders) finishes; a third is raised anyway.
 FORCE_AFTER = 3
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+INTERRUPTED_LOGGER = "sqlalchemy.pool"  # "Error closing cursor" (sqlalchemy.engine.base.Connection._safe_close_cursor)
+
+
+_forced = [True]  # False in a spawned worker: its launcher forces it (SIGKILL after a grace), signals never do
 
 
 def _interrupt(signum, _frame) -> None:
     _received.append(signum)
-    if len(_received) in (1, FORCE_AFTER) or len(_received) > FORCE_AFTER:
+    if len(_received) == 1:
+        # A cursor the interrupt cut short fails to close, and SQLAlchemy's pool logs that with a traceback: a
+        # consequence of the stop, which the command says in one line.
+        logging.getLogger(INTERRUPTED_LOGGER).setLevel(logging.CRITICAL)
+    if len(_received) == 1 or (_forced[0] and len(_received) >= FORCE_AFTER):
         raise KeyboardInterrupt
+
+
+def _quiet_unraisable(unraisable) -> None:
+    """A KeyboardInterrupt raised inside a finalizer or weakref callback is dropped by Python with an "Exception
+    ignored" traceback; it is remembered in _received and raised again at the next check, so it is not printed."""
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt) and _received:
+        return
+    _previous_hook[0](unraisable)
+
+
+_previous_hook = [sys.unraisablehook]
 
 
 def raise_if_interrupted() -> None:
@@ -108,6 +128,7 @@ def interrupt_on(*signals: int | None) -> Iterator[None]:
         return
     if _depth == 0:
         _received.clear()
+        _previous_hook[0], sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
     _depth += 1
     previous = {sig: signal.signal(sig, _interrupt) for sig in signals if sig is not None}
     try:
@@ -116,6 +137,8 @@ def interrupt_on(*signals: int | None) -> Iterator[None]:
         _depth -= 1
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if _depth == 0:
+            sys.unraisablehook = _previous_hook[0]
 
 
 def spawned_child(target, *args) -> None:
@@ -124,12 +147,30 @@ def spawned_child(target, *args) -> None:
     child ignores SIGINT until its own work installs a handler, and a SIGTERM or SIGHUP during its start-up (imports)
     ends it without a traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _forced[0] = False  # the launcher's SIGTERM after the terminal's SIGINT is one stop, not two
     with interrupt_on(*(s for s in STOP_SIGNALS if s != signal.SIGINT)):
+        _end_with_parent()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         try:
             target(*args)
         except KeyboardInterrupt:
             pass
+
+
+def _end_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its launcher dies, however it dies (SIGKILL included), so no worker
+    outlives its job (prctl PR_SET_PDEATHSIG); a launcher already gone sends it now. Elsewhere nothing."""
+    import ctypes
+    import ctypes.util
+    import multiprocessing
+
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from search.failures import Kind, StudyHalted, classify, one_line, release_interrupted
-from search.process import configure_process, interrupt_on, signals_blocked, spawned_child
+from search.process import configure_process, interrupt_on, raise_if_interrupted, signals_blocked, spawned_child
 
 from search.study.budget import workers_stop
 from search.study.devices import assign_slots, pin_process
@@ -183,6 +183,7 @@ def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Trac
                 p.start()
         bar = _StudyBar(spec, study) if spec.progress else None
         while any(p.is_alive() for p in procs):
+            raise_if_interrupted()  # a first KeyboardInterrupt a finalizer swallowed
             _reap_dead_children(study, tracker, procs, reaped)
             if bar:
                 bar.refresh()

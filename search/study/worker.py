@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from search.redact import redact_url
 from search.study.budget import JobBudget
 from search.study.contract import TrialOutputs
 from search.study.objective import ERROR_ATTR, HALT_ATTR, TrialRunner
+from search.study.owners import OWNER_ATTR, gone, worker_id
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
 from search.study.side import enqueue_side
 from search.study.storage import (
@@ -36,7 +36,6 @@ log = logging.getLogger("latentsweep")
 
 PARENT_ATTR = "mlflow_parent_run_id"
 ENQUEUED_ATTR = "latentsweep.enqueued"
-OWNER_ATTR = "latentsweep.worker"
 PLUGINS_ATTR = "latentsweep.plugins"  # {file name: sha256} of the study's plugin files
 # The budget counts finished trials: complete, pruned, and failed for good (ERROR_ATTR: a config that cannot train or
 # does not fit in memory, or a bug). Trials failed by the machine, a store, an interrupt or a dead worker are retried
@@ -189,6 +188,7 @@ def claim_trial(study: optuna.Study, n_trials: int) -> optuna.Trial | None:
     storage = storage_of(study)
     with budget_lock(storage, study.study_name):
         optuna.storages.fail_stale_trials(study)
+        fail_dead_local(study)
         if counted(study, (TrialState.RUNNING,)) >= n_trials:
             return None
         trial = study.ask()
@@ -201,20 +201,27 @@ def claim_trial(study: optuna.Study, n_trials: int) -> optuna.Trial | None:
         return trial
 
 
-def worker_id(pid: int | None = None) -> str:
-    """Who runs a trial (host:pid): a launcher reaps the trials of a child it saw die without waiting for the grace."""
-    return f"{socket.gethostname()}:{pid or os.getpid()}"
+def _fail_running(study: optuna.Study, dead: Callable[[optuna.trial.FrozenTrial], bool]) -> None:
+    """Fail the RUNNING trials `dead` picks and queue their retries (the storage's stale-trial callback, which also
+    records them for close_dead_runs). Called under the budget lock."""
+    storage = storage_of(study)
+    callback = storage.get_heartbeat_stale_trial_callback()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if dead(trial) and storage.set_trial_state_values(trial_id(trial), state=TrialState.FAIL) \
+                and callback is not None:
+            callback(study, storage.get_trial(trial_id(trial)))
+
+
+def fail_dead_local(study: optuna.Study) -> None:
+    """A RUNNING trial whose worker ran on this machine and is gone (killed, crashed) is failed and retried now, not
+    after the heartbeat's grace (minutes: a resumed job would otherwise end with it RUNNING)."""
+    _fail_running(study, gone)
 
 
 def reap_owner(study: optuna.Study, tracker: Tracker, owner: str) -> list[str]:
     """Fail (and queue the retry of) the RUNNING trials of a worker known to be dead, then close their runs."""
-    storage = storage_of(study)
-    callback = storage.get_heartbeat_stale_trial_callback()
-    with budget_lock(storage, study.study_name):
-        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if trial.user_attrs.get(OWNER_ATTR) == owner and storage.set_trial_state_values(
-                    trial_id(trial), state=TrialState.FAIL) and callback is not None:
-                callback(study, storage.get_trial(trial_id(trial)))
+    with budget_lock(storage_of(study), study.study_name):
+        _fail_running(study, lambda trial: trial.user_attrs.get(OWNER_ATTR) == owner)
     return close_dead_runs(study, tracker)
 
 
@@ -247,12 +254,14 @@ def close_dead_runs(study: optuna.Study, tracker: Tracker) -> list[str]:
 
 
 def reap(study: optuna.Study, tracker: Tracker) -> list[str]:
-    """Fail trials whose worker stopped beating (they get retried) and close their MLflow runs as FAILED.
+    """Fail trials whose worker stopped beating or is gone from this machine (they get retried) and close their MLflow
+    runs as FAILED.
 
     Failing happens under the budget lock, like in claim_trial, so concurrent reapers queue exactly one retry.
     """
     with budget_lock(storage_of(study), study.study_name):
         optuna.storages.fail_stale_trials(study)
+        fail_dead_local(study)
     return close_dead_runs(study, tracker)
 
 
