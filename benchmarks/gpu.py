@@ -168,7 +168,7 @@ def population_rows(data_path: Path, device: str, smoke: bool, ks: tuple[int, ..
     import throughput as tp
     import torch
     from trainers.data import load_train
-    from trainers.population_step import measure
+    from trainers.population import measure
 
     dev = torch.device(device)
     cfg = population_cfg(data_path, device)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -32,11 +32,25 @@ from trainers.devices import resolve_device
 from trainers.heap import release_free_heap
 from trainers.loop import TrainingDiverged, _BestCheckpoint, seed_everything, torch_threads, train
 from trainers.models import build_model
-from trainers.population_step import Live, own_rng, population_size, rng_state, stacked_step
+from trainers.population_step import Live, own_rng, rng_state, stacked_step
 from trainers.run import DeadlineReached, EpochReport, RunState, TrainResult, now_past
 from trainers.stack import NotStackable, Stack, stack_key
 from trainers.tasks import TASKS
 from trainers.validate import validate
+
+
+# Population size on a CPU: 1 (each trial trains alone). Measured on the 2-core machine of issue 38 with
+# benchmarks/gpu.py --population-cpu (docs/gpu.md, "Population trials"): K = 4 stacked was no faster than 4 runs
+# one after another, since one run's matmuls already use every core.
+CPU_POPULATION = 1
+# The share of the card's free memory a population may plan to use: the rest covers the allocator's fragmentation
+# and the validation's blocks (trainers.tasks.EVAL_CHUNK rows), measured outside the training step.
+MEMORY_SHARE = 0.8
+# A doubled population is kept only when its summed samples per second gain at least this much: past that, the
+# card is busy and more members only cost memory and make each trial slower.
+MIN_GAIN = 1.15
+MAX_POPULATION = 64  # the largest K population_size measures (issue 38's benchmark goes to 32)
+MEASURE_STEPS = 5  # timed stacked steps per measured K, after one untimed step (allocator, kernels)
 
 
 @dataclass(frozen=True)
@@ -223,4 +237,69 @@ def train_population(members: Sequence[Member], data: TrainSet, *, join: Callabl
     return [end for end in pop.ends if end is not None]
 
 
-__all__ = ["Member", "population_size", "stack_key", "train_population"]
+def measure(cfg: Config, data: TrainSet, k: int, steps: int = MEASURE_STEPS) -> tuple[float, int]:
+    """(seconds per stacked step, peak device bytes) of K members of `cfg` (seeds 0..K-1) over `steps` steps after
+    one untimed step; bytes are CUDA's peak allocation (0 on a CPU)."""
+    pop = _Population(data, progress=False)
+    for seed in range(k):
+        if not pop.start(Member(replace(cfg, train=replace(cfg.train, seed=seed)))):
+            raise ValueError("this config does not stack (stack_key is None)")
+    for lv in pop.live:
+        lv.run.begin_epoch()
+        lv.run.model.train()
+    cuda = pop.cuda
+    if cuda:
+        torch.cuda.synchronize(pop.device)
+        torch.cuda.reset_peak_memory_stats(pop.device)
+    n_batches = pop.task.steps_per_epoch()
+    started = None
+    for i in range(steps + 1):
+        if i == 1:
+            if cuda:
+                torch.cuda.synchronize(pop.device)
+            started = time.perf_counter()
+        batches = []
+        for lv in pop.live:
+            if lv.batches is None or lv.steps % n_batches == 0:  # a new pass when the epoch's batches run out
+                lv.batches = lv.run.task.batches(lv.run.parts.gen)
+            batches.append(next(lv.batches))
+        stacked_step(pop, batches)
+    if cuda:
+        torch.cuda.synchronize(pop.device)
+    seconds = (time.perf_counter() - started) / max(steps, 1)
+    peak = torch.cuda.max_memory_allocated(pop.device) if cuda else 0
+    ended = [lv.end for lv in pop.live if isinstance(lv.end, BaseException)]
+    if ended:
+        raise ended[0]
+    return seconds, peak
+
+
+def population_size(cfg: Config, data: TrainSet, device: torch.device) -> int:
+    """How many members of `cfg`'s shape group to train stacked on `device`: 1 when it does not stack, CPU_POPULATION
+    on a CPU; on CUDA, from the measured peak memory of K = 1 and 2 (the second member's bytes: its parameters,
+    optimiser state, average, best-state copy and activations) against the card's free memory, then K doubled while
+    the measured summed samples per second gain at least MIN_GAIN."""
+    if stack_key(cfg) is None:
+        return 1
+    if device.type != "cuda":
+        return CPU_POPULATION
+    cfg = replace(cfg, train=replace(cfg.train, device=str(device)))
+    free, _ = torch.cuda.mem_get_info(device)
+    t1, peak1 = measure(cfg, data, 1)
+    t2, peak2 = measure(cfg, data, 2)
+    per_member = max(peak2 - peak1, 1)
+    fit = max(1, int((free * MEMORY_SHARE - max(peak1 - per_member, 0)) // per_member))
+    best, rate = 2, 2 / t2
+    if rate < MIN_GAIN * (1 / t1):
+        return 1
+    k = 4
+    while k <= min(fit, MAX_POPULATION):
+        t, _ = measure(cfg, data, k)
+        if k / t < MIN_GAIN * rate:
+            break
+        best, rate = k, k / t
+        k *= 2
+    return min(best, fit)
+
+
+__all__ = ["Member", "measure", "population_size", "stack_key", "train_population"]

@@ -1,34 +1,17 @@
-"""A population's stacked training step (each member's RNG, batch, loss and optimiser; one forward and backward for
-all) and the population size measured on the device."""
+"""A population's stacked training step: each member's RNG, batch, loss and optimiser; one forward and backward for
+all."""
 from __future__ import annotations
 
 import contextlib
 import random
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from trainers.config import Config
-from trainers.data import TrainSet
 from trainers.run import RunState, TrainResult, now_past
-from trainers.stack import stack_key, used_outputs
-
-# Population size on a CPU: 1 (each trial trains alone). Measured on the 2-core machine of issue 38 with
-# benchmarks/gpu.py --population-cpu (docs/gpu.md, "Population trials"): K = 4 stacked was no faster than 4 runs
-# one after another, since one run's matmuls already use every core.
-CPU_POPULATION = 1
-# The share of the card's free memory a population may plan to use: the rest covers the allocator's fragmentation
-# and the validation's blocks (trainers.tasks.EVAL_CHUNK rows), measured outside the training step.
-MEMORY_SHARE = 0.8
-# A doubled population is kept only when its summed samples per second gain at least this much: past that, the
-# card is busy and more members only cost memory and make each trial slower.
-MIN_GAIN = 1.15
-MAX_POPULATION = 64  # the largest K population_size measures (issue 38's benchmark goes to 32)
-MEASURE_STEPS = 5  # timed stacked steps per measured K, after one untimed step (allocator, kernels)
-
+from trainers.stack import used_outputs
 
 @dataclass(eq=False)
 class Live:
@@ -160,70 +143,3 @@ def _after_backward(lv: Live, k: int, stack, cuda: bool, real: dict, taken: tupl
     for name, v in {"loss": loss.detach(), **terms}.items():
         lv.sums[name] = lv.sums.get(name, 0) + v.detach().float()
     lv.steps += 1
-
-
-def measure(cfg: Config, data: TrainSet, k: int, steps: int = MEASURE_STEPS) -> tuple[float, int]:
-    """(seconds per stacked step, peak device bytes) of K members of `cfg` (seeds 0..K-1) over `steps` steps after
-    one untimed step; bytes are CUDA's peak allocation (0 on a CPU)."""
-    from trainers.population import Member, _Population  # the population builds its members; it imports this module
-
-    pop = _Population(data, progress=False)
-    for seed in range(k):
-        if not pop.start(Member(replace(cfg, train=replace(cfg.train, seed=seed)))):
-            raise ValueError("this config does not stack (stack_key is None)")
-    for lv in pop.live:
-        lv.run.begin_epoch()
-        lv.run.model.train()
-    cuda = pop.cuda
-    if cuda:
-        torch.cuda.synchronize(pop.device)
-        torch.cuda.reset_peak_memory_stats(pop.device)
-    n_batches = pop.task.steps_per_epoch()
-    started = None
-    for i in range(steps + 1):
-        if i == 1:
-            if cuda:
-                torch.cuda.synchronize(pop.device)
-            started = time.perf_counter()
-        batches = []
-        for lv in pop.live:
-            if lv.batches is None or lv.steps % n_batches == 0:  # a new pass when the epoch's batches run out
-                lv.batches = lv.run.task.batches(lv.run.parts.gen)
-            batches.append(next(lv.batches))
-        stacked_step(pop, batches)
-    if cuda:
-        torch.cuda.synchronize(pop.device)
-    seconds = (time.perf_counter() - started) / max(steps, 1)
-    peak = torch.cuda.max_memory_allocated(pop.device) if cuda else 0
-    ended = [lv.end for lv in pop.live if isinstance(lv.end, BaseException)]
-    if ended:
-        raise ended[0]
-    return seconds, peak
-
-
-def population_size(cfg: Config, data: TrainSet, device: torch.device) -> int:
-    """How many members of `cfg`'s shape group to train stacked on `device`: 1 when it does not stack, CPU_POPULATION
-    on a CPU; on CUDA, from the measured peak memory of K = 1 and 2 (the second member's bytes: its parameters,
-    optimiser state, average, best-state copy and activations) against the card's free memory, then K doubled while
-    the measured summed samples per second gain at least MIN_GAIN."""
-    if stack_key(cfg) is None:
-        return 1
-    if device.type != "cuda":
-        return CPU_POPULATION
-    cfg = replace(cfg, train=replace(cfg.train, device=str(device)))
-    free, _ = torch.cuda.mem_get_info(device)
-    t1, peak1 = measure(cfg, data, 1)
-    t2, peak2 = measure(cfg, data, 2)
-    per_member = max(peak2 - peak1, 1)
-    fit = max(1, int((free * MEMORY_SHARE - max(peak1 - per_member, 0)) // per_member))
-    best, rate = 2, 2 / t2
-    if rate < MIN_GAIN * (1 / t1):
-        return 1
-    k = 4
-    while k <= min(fit, MAX_POPULATION):
-        t, _ = measure(cfg, data, k)
-        if k / t < MIN_GAIN * rate:
-            break
-        best, rate = k, k / t
-        k *= 2
-    return min(best, fit)
