@@ -2,8 +2,11 @@
 
 For each holdout seed S (`latentsweep data holdout TRAIN --seed S`), each budget T and each load (quiet, or LOAD_PROCS
 busy processes beside the job), in a fresh state directory: `latentsweep run studies/full.toml --time T` with its
-defaults. Reported per run: wall / budget, the seconds the first (closed-form) answer and the best trial's answer took,
-whether the pick finished, and the test MRR of the submission (leaderboard protocol, `submission score`).
+defaults. Reported per run: wall / budget, the machine's load average over the run (the machine may be shared), the
+seconds the first (closed-form) answer took, which answer the manifest says won on the study's val split and by how
+much (search.pick.judge), whether the pick's answer is the submission, the test MRR of the submission (leaderboard
+protocol, `submission score`), the test MRR of the closed-form floor alone (fit on the same train file) and whether
+the submission scores at least that on the held-out images.
 
     python benchmarks/one_budget.py --work DIR [--seeds 0 1] [--budgets 60 120 240] [--loads quiet loaded]
     python benchmarks/one_budget.py --smoke     # tiny synthetic data, one 60-s run (about a minute)
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,7 +33,7 @@ def run_once(study: Path, train: Path, test: Path, budget: int, loaded: bool, wo
     """One `latentsweep run` in a fresh state directory under `work`; its figures as a dict."""
     work.mkdir(parents=True, exist_ok=True)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(LOAD_PROCS if loaded else 0)]
-    start = time.monotonic()
+    start, load_before = time.monotonic(), os.getloadavg()[0]
     try:
         proc = subprocess.run([*CLI, "run", str(study), "--time", str(budget), "--data", str(train), "--test",
                                str(test), "--state-dir", str(work / "state"), "--quiet"], cwd=ROOT,
@@ -38,13 +42,36 @@ def run_once(study: Path, train: Path, test: Path, budget: int, loaded: bool, wo
         for p in busy:
             p.kill()
     wall = time.monotonic() - start
+    loadavg = (os.getloadavg()[0] + load_before) / 2  # 1-min load average, at the start and the end
     (work / "log.txt").write_text(proc.stdout + proc.stderr)
     first = re.search(r"first answer in ([\d.]+) s", proc.stderr)
-    safe = re.search(r"safe answer: .*\(written in ([\d.]+) s\)", proc.stderr)
-    return {"budget": budget, "load": "loaded" if loaded else "quiet", "rc": proc.returncode, "wall": wall,
-            "first_s": float(first.group(1)) if first else None, "safe_s": float(safe.group(1)) if safe else None,
-            "pick": "pick done" in proc.stderr, "submission": str(work / "state" / "picks" / study.stem
-                                                              / "submission.csv")}
+    submission = work / "state" / "picks" / study.stem / "submission.csv"
+    return {"budget": budget, "load": "loaded" if loaded else "quiet", "loadavg": loadavg, "rc": proc.returncode,
+            "wall": wall, "first_s": float(first.group(1)) if first else None, "pick": "pick done" in proc.stderr,
+            "submission": str(submission), **winner(submission)}
+
+
+def winner(submission: Path) -> dict:
+    """The manifest's verdict (search.pick.judge.Standing.record): which answer won on the val split, its val MRR
+    and its margin over the best answer it beat; Nones when there is no manifest."""
+    manifest = submission.with_name(f"{submission.stem}.manifest.json")
+    if not manifest.is_file():
+        return {"winner": None, "winner_val": None, "margin": None}
+    answer = json.loads(manifest.read_text()).get("answer") or {}
+    return {"winner": answer.get("winner"), "winner_val": answer.get("val_mrr"),
+            "margin": answer.get("margin_val_mrr")}
+
+
+def floor_mrr(train: Path, test: Path, answers: Path, work: Path) -> float:
+    """Test MRR of the closed-form floor alone (search.pick.safe.ridge_answer on the same train file): what every
+    submission must at least score on the held-out images."""
+    from search.pick.safe import ridge_answer
+    from trainers.data import load_test, load_train_shared
+
+    csv = work / "floor.csv"
+    if not csv.is_file():
+        ridge_answer(load_train_shared(str(train)), load_test(test), csv)
+    return score(str(csv), answers)
 
 
 def score(csv: str, answers: Path) -> float | None:
@@ -62,13 +89,18 @@ def holdout(train: Path, seed: int, out: Path) -> tuple[Path, Path, Path]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| holdout | budget s | load | wall / budget | first answer s | best-trial answer s | pick | test MRR |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| holdout | budget s | load (loadavg) | wall / budget | first answer s | winner on val (MRR, margin) | "
+             "pick | test MRR | floor test MRR | >= floor |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        mrr = "-" if r["mrr"] is None else f"{r['mrr']:.4f}"
-        lines.append(f"| {r['seed']} | {r['budget']} | {r['load']} | {r['wall'] / r['budget']:.2f} | "
-                     f"{fmt(r['first_s'])} | {fmt(r['safe_s'])} | {'yes' if r['pick'] else 'no'} | {mrr} |")
+        fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+        won = ("-" if r["winner"] is None else
+               f"{r['winner']} ({fmt(r['winner_val'], '.4f')}, {fmt(r['margin'], '+.4f')})")
+        at_least = "-" if r["mrr"] is None or r["floor"] is None else ("yes" if r["mrr"] >= r["floor"] else "**no**")
+        lines.append(f"| {r['seed']} | {r['budget']} | {r['load']} ({r['loadavg']:.1f}) | "
+                     f"{r['wall'] / r['budget']:.2f} | {fmt(r['first_s'])} | {won} | "
+                     f"{'yes' if r['pick'] else 'no'} | {fmt(r['mrr'], '.4f')} | {fmt(r['floor'], '.4f')} | "
+                     f"{at_least} |")
     return "\n".join(lines)
 
 
@@ -84,9 +116,9 @@ def smoke() -> int:
         train, test, answers = write_synthetic(tmp / "data", 240, dim_text=24, dim_image=32, n_test=100)
         study = tiny_study_file(tmp, "smoke", n_trials=4, epochs=2)
         row = {"seed": "synthetic", **run_once(study, train, test, 60, False, tmp / "run")}
-        row["mrr"] = score(row["submission"], answers)
+        row["mrr"], row["floor"] = score(row["submission"], answers), floor_mrr(train, test, answers, tmp)
         print(table([row]))
-        return 0 if row["rc"] == 0 and row["mrr"] is not None else 1
+        return 0 if row["rc"] == 0 and row["mrr"] is not None and row["winner"] is not None else 1
 
 
 def measure(work: Path, seeds: list[int], budgets: list[int], loads: list[str]) -> list[dict]:
@@ -102,6 +134,7 @@ def measure(work: Path, seeds: list[int], budgets: list[int], loads: list[str]) 
                 row = {"seed": seed, **run_once(ROOT / "studies" / "full.toml", train, test, budget,
                                                 load == "loaded", work / f"h{seed}-t{budget}-{load}")}
                 row["mrr"] = score(row["submission"], answers)
+                row["floor"] = floor_mrr(train, test, answers, work / f"holdout-{seed}")
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
