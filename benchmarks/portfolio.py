@@ -3,11 +3,11 @@
 For each holdout seed S (`latentsweep data holdout DEMO --seed S`), a cold study `studies/full.toml` runs on the
 holdout's train part for SECONDS (`study run --timeout SECONDS --no-warm-start`, its own state directory), from a
 copy of the study file without its [[enqueue]] recipes and [[side]] trials (every study tries those anyway, and a
-short study would spend its seconds on them). The sampled trials that completed are ranked within their holdout by
-value; the portfolio takes them round robin, the best of each holdout first, then the
-second of each, ..., skipping repeats, until SIZE configurations. Each is written as its Optuna parameters of
-studies/full.toml with its source and its value relative to its holdout's best. A new study on new data tries them
-after its own recipes (search/study/warm.py).
+short study would spend its seconds on them). The sampled trials are ranked within their holdout: complete ones by
+value, then pruned ones by the epochs they reached and their last value. The portfolio takes them round robin (the
+first of each holdout, then the second of each, ..., skipping repeats) until SIZE configurations, each written as its
+Optuna parameters of studies/full.toml with its source and its value relative to its holdout's first. A new study on
+new data tries them after its own recipes (search/study/warm.py).
 
     python benchmarks/portfolio.py --work DIR [--seeds 0 1 2] [--seconds 120] [--size 5] [--out PATH]
     python benchmarks/portfolio.py --smoke    # tiny synthetic data, one 15-s study, a temp file (about a minute)
@@ -61,7 +61,10 @@ def searched_only(study: Path, out: Path) -> Path:
 
 
 def cold_study(study: Path, train: Path, seconds: int, state: Path) -> list[dict]:
-    """Run one cold study; its searched COMPLETE trials as {params, value}, best first."""
+    """Run one cold study; its sampled trials with a value as {params, value, epochs, trial}, best first: COMPLETE
+    ones by value, then PRUNED ones by the epochs they reached (a trial the pruner promoted to a later rung beat
+    those it stopped earlier) and their last value. A short study on a busy machine completes few trials, so the
+    pruned ones are ranked too rather than leaving the portfolio empty."""
     import optuna
 
     name = f"portfolio-{state.name}"
@@ -72,10 +75,19 @@ def cold_study(study: Path, train: Path, seconds: int, state: Path) -> list[dict
     if proc.returncode != 0:
         raise SystemExit(f"study on {train} failed (exit {proc.returncode}); see {state / 'log.txt'}")
     loaded = optuna.load_study(study_name=name, storage=f"sqlite:///{state / 'optuna.db'}")
-    done = [t for t in loaded.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
-            if t.params and "latentsweep.enqueued" not in t.user_attrs]
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    done = [t for t in loaded.get_trials(states=states)
+            if t.params and "latentsweep.enqueued" not in t.user_attrs and t.intermediate_values]
     sign = -1.0 if loaded.direction == optuna.study.StudyDirection.MAXIMIZE else 1.0
-    return [{"params": t.params, "value": t.value, "trial": t.number} for t in sorted(done, key=lambda t: sign * t.value)]
+
+    def value(t) -> float:
+        return t.value if t.value is not None else t.intermediate_values[max(t.intermediate_values)]
+
+    def key(t) -> tuple:
+        return t.state != optuna.trial.TrialState.COMPLETE, -len(t.intermediate_values), sign * value(t)
+
+    return [{"params": t.params, "value": value(t), "epochs": len(t.intermediate_values), "state": t.state.name,
+             "trial": t.number} for t in sorted(done, key=key)]
 
 
 def round_robin(per_holdout: dict[str, list[dict]], size: int) -> list[dict]:
@@ -88,7 +100,9 @@ def round_robin(per_holdout: dict[str, list[dict]], size: int) -> list[dict]:
                 if key not in seen:
                     seen.add(key)
                     best = rows[0]["value"]
-                    chosen.append({**rows[rank], "source": f"{label} trial {rows[rank]['trial']}",
+                    row = rows[rank]
+                    chosen.append({**row, "source": f"{label} trial {row['trial']} ({row['state']} after "
+                                                    f"{row['epochs']} epoch(s))",
                                    "relative": rows[rank]["value"] / best if best else 1.0})
     return chosen
 
@@ -105,7 +119,7 @@ def write_portfolio(chosen: list[dict], out: Path, header: str) -> None:
     lines = [f"# {line}" for line in header.splitlines()]
     for c in chosen:
         lines += ["", "[[config]]", f"source = {toml_value(c['source'])}",
-                  f"value = {c['relative']:.4f}  # relative to its holdout's best"]
+                  f"value = {c['relative']:.4f}  # its value relative to its holdout's first-ranked"]
         lines += [f"{json.dumps(k)} = {toml_value(v)}" for k, v in sorted(c["params"].items())]
     out.write_text("\n".join(lines) + "\n")
 
@@ -115,7 +129,8 @@ def build(study: Path, trains: dict[str, Path], seconds: int, size: int, work: P
     searched = searched_only(study, work / "study")
     per_holdout = {label: cold_study(searched, train, seconds, work / label) for label, train in trains.items()}
     for label, rows in per_holdout.items():
-        print(f"{label}: {len(rows)} searched complete trial(s), best {rows[0]['value'] if rows else None}")
+        print(f"{label}: {len(rows)} sampled trial(s) with a value, "
+              f"{sum(r['state'] == 'COMPLETE' for r in rows)} complete")
     chosen = round_robin(per_holdout, size)
     header = (f"The warm-start portfolio (search/study/warm.py): written by benchmarks/portfolio.py, do not edit.\n"
               f"{len(trains)} holdout(s) ({', '.join(trains)}) x a {seconds}-s cold study of {study.name}; "

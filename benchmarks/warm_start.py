@@ -86,7 +86,8 @@ def measure(study: Path, holdouts: dict[str, tuple[Path, Path, Path]], first_s: 
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| holdout | budget s | load (1 min) | warm test MRR | cold test MRR | warm - cold |", "|---|---|---|---|---|---|"]
+    lines = ["| holdout | budget s | load (1 min) | warm test MRR | cold test MRR | warm - cold |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {r['holdout']} | {r['budget']} | {r['load']:.1f} | {r['warm']:.4f} | {r['cold']:.4f} | "
               f"{r['warm'] - r['cold']:+.4f} |" for r in rows]
     for budget in sorted({r["budget"] for r in rows}):

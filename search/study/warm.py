@@ -18,7 +18,6 @@ study's own trials, and the sampler learns from them.
 from __future__ import annotations
 
 import json
-import logging
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,12 +38,10 @@ from trainers.config import coerce, flatten
 from trainers.data import fingerprint
 from trainers.errors import LatentsweepError
 
-log = logging.getLogger("latentsweep")
-
-WARM_ATTR = "latentsweep.warm_from"  # trial attr and MLflow tag: "study NAME:TRIAL" or "portfolio:INDEX"
+WARM_ATTR = "latentsweep.warm_from"  # trial attr and MLflow tag: "NAME:TRIAL" (source study) or "portfolio:INDEX"
 IDENTITY_ATTR = "latentsweep.data"  # study attr: {fingerprint, objective, direction, split...} (see identity())
-# At most this many configurations are taken: SageMaker's warm start takes at most 5 parent jobs, and a 60-s `run`
-# on the demo finishes about 5-10 trials on 2 cores, of which the study file's recipes are the first.
+# At most this many configurations are taken: SageMaker's warm start takes at most 5 parent jobs, and full.toml
+# finishes about 27 trials in 5 minutes on 2 quiet cores (docs/results.md), so a 60-s `run` searches a handful.
 WARM_K = 5
 PORTFOLIO = Path(__file__).with_name("portfolio.toml")
 SPLIT_KEYS = ("data.split", "data.val_ratio", "data.salt", "data.n_folds", "data.fold")
@@ -87,9 +84,11 @@ def source_storages(warm_from: tuple[str, ...]) -> list[tuple[str, str]]:
             out.append((redact_url(source), source))
         else:
             root = Path(source).expanduser().resolve()
-            if not root.is_dir():
-                raise LatentsweepError(f"--warm-from {source}: not a directory nor a storage URL")
-            out.append((str(root), read_only_storage(root)))
+            try:
+                out.append((str(root), read_only_storage(root)))
+            except LatentsweepError:
+                raise LatentsweepError(f"--warm-from {source}: neither a state directory holding optuna.db nor an "
+                                       f"Optuna storage URL") from None
     return out
 
 
@@ -102,7 +101,8 @@ def earlier_trials(storage, mine: dict, exclude: str, where: str) -> list[tuple[
             continue
         label = f"study '{summary.study_name}'" + (f" in {where}" if where else "")
         study_id = storage.get_study_id_from_name(summary.study_name)
-        found += [(label, summary.study_name, t) for t in storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
+        trials = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
+        found += [(label, summary.study_name, t) for t in trials
                   if t.value is not None and t.params and side_values(t) is None]
     return found
 
@@ -123,8 +123,8 @@ def translate(params: dict[str, Any], space: tuple[Param, ...], base_values: dic
         if value is None:  # a knob the earlier study did not search: not fixed, so the sampler proposes it
             changes.new.add(p.key)
             continue
-        if p.type == "categorical":
-            if value not in p.choices:
+        if p.type == "categorical" or not isinstance(value, (int, float)) or isinstance(value, bool):
+            if value not in (p.choices or ()):  # also a knob that was categorical and is a range now
                 changes.skipped.add(p.key)
                 return None
         else:
