@@ -16,9 +16,11 @@ from trainers.synthetic import write_synthetic
 
 
 @pytest.fixture
-def reads(monkeypatch) -> list[str]:
-    """Every real read of a train file (trainers.data.load_train) by path, from here on."""
+def reads(monkeypatch, tmp_path) -> list[str]:
+    """Every real read of a train file (trainers.data.load_train) by path, from here on (an empty data cache: a file
+    of the same bytes mapped by an earlier test is not read)."""
     seen, real = [], trainers.data.load_train
+    monkeypatch.setenv(trainers.data.CACHE_ENV, str(tmp_path / "data-cache"))
 
     def counted(path, **kwargs):
         seen.append(str(path))

@@ -36,3 +36,47 @@ def test_the_chosen_strength_has_the_best_held_out_score(small):
     ridge, scores = fit_ridge(load_train(small))
     assert set(scores) == set(ALPHAS) and ridge.alpha == max(scores, key=scores.get)
     assert len(set(scores.values())) > 1  # the strengths are told apart, not all scored alike
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh data cache and no train set held by this process (as in a newly spawned worker)."""
+    from trainers import data as data_mod
+
+    monkeypatch.setenv(data_mod.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(data_mod, "_last_read", [])
+    monkeypatch.setattr(data_mod, "reads", {"parsed": 0, "mapped": 0})
+    return data_mod
+
+
+def test_a_second_process_maps_the_file_instead_of_parsing_it(small, cache):
+    first = cache.load_train_shared(small)
+    cache._last_read.clear()  # what a new process starts with
+    second = cache.load_train_shared(small)
+    assert cache.reads == {"parsed": 1, "mapped": 1}
+    assert isinstance(second.text, np.memmap) and second.fingerprint == first.fingerprint
+    for name in ("caption_ids", "text", "image", "cap2img", "image_names"):
+        np.testing.assert_array_equal(getattr(second, name), getattr(first, name))
+    torch.as_tensor(second.text)[0] += 1.0  # a write stays in this process (copy-on-write), never in the cache
+    cache._last_read.clear()
+    assert np.array_equal(cache.load_train_shared(small).text, first.text)
+
+
+def test_a_changed_file_is_parsed_again(small, cache, tmp_path):
+    import shutil
+
+    copy = tmp_path / "train.npz"
+    shutil.copy(small, copy)
+    cache.load_train_shared(copy)
+    write_synthetic(tmp_path / "other", 30, dim_text=12, dim_image=20)
+    shutil.copy(tmp_path / "other" / "train.npz", copy)  # same path, other bytes
+    cache._last_read.clear()
+    assert len(cache.load_train_shared(copy).image) == 30 and cache.reads == {"parsed": 2, "mapped": 0}
+
+
+def test_the_cache_off_parses_every_time(small, cache, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_ENV, "off")
+    cache.load_train_shared(small)
+    cache._last_read.clear()
+    cache.load_train_shared(small)
+    assert cache.reads == {"parsed": 2, "mapped": 0}

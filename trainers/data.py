@@ -3,14 +3,22 @@ image in trainers.splits)."""
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
+import shutil
+import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from trainers.errors import DataError
 from trainers.heap import release_free_heap
 from trainers.npz import SPARSE_PREFIX, Npz, check_kind, read_cap2img
+
+log = logging.getLogger("latentsweep")
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ def load_train(path, *, texts: bool = False, label_chunk_rows: int | None = None
             "num_captions": (nc, "captions/embeddings rows"), "num_images": (ni, "images/embeddings rows"),
             "embedding_dim_text": (text.shape[1], "captions/embeddings columns"),
             "embedding_dim_image": (image.shape[1], "images/embeddings columns")})
+    reads["parsed"] += 1
     data = TrainSet(str(path), fingerprint(path), ids, caption_text, text, image, cap2img, names, labels, label_names)
     release_free_heap()  # the read buffers and the label's blocks, freed but kept resident by glibc (0.04 GB)
     return data
@@ -96,25 +105,113 @@ def load_train(path, *, texts: bool = False, label_chunk_rows: int | None = None
 
 # The TrainSet this process read last (load_train_shared); one at most, so two files are never held for it.
 _last_read: list[TrainSet] = []
+# Where load_train_shared keeps its memory-mapped copies of train files (one folder per file content): the
+# environment's LATENTSWEEP_DATA_CACHE (a folder, or "off"), else a per-user folder in the temp dir.
+CACHE_ENV = "LATENTSWEEP_DATA_CACHE"
+# Copies kept: a machine's studies read one or two files; an older copy is removed when a new one is written (a
+# process that maps it keeps its pages: Linux frees an unlinked file when its last mapping goes).
+CACHE_KEEP = 2
+# The cache's layout; a copy of another version is rewritten.
+CACHE_VERSION = 1
+# A staging folder older than this is a dead writer's (writing a challenge-size copy takes seconds): seconds.
+STALE_S = 3600.0
+_CACHED = ("caption_ids", "text", "image", "cap2img", "image_names", "image_labels", "label_names")
+_MAPPED = ("text", "image")  # the float arrays (0.67 GB at challenge size); the rest are small and read whole
+# How this process got its train sets: "parsed" (load_train on the npz) and "mapped" (the cache) counts.
+reads = {"parsed": 0, "mapped": 0}
 
 
 def load_train_shared(path) -> TrainSet:
-    """`load_train(path)`, except that the TrainSet this process read last is handed out again while `path` holds
-    the same bytes (its sha256 fingerprint: 0.5 s at challenge size, against about 12 s for a read). A study run's
-    pre-flight check and its trials, and a one-budget run's pick estimate and pick, then read the file once instead
-    of up to five times. It stays loaded for the life of the process; callers treat a TrainSet as read-only, as the
-    trials of one study always have (they share one)."""
-    if _last_read:
-        last = _last_read[0]
-        try:
-            same = os.path.realpath(last.path) == os.path.realpath(path) and last.fingerprint == fingerprint(path)
-        except OSError:  # gone or unreadable now: load_train says so in its own words
-            same = False
-        if same:
-            return last
+    """`load_train(path)`, read once per machine while `path` holds the same bytes (its sha256 fingerprint: 0.5 s at
+    challenge size, against 10-30 s for a parse on 2 cores).
+
+    In a process: the TrainSet it read last is handed out again (a study run's pre-flight check and its trials, and a
+    one-budget run's floor, search and pick). Across processes: the first parse writes the arrays as .npy files in a
+    cache folder named by the fingerprint (`cache_dir`), and every later load (a spawned worker, the next study on
+    the file) maps them copy-on-write (np.load mmap_mode="c"): the workers of one machine share the page cache's one
+    copy instead of parsing the npz each and holding a private copy each. A changed file has a new fingerprint, so a
+    new folder. The TrainSet stays loaded for the life of the process; callers treat it as read-only (a write lands in
+    the process's private copy of that page, never in the file)."""
+    try:
+        fp = fingerprint(path)
+    except OSError:  # gone or unreadable now: load_train says so in its own words
+        return _remember(load_train(path))
+    if _last_read and os.path.realpath(_last_read[0].path) == os.path.realpath(path) \
+            and _last_read[0].fingerprint == fp:
+        return _last_read[0]
     _last_read.clear()  # before reading: the old and the new file are never held together
-    _last_read.append(load_train(path))
-    return _last_read[0]
+    folder = cache_dir(fp)
+    mapped = _open_cached(folder, str(path), fp) if folder is not None else None
+    if mapped is not None:
+        reads["mapped"] += 1
+        return _remember(mapped)
+    data = _remember(load_train(path))
+    if folder is not None:
+        _write_cached(data, folder)
+    return data
+
+
+def _remember(data: TrainSet) -> TrainSet:
+    _last_read[:] = [data]
+    return data
+
+
+def cache_dir(fp: str) -> Path | None:
+    """The cache folder of the train file with fingerprint `fp`, None when the cache is off (CACHE_ENV=off)."""
+    root = os.environ.get(CACHE_ENV, "")
+    if root.strip().lower() == "off":
+        return None
+    base = Path(root) if root else Path(tempfile.gettempdir()) / f"latentsweep-data-{os.getuid()}"
+    return base / f"v{CACHE_VERSION}-{fp}"
+
+
+def _open_cached(folder: Path, path: str, fp: str) -> TrainSet | None:
+    """The TrainSet mapped from `folder` (written whole by _write_cached: its done.json is the last file written), or
+    None when there is no complete copy there."""
+    try:
+        done = json.loads((folder / "done.json").read_text())
+        arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="c" if name in _MAPPED else None,
+                                allow_pickle=False) if name in done["arrays"] else None for name in _CACHED}
+    except (OSError, ValueError, KeyError, TypeError):  # absent, half-removed or not ours: parse the npz instead
+        return None
+    os.utime(folder / "done.json")  # recently used: the last to be evicted
+    return TrainSet(path, fp, arrays["caption_ids"], None, arrays["text"], arrays["image"], arrays["cap2img"],
+                    arrays["image_names"], arrays["image_labels"], arrays["label_names"])
+
+
+def _write_cached(data: TrainSet, folder: Path) -> None:
+    """Write `data`'s arrays into `folder` for the next process (staged, then one rename); a cache that cannot be
+    written (a full or read-only disk) only costs the next process a parse, so a failure is logged and dropped."""
+    names = [name for name in _CACHED if getattr(data, name) is not None]
+    try:
+        folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        need = sum(getattr(data, name).nbytes for name in names)
+        if shutil.disk_usage(folder.parent).free < 2 * need:  # never fill the disk for a cache
+            log.info("no data cache: %s has under %d MB free", folder.parent, 2 * need >> 20)
+            return
+        staged = Path(tempfile.mkdtemp(prefix=".staged-", dir=folder.parent))
+        try:
+            for name in names:
+                np.save(staged / f"{name}.npy", getattr(data, name), allow_pickle=False)
+            (staged / "done.json").write_text(json.dumps({"arrays": names, "source": data.path}))
+            os.rename(staged, folder)  # fails when another process wrote it first: theirs is as good
+        except OSError:
+            shutil.rmtree(staged, ignore_errors=True)
+            if not (folder / "done.json").is_file():
+                raise
+        _evict(folder.parent, keep=folder)
+    except OSError as exc:
+        log.info("no data cache in %s (%s): the next process parses the npz again", folder.parent, exc)
+
+
+def _evict(root: Path, keep: Path) -> None:
+    """Remove all but the CACHE_KEEP most recently used copies in `root` (never `keep`), and the staging folders of
+    writers that died (untouched for STALE_S)."""
+    copies = sorted((p for p in root.glob("v*-*") if p != keep and (p / "done.json").is_file()),
+                    key=lambda p: (p / "done.json").stat().st_mtime, reverse=True)
+    stale = [p for p in root.glob(".staged-*") if time.time() - p.stat().st_mtime > STALE_S]
+    for old in copies[CACHE_KEEP - 1:] + stale:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _unique_ids(npz: Npz, key: str, ids: np.ndarray) -> np.ndarray:
