@@ -59,7 +59,7 @@ class Member:
     cfg: Config
     callback: Callable[[EpochReport], None] | None = None  # sees each epoch; raising ends this member alone
     out_dir: Path | None = None
-    deadline: Callable[[], Deadline | None] | None = None
+    deadline: Callable[[], Deadline] = Deadline.never
     done: Callable[[TrainResult | BaseException], None] | None = None  # the member's end, called once
 
 
@@ -108,7 +108,6 @@ class _Population:
             if key != self.key or self.task is None:  # a new group: its task (no RNG drawn: shared by its members)
                 self.key, self.stack, self.device = key, None, resolve_device(cfg.train.device)
                 self.task = TASKS.get(cfg.data.task)(cfg, self.data, self.device)
-            cuda = self.device.type == "cuda"
             gen = seed_everything(cfg.train.seed)
             model = CenteredModel(build_model(cfg, self.task.model_context()), self.task.text_mean).to(self.device)
             run = RunState(cfg, self.data, self.device, self.task, model, gen, started, callback=member.callback,
@@ -122,7 +121,7 @@ class _Population:
             best_pt.write(quiet=True)
             self._hand(member, slot, exc)
             return True
-        self.live.append(Live(member, slot, run, best_pt, rng_state(cuda, full=True)))
+        self.live.append(Live(member, slot, run, best_pt, rng_state(self.cuda, full=True)))
         self.rebind()
         return True
 
@@ -149,8 +148,9 @@ class _Population:
         self._hand(lv.member, lv.slot, end)
 
     @property
-    def cuda(self) -> bool:
-        return self.device is not None and self.device.type == "cuda"
+    def cuda(self) -> torch.device | None:
+        """The CUDA device of the members (whose RNG they own), None on a CPU."""
+        return self.device if self.device is not None and self.device.type == "cuda" else None
 
     def epoch(self) -> None:
         """One epoch of every member (each at its own epoch number), then their validation; members that end
@@ -247,7 +247,7 @@ def measure(cfg: Config, data: TrainSet, k: int, steps: int = MEASURE_STEPS) -> 
     for lv in pop.live:
         lv.run.begin_epoch()
         lv.run.model.train()
-    cuda = pop.cuda
+    cuda = pop.cuda is not None
     if cuda:
         torch.cuda.synchronize(pop.device)
         torch.cuda.reset_peak_memory_stats(pop.device)

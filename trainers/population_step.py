@@ -28,25 +28,27 @@ class Live:
     end: TrainResult | BaseException | None = None
 
 
-def rng_state(cuda: bool, full: bool) -> tuple:
-    return (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None,
+def rng_state(cuda: torch.device | None, full: bool) -> tuple:
+    """The global RNG states a member owns: torch's CPU one, its CUDA device's (`cuda`, None on a CPU), and with
+    `full` numpy's and Python's."""
+    return (torch.get_rng_state(), torch.cuda.get_rng_state(cuda) if cuda is not None else None,
             np.random.get_state() if full else None, random.getstate() if full else None)
 
 
-def _set_rng(state: tuple) -> None:
+def _set_rng(state: tuple, cuda: torch.device | None) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
+        torch.cuda.set_rng_state(state[1], cuda)
     if state[2] is not None:
         np.random.set_state(state[2])
         random.setstate(state[3])
 
 
 @contextlib.contextmanager
-def own_rng(live: Live, cuda: bool, full: bool = True):
+def own_rng(live: Live, cuda: torch.device | None, full: bool = True):
     """The member's global RNG state in place for the block, saved back after (`full`: numpy's and Python's too; a
     step needs only torch's: nothing in a step draws from the other two)."""
-    _set_rng(live.rng if full else (*live.rng[:2], None, None))
+    _set_rng(live.rng if full else (*live.rng[:2], None, None), cuda)
     try:
         yield
     finally:
@@ -121,7 +123,7 @@ def stacked_step(pop, batches: list[dict | None]) -> None:
             _after_backward(lv, k, stack, cuda, batches[k], (out_k, loss, terms, used), pop)
 
 
-def _after_backward(lv: Live, k: int, stack, cuda: bool, real: dict, taken: tuple, pop) -> None:
+def _after_backward(lv: Live, k: int, stack, cuda: torch.device | None, real: dict, taken: tuple, pop) -> None:
     """Member k's grads (views of its slice; `taken`: its outputs, loss, terms and the outputs its loss read), then its own clipping, optimiser, scaler, schedule, average and
     loss state, as trainers.loop._train_epoch runs them."""
     p, (out_k, loss, terms, used) = lv.run.parts, taken
