@@ -146,6 +146,7 @@ def alone_step_seconds(cfg, data, steps: int) -> float:
     from trainers.devices import resolve_device
     from trainers.loop import _BestCheckpoint, _train_epoch, seed_everything
     from trainers.models import build_model
+    from trainers.deadline import Deadline
     from trainers.run import RunState
     from trainers.tasks import TASKS
 
@@ -154,7 +155,7 @@ def alone_step_seconds(cfg, data, steps: int) -> float:
     task = TASKS.get(cfg.data.task)(cfg, data, device)
     model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
     run = RunState(cfg, data, device, task, model, gen, time.monotonic(), callback=None, out_dir=None,
-                   progress=False, deadline=None, best_pt=_BestCheckpoint(None))
+                   progress=False, deadline=Deadline.never, best_pt=_BestCheckpoint(None))
     run.begin_epoch()
     _train_epoch(dataclasses.replace(run.parts, task=_FirstBatches(task, 1)), 0)  # float() at its end: synced
     start = time.perf_counter()

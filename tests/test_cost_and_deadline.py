@@ -47,7 +47,7 @@ def test_a_training_run_measures_its_parts(data):  # noqa: F811
 
 def test_the_deadline_stops_training_keeping_the_best_finished_epoch(data, tmp_path):  # noqa: F811
     cfg = small_cfg(**{"train.epochs": 50, "train.early_stop": 0})
-    ends = {"at": None}
+    ends = {"at": Deadline.never()}
 
     def after_epoch(report) -> None:
         if report.epoch == 2:  # from now on the deadline has passed: the next step must not start
@@ -72,7 +72,7 @@ def test_no_epoch_starts_that_would_not_finish_before_the_deadline(data, tmp_pat
 
     monkeypatch.setattr(metrics, "evaluate_with_ranks", slow)
     cfg = small_cfg(**{"train.epochs": 50, "train.early_stop": 0})
-    ends, seen = {"at": None}, []
+    ends, seen = {"at": Deadline.never()}, []
 
     def after_epoch(report) -> None:
         seen.append(report.epoch)
@@ -91,7 +91,7 @@ def test_the_one_deadline():
     assert d.bounded and 99.0 < d.left() <= 100.0 and not d.passed() and d.overrun() == 0.0
     assert d.fits(50.0) and not d.fits(150.0) and d.fits(None)
     assert d.earlier(100.0).passed() and not d.earlier(50.0).passed()
-    assert d.sooner(Deadline.after(10.0)).left() <= 10.0 and d.sooner(None) is d
+    assert d.sooner(Deadline.after(10.0)).left() <= 10.0 and d.sooner(Deadline.never()) is d
     never = Deadline.never()
     assert not never.bounded and never.fits(1e12) and never.left() == float("inf") and never.overrun() == 0.0
     late = Deadline.after(-5.0)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Deadline:
-    """An instant on time.monotonic(); `end = inf` is no deadline."""
+    """An instant on time.monotonic(); `end = inf` (Deadline.never()) is no deadline: the one spelling of "none",
+    never None."""
     end: float
 
     @classmethod
@@ -53,9 +54,9 @@ class Deadline:
         """The deadline `seconds` before this one (a stage that must leave that much for what follows it)."""
         return Deadline(self.end - seconds)
 
-    def sooner(self, other: "Deadline | None") -> "Deadline":
+    def sooner(self, other: "Deadline") -> "Deadline":
         """The earlier of the two."""
-        return self if other is None or self.end <= other.end else other
+        return self if self.end <= other.end else other
 
 
 __all__ = ["Deadline"]

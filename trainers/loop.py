@@ -61,15 +61,15 @@ def torch_threads(threads: int):
 
 def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None] | None = None,
           out_dir: str | Path | None = None, progress: bool = False,
-          deadline: Callable[[], Deadline | None] | None = None) -> TrainResult:
+          deadline: Callable[[], Deadline] = Deadline.never) -> TrainResult:
     """Train `cfg` on `data`; keep the best epoch by val/mrr; `callback` sees every epoch (and may raise to stop).
     Runs with cfg.train.threads torch threads (when > 0), restored on return.
 
-    `deadline()` (a trainers.deadline.Deadline, or None for none): read before every step, so the caller may move
-    it while the run goes on (a one-budget run re-estimates it after each epoch). Once an epoch has finished, the
-    next epoch, or an epoch's validation, starts only when its last measured seconds fit before the deadline; a step
-    never starts after it. Then the run returns its best finished epoch (`stopped_at_deadline`), or raises
-    DeadlineReached when no epoch has finished (or the deadline had passed before the run started)."""
+    `deadline()` (a trainers.deadline.Deadline, Deadline.never() for none): read before every step, so the caller
+    may move it while the run goes on (a one-budget run re-estimates it after each epoch). Once an epoch has
+    finished, the next epoch, or an epoch's validation, starts only when its last measured seconds fit before the
+    deadline; a step never starts after it. Then the run returns its best finished epoch (`stopped_at_deadline`), or
+    raises DeadlineReached when no epoch has finished (or the deadline had passed before the run started)."""
     validate(cfg)
     device = resolve_device(cfg.train.device)
     best_pt = _BestCheckpoint(out_dir)
@@ -86,7 +86,7 @@ def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None
 
 
 def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[EpochReport], None] | None,
-         out_dir: str | Path | None, progress: bool, deadline: Callable[[], Deadline | None] | None,
+         out_dir: str | Path | None, progress: bool, deadline: Callable[[], Deadline],
          best_pt: "_BestCheckpoint") -> TrainResult:
     """The body of `train`, under its thread count: the run's epochs (trainers.run.RunState), each trained by
     `_train_epoch`."""

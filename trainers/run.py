@@ -72,19 +72,17 @@ class StepParts:
     amp: bool
     augment: BatchAugment
     average: Any  # trainers.regularise.WeightAverage
-    deadline: Callable[[], Deadline | None] | None = None  # after which no step starts
+    deadline: Callable[[], Deadline] = Deadline.never  # after which no step starts
     forward: StepForward | None = None  # forward + loss as train.capture says (None: eager)
 
 
-def now_past(deadline: Callable[[], Deadline | None] | None) -> bool:
-    end = deadline() if deadline is not None else None
-    return end is not None and end.passed()
+def now_past(deadline: Callable[[], Deadline]) -> bool:
+    return deadline().passed()
 
 
-def fits(deadline: Callable[[], Deadline | None] | None, seconds: float | None) -> bool:
-    """Whether work measured at `seconds` ends before the run's deadline (always, without one)."""
-    end = deadline() if deadline is not None else None
-    return end is None or end.fits(seconds)
+def fits(deadline: Callable[[], Deadline], seconds: float | None) -> bool:
+    """Whether work measured at `seconds` ends before the run's deadline (always, with Deadline.never())."""
+    return deadline().fits(seconds)
 
 
 def train_size(cfg: Config, data: TrainSet) -> tuple[int, int]:
@@ -102,7 +100,7 @@ class RunState:
 
     def __init__(self, cfg: Config, data: TrainSet, device: torch.device, task, model: CenteredModel,
                  gen: torch.Generator, started: float, *, callback: Callable[[EpochReport], None] | None,
-                 out_dir: str | Path | None, progress: bool, deadline: Callable[[], Deadline | None] | None,
+                 out_dir: str | Path | None, progress: bool, deadline: Callable[[], Deadline],
                  best_pt) -> None:
         self.cfg, self.data, self.task, self.model, self.deadline = cfg, data, task, model, deadline
         self.callback, self.out_dir, self.best_pt = callback, out_dir, best_pt

@@ -87,15 +87,16 @@ class TrialRunner:
         self.open_runs: dict[int, str] = {}  # trial number -> its MLflow run, from its start until it is closed
         # `study run --timeout`: from this worker's start; a one-budget run's search end is re-estimated after every
         # epoch (search.study.budget). The sooner of the two is the search's end (trainers.deadline).
-        self.timeout_end = Deadline.after(spec.timeout) if spec.timeout is not None else None
-        self.search_end: Deadline | None = self.timeout_end
+        self.timeout_end = Deadline.after(spec.timeout)  # Deadline.never() without a timeout
+        self.search_end = self.timeout_end
         self.close_s = 0.0  # what closing this worker's last trial took (artifacts, figure, end of its run)
 
-    def search_end_now(self, study: optuna.Study) -> Deadline | None:
-        """Re-estimate when the search must end (None without a timeout or a one-budget run)."""
+    def search_end_now(self, study: optuna.Study) -> Deadline:
+        """Re-estimate when the search must end (Deadline.never() without a timeout or a one-budget run)."""
         budget = self.spec.budget
-        end = None if budget is None else budget.search_end(study, len(self.data.cap2img), len(self.data.image))
-        self.search_end = end.sooner(self.timeout_end) if end is not None else self.timeout_end
+        end = Deadline.never() if budget is None else budget.search_end(study, len(self.data.cap2img),
+                                                                        len(self.data.image))
+        self.search_end = end.sooner(self.timeout_end)
         return self.search_end
 
     def next_trial_fits(self, study: optuna.Study) -> bool:
@@ -103,7 +104,7 @@ class TrialRunner:
         validation of the study's typical trial (the median) plus this worker's last close. Start nothing that
         cannot finish: a trial cut before its first validation is time thrown away."""
         end = self.search_end_now(study)
-        if end is None:
+        if not end.bounded:
             return True
         return end.fits(typical_trial_s(study) + self.close_s if typical_trial_s(study) is not None else None)
 
@@ -119,7 +120,7 @@ class TrialRunner:
             end = exc
         return self.finish(trial, started, end)
 
-    def deadline(self) -> Deadline | None:
+    def deadline(self) -> Deadline:
         """What training reads before every step: the search's end as last re-estimated (search_end_now)."""
         return self.search_end
 
