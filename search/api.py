@@ -62,7 +62,7 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
     with no_new_empty_state_dir(state_dir):
         spec = build_spec(study_file, data=data, n_trials=n_trials, timeout=timeout, name=name, state=state_dir,
                           storage=storage, tracking_uri=tracking_uri, artifact_root=artifact_root,
-                          progress=progress, warm_start=warm_start, warm_from=tuple(warm_from),
+                          progress=progress, warm_start=warm_start, warm_from=warm_from,
                           population=population)
         preflight(spec)
     return {"study": spec.name, **_run_study(spec, workers=workers)}
@@ -88,7 +88,7 @@ def run(study: str | Path, time: str | float, *, data: str | None = None, test: 
     with no_new_empty_state_dir(state_dir):
         spec = build_spec(study_file, data=data, n_trials=None, timeout=None, name=None, state=state_dir,
                           storage=None, tracking_uri=None, artifact_root=None, progress=progress,
-                          warm_start=warm_start, warm_from=tuple(warm_from), population=population)
+                          warm_start=warm_start, warm_from=warm_from, population=population)
         preflight(spec)
         pick = check_pick_inputs(PickOptions(  # every pick input before the search, as the CLI
             study=spec.name, state_dir=spec.state_dir, storage=spec.storage.url, tracking_uri=spec.tracking_uri,
