@@ -80,3 +80,21 @@ def test_the_cache_off_parses_every_time(small, cache, monkeypatch):
     cache._last_read.clear()
     cache.load_train_shared(small)
     assert cache.reads == {"parsed": 2, "mapped": 0}
+
+
+def test_a_knn_model_that_would_not_finish_is_not_started(small, tmp_path):
+    from trainers.config import Config, with_values
+    from trainers.deadline import Deadline
+    from trainers.knn import build_seconds
+    from trainers.loop import train
+    from trainers.run import DeadlineReached
+
+    data = load_train(small)
+    cfg = with_values(Config(), {"model.kind": "knn", "data.val_ratio": 0.25})
+    estimate = build_seconds(cfg, data)
+    assert estimate > 0
+    with pytest.raises(DeadlineReached, match="knn model's estimated"):
+        train(cfg, data, out_dir=tmp_path / "short", deadline=lambda: Deadline.after(estimate / 100 + 1e-3))
+    assert not (tmp_path / "short" / "best.pt").exists()  # nothing built, nothing saved
+    result = train(cfg, data, out_dir=tmp_path / "long", deadline=lambda: Deadline.after(100 * estimate + 60))
+    assert (tmp_path / "long" / "best.pt").is_file() and result.best_metrics["val/mrr"] > 0

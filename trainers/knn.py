@@ -14,7 +14,9 @@ output bias can learn one, and the same centring of the reference MLP's predicti
 from __future__ import annotations
 
 import math
+import time
 
+import numpy as np
 import torch
 
 from trainers.config import Config
@@ -34,6 +36,13 @@ CHOICE_QUERIES = 2048
 # (N = 100,000 training captions).
 BLOCK = 256
 _BUFFERS = ("key_mean", "keys", "key_image", "values", "tau")
+# Keys of the estimate's probe: one BLOCK of queries against this many random keys, through `nearest` (the matmul and
+# the top-k that are the model's cost), 10-30 ms on 2 cores at 1024 dims: long enough to time, short beside the
+# minutes it predicts at challenge size (docs/trial-costs.md, "Real size").
+PROBE_KEYS = 8192
+# A prediction costs more than its `nearest`: the queries' normalisation, the softmax and the weighted mean of the
+# neighbours' images. Measured at challenge size on 2 cores: translate 322 s, of which nearest 260 s (1.24).
+TRANSLATE_OVER_NEAREST = 1.25
 
 
 class KernelTranslator(Translator):
@@ -127,3 +136,57 @@ def nearest(q: torch.Tensor, keys: torch.Tensor, key_image: torch.Tensor, k: int
     if exclude is not None:
         sim = sim.masked_fill(key_image[None, :] == exclude[:, None], -math.inf)
     return sim.topk(min(k, sim.shape[1]), dim=1)
+
+
+def build_seconds(cfg: Config, data, device: torch.device | str = "cpu") -> float:
+    """Estimated seconds of building and validating cfg's knn model on `data` (a TrainSet) on `device` now: (query,
+    key) pairs times the seconds a pair costs, timed on this machine under its present load (`probe_pair_s`).
+
+    Its cost grows with the captions squared: the temperature choice (CHOICE_QUERIES queries against the N training
+    captions), every val caption against the N keys, and validation's cosines of the val captions against every val
+    image (counted as pairs of Di / Dt keys' work). At challenge size (N = 100,000, 25,000 val captions) that is
+    2.7e9 pairs, minutes on 2 cores, where the demo's are under a second."""
+    from trainers.tasks import split_images  # trainers.tasks builds models: imported when needed, not at load time
+
+    train_img, val_img = split_images(cfg, data)
+    per_image = np.bincount(np.asarray(data.cap2img), minlength=len(data.image))
+    n_keys, n_val = int(per_image[train_img].sum()), int(per_image[val_img].sum())
+    dim_in, dim_out = data.text.shape[1], data.image.shape[1]
+    pairs = (min(CHOICE_QUERIES, n_keys) + TRANSLATE_OVER_NEAREST * n_val) * n_keys \
+        + n_val * len(val_img) * dim_out / dim_in
+    return pairs * probe_pair_s(dim_in, cfg.model.knn_k, device)
+
+
+def probe_pair_s(dim: int, k: int, device: torch.device | str = "cpu") -> float:
+    """Seconds per (query, key) pair of `nearest` at `dim` dims on `device`, timed now on one BLOCK x PROBE_KEYS
+    block (after one untimed call, which pays the first call's set-up)."""
+    gen = torch.Generator().manual_seed(0)
+    q = l2_normalize(torch.randn(BLOCK, dim, generator=gen)).to(device)
+    keys = l2_normalize(torch.randn(PROBE_KEYS, dim, generator=gen)).to(device)
+    img = torch.arange(PROBE_KEYS, device=keys.device)
+    nearest(q, keys, img, k)
+    _sync(keys.device)
+    started = time.perf_counter()
+    nearest(q, keys, img, k)
+    _sync(keys.device)
+    return (time.perf_counter() - started) / (BLOCK * PROBE_KEYS)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_fits(cfg: Config, data, deadline) -> None:
+    """Raise trainers.run.DeadlineReached, before anything is built, when cfg's knn model would not be built and
+    validated before `deadline` (a trainers.deadline.Deadline; unbounded: nothing to check). Start nothing that
+    cannot finish: a knn model has no epoch to stop after, so once started it runs to its end."""
+    if cfg.model.kind != "knn" or not deadline.bounded:
+        return
+    from trainers.devices import resolve_device
+    from trainers.run import DeadlineReached  # the run module imports the models: not at this module's load
+
+    seconds = build_seconds(cfg, data, resolve_device(cfg.train.device))
+    if not deadline.fits(seconds):
+        raise DeadlineReached(f"the knn model's estimated {seconds:.0f} s (its cost grows with the captions squared) "
+                              f"do not fit in the {deadline.left():.0f} s left")

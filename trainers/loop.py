@@ -19,6 +19,7 @@ from trainers.data import TrainSet
 from trainers.deadline import Deadline
 from trainers.devices import resolve_device
 from trainers.errors import LatentsweepError
+from trainers import knn
 from trainers.heap import release_free_heap
 from trainers.models import UNTRAINED_KINDS, build_model
 from trainers.records import EpochLog
@@ -93,6 +94,7 @@ def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[
     started = time.monotonic()
     if now_past(deadline):  # nothing built yet: a trial claimed just before the end costs nothing
         raise DeadlineReached("the deadline had passed before the run started")
+    knn.check_fits(cfg, data, deadline())  # its cost grows with the captions squared: estimated before it is built
     gen = seed_everything(cfg.train.seed)
     task = TASKS.get(cfg.data.task)(cfg, data, device)
     model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
