@@ -61,8 +61,8 @@ def test_a_trials_checkpoint_scores_its_own_value_on_the_judges_images(world):
 def test_the_floor_is_scored_fit_without_the_val_images(world):
     """Like with like: the floor's score is the ridge fit on the train part; the submission's ridge (fit on every
     image, the val split's too) would score higher on the val split than it has any right to."""
-    fair = world.judge.score_floor(world.data)
     seen, _ = fit_ridge(world.data)
+    fair = world.judge.score_floor(world.data, seen.alpha)
     unfair = world.judge.score(seen.predict(world.judge.text))
     assert 0.0 < fair < unfair
 
@@ -77,7 +77,7 @@ def _keeper(world, tmp_path, floor_score):
 
 
 def test_a_worse_trial_leaves_the_floor_in_place(world, tmp_path, capsys):
-    keeper, out = _keeper(world, tmp_path, world.judge.score_floor(world.data))
+    keeper, out = _keeper(world, tmp_path, world.judge.score_floor(world.data, fit_ridge(world.data)[0].alpha))
     before = out.read_bytes()
     answer = keeper.refresh()
     keeper.close()

@@ -179,10 +179,10 @@ def _judge(spec: RunSpec, data, answer: SafeAnswer) -> tuple[Judge | None, Stand
         note("warning: the study holds no val split out, so answers are not compared: each one replaces the last")
         return None, standing
     standing.judge = judge.describe()
-    if Path(answer.path).is_file():
+    if answer.alpha is not None:
         started = time.monotonic()
         try:
-            score = judge.score_floor(data)
+            score = judge.score_floor(data, answer.alpha)
         except (RuntimeError, DataError) as exc:  # the solve on degenerate data: the floor stays, unscored
             note(f"warning: the floor could not be scored on the val split ({first_line(exc)})")
             return judge, standing

@@ -41,6 +41,7 @@ class SafeAnswer:
     path: Path
     source: str
     seconds: float
+    alpha: float | None = None  # the closed-form floor's ridge strength (None: another answer)
 
 
 def put_submission(out: Path, test: TestSet, pred: np.ndarray) -> None:
@@ -63,7 +64,7 @@ def ridge_answer(data: TrainSet, test: TestSet, out: Path) -> SafeAnswer:
     check_text_dim(test, data.text.shape[1], "the training captions have")
     ridge, _ = fit_ridge(data)
     put_submission(out, test, ridge.predict(test.embeddings))
-    return SafeAnswer(out, f"the closed-form ridge (alpha {ridge.alpha:g})", time.monotonic() - started)
+    return SafeAnswer(out, f"the closed-form ridge (alpha {ridge.alpha:g})", time.monotonic() - started, ridge.alpha)
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
