@@ -203,25 +203,35 @@ def test_the_api_takes_a_population(tmp_path):
         run_study("quickstart", population=-1, state_dir=str(tmp_path / "s"))
 
 
+def start(sf: Path, state: Path, synthetic: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "search", "study", "run", str(sf), "--data", str(synthetic),
+                             "--state-dir", str(state), "--quiet", "--no-warm-start", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
+
+
+def members_running(proc: subprocess.Popen, state: Path, name: str, k: int = 2) -> str:
+    """The worker (host:pid) once it holds `k` RUNNING trials whose runs are open: a population mid-training."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+        try:
+            owners = [t.user_attrs.get("latentsweep.worker") for t in trials(state, name)
+                      if t.state.name == "RUNNING" and "mlflow_run_id" in t.user_attrs]  # its run opened
+        except Exception:  # noqa: BLE001 - the study is not created yet
+            continue
+        owner = next((o for o in owners if o and owners.count(o) >= k), None)
+        if owner is not None:
+            return owner
+    raise AssertionError(proc.communicate())
+
+
 @pytest.mark.slow
 def test_killing_a_worker_mid_population_leaves_nothing_running(state, synthetic, tmp_path):
     """SIGKILL of one of two spawned workers while its population trains: the launcher reaps all its members at once,
     the other worker finishes the budget, and a resume leaves nothing RUNNING."""
-    sf = tiny_study_file(tmp_path, "killpop", n_trials=10, epochs=60)
-    argv = [sys.executable, "-m", "search", "study", "run", str(sf), "--data", str(synthetic), "--state-dir",
-            str(state), "--quiet", "--no-warm-start", "--workers", "2", "--population", "3"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
-    victim, deadline = None, time.monotonic() + 120
-    while victim is None and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-        try:
-            running = [t for t in trials(state, "killpop") if t.state.name == "RUNNING"]
-        except Exception:  # noqa: BLE001 - the study is not created yet
-            continue
-        owners = [t.user_attrs.get("latentsweep.worker") for t in running]
-        victim = next((o for o in owners if o and owners.count(o) >= 2), None)
-    assert victim is not None, proc.communicate()
+    sf = tiny_study_file(tmp_path, "killpop", n_trials=6, epochs=30)
+    proc = start(sf, state, synthetic, "--workers", "2", "--population", "3")
+    victim = members_running(proc, state, "killpop")
     os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err.decode()[-2000:]
@@ -230,3 +240,19 @@ def test_killing_a_worker_mid_population_leaves_nothing_running(state, synthetic
     assert_nothing_running(state, "killpop")
     assert run(sf, state, synthetic, "--population", "3") == 0  # resumed: the retries run, nothing left open
     assert_nothing_running(state, "killpop")
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_population_fails_and_retries_every_member(state, synthetic, tmp_path):
+    sf = tiny_study_file(tmp_path, "intpop", n_trials=4, epochs=40)
+    proc = start(sf, state, synthetic, "--population", "3")
+    members_running(proc, state, "intpop")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    got = trials(state, "intpop")
+    failed = [t for t in got if t.state.name == "FAIL"]
+    assert len(failed) >= 2 and len([t for t in got if t.state.name == "WAITING"]) == len(failed)  # each retried
+    _, by_name = runs(state, "intpop")
+    assert {by_name[f"trial-{t.number}"].info.status for t in failed} == {"KILLED"}
+    assert_nothing_running(state, "intpop")

@@ -203,6 +203,10 @@ class Population:
                                  else KeyboardInterrupt())
             except Exception as inner:  # noqa: BLE001 - the reaper fails it after the grace; said in one line
                 log.warning("could not fail trial %d of a stopping population (%s)", seat.trial.number, inner)
+        try:  # a run opened by a start the stop cut short (its id not returned yet) is closed with its failed trial
+            worker.close_dead_runs(self.study, self.runner.tracker)
+        except Exception as inner:  # noqa: BLE001 - `study reap` or the next start closes it; said in one line
+            log.warning("could not close the runs of a stopping population (%s)", inner)
 
 
 def _stop_beat(seat: Seat) -> None:
