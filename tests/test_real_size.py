@@ -98,3 +98,31 @@ def test_a_knn_model_that_would_not_finish_is_not_started(small, tmp_path):
     assert not (tmp_path / "short" / "best.pt").exists()  # nothing built, nothing saved
     result = train(cfg, data, out_dir=tmp_path / "long", deadline=lambda: Deadline.after(100 * estimate + 60))
     assert (tmp_path / "long" / "best.pt").is_file() and result.best_metrics["val/mrr"] > 0
+
+
+def test_a_knn_checkpoint_carries_its_val_predictions(small, tmp_path):
+    from trainers.checkpoint import load_model
+    from trainers.config import Config, with_values
+    from trainers.loop import train
+    from trainers.tasks import predict, split_images
+    from trainers.splits import captions_of
+
+    data = load_train(small)
+    cfg = with_values(Config(), {"model.kind": "knn", "data.val_ratio": 0.25})
+    train(cfg, data, out_dir=tmp_path / "knn")
+    val = torch.as_tensor(data.text[captions_of(data.cap2img, split_images(cfg, data)[1])])
+    model, _, _ = load_model(tmp_path / "knn" / "best.pt")
+    kept = predict(model, val)
+    assert model.inner.computed == 0  # every val caption read from what the trial's validation computed
+    other = torch.as_tensor(data.text[:7]) + 0.01  # rows it never saw are computed
+    predict(model, other)
+    assert model.inner.computed == 7
+    # a checkpoint without the kept rows (written before them) loads and predicts the same
+    payload = torch.load(tmp_path / "knn" / "best.pt", weights_only=True)
+    assert "inner.memo_pred" in payload["state_dict"]
+    for key in ("inner.memo_hash", "inner.memo_pred"):
+        del payload["state_dict"][key]
+    torch.save(payload, tmp_path / "old.pt")
+    old, _, _ = load_model(tmp_path / "old.pt")
+    torch.testing.assert_close(predict(old, val), kept, rtol=1e-5, atol=1e-6)
+    assert old.inner.computed == len(val)

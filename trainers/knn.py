@@ -43,6 +43,12 @@ PROBE_KEYS = 8192
 # A prediction costs more than its `nearest`: the queries' normalisation, the softmax and the weighted mean of the
 # neighbours' images. Measured at challenge size on 2 cores: translate 322 s, of which nearest 260 s (1.24).
 TRANSLATE_OVER_NEAREST = 1.25
+# Predictions a knn model keeps by row (RowMemo), and saves in its checkpoint: a one-budget run predicts the same val
+# captions up to four times (the trial's validation, the keeper's and the gate's scores, the pick's selection), each
+# time 100,000 key cosines a caption at challenge size (its 25,000 val captions: 5 TFLOP, minutes on 2 cores), while
+# a kept row costs its Di floats (0.15 GB for those captions at 1536 dims). Enough rows for the val captions.
+MEMO_ROWS = 32768
+_MEMO_KEYS = ("memo_hash", "memo_pred")
 
 
 class KernelTranslator(Translator):
@@ -67,22 +73,105 @@ class KernelTranslator(Translator):
             tau = cfg.model.knn_tau or choose_tau(FitSet(keys, img, values), self.k, cfg.train.seed, self.center)
         for name, value in zip(_BUFFERS, (mean, keys, img, values, torch.tensor(float(tau)))):
             self.register_buffer(name, value)
+        self.dim_out, self.memo, self.computed = ctx.dim_out, RowMemo(ctx.dim_out), 0  # computed: rows predicted
+        self.shift: torch.Tensor | None = None  # center x the mean unit image [Di], made at the first prediction
 
     def translate(self, x: torch.Tensor) -> torch.Tensor:
-        q = l2_normalize(x.float() - self.key_mean)  # [B, Dt]
-        shift = self.center * self.values.mean(dim=0)  # [Di]
+        """[B, Dt] -> [B, Di]: rows this model predicted before (RowMemo, by content) are read, the rest computed."""
+        x = x.float()
+        hashes = row_hashes(x)
+        pos = self.memo.find(hashes).to(x.device)  # [B], -1 where not kept
+        miss = torch.nonzero(pos < 0).flatten()
+        if len(miss) == len(x):
+            out = self._predict(x)
+        else:
+            out = self.memo.rows[pos.clamp_min(0).cpu()].to(x.device)
+            if len(miss):
+                out[miss] = self._predict(x[miss])
+        self.memo.add([hashes[i] for i in miss.tolist()], out[miss])
+        return out
+
+    def _predict(self, x: torch.Tensor) -> torch.Tensor:
+        q = l2_normalize(x - self.key_mean)  # [B, Dt]
+        if self.shift is None or self.shift.device != self.values.device:  # once, not per block of queries
+            self.shift = self.center * self.values.mean(dim=0)  # [Di]
+        shift = self.shift
         out = [self.values.new_zeros(0, self.values.shape[1])]
         for block in q.split(BLOCK):
             sim, idx = nearest(block, self.keys, self.key_image, self.k)
             w = torch.softmax(sim / self.tau, dim=1)  # [b, k]
             out.append(torch.einsum("bk,bkd->bd", w, self.values[self.key_image[idx]]) - shift)  # [b, Di]
+        self.computed += len(x)
         return torch.cat(out)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.memo.n:  # the kept predictions travel with the checkpoint (a trial's val captions, for the pick)
+            destination[prefix + "memo_hash"], destination[prefix + "memo_pred"] = self.memo.state()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         for name in _BUFFERS:  # sized by the training set, which a checkpoint-built model does not know
             if prefix + name in state_dict:
                 setattr(self, name, torch.empty_like(state_dict[prefix + name], device=getattr(self, name).device))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self.shift = None
+        kept = [state_dict.get(prefix + key) for key in _MEMO_KEYS]  # absent from checkpoints before issue 38
+        self.memo = RowMemo.of(*kept) if all(isinstance(t, torch.Tensor) for t in kept) else RowMemo(self.dim_out)
+        unexpected_keys[:] = [key for key in unexpected_keys if key not in {prefix + k for k in _MEMO_KEYS}]
+
+
+class RowMemo:
+    """Output rows [n, Di] (float32, CPU) by the content hash of their input rows (`row_hashes`), at most MEMO_ROWS;
+    the first ones kept (a trial's val captions come first)."""
+
+    def __init__(self, dim_out: int):
+        self.index: dict[int, int] = {}
+        self.rows, self.n = torch.zeros(0, dim_out), 0
+
+    @classmethod
+    def of(cls, hashes: torch.Tensor, rows: torch.Tensor) -> "RowMemo":
+        memo = cls(rows.shape[1])
+        memo.add(hashes.tolist(), rows)
+        return memo
+
+    def find(self, hashes: list[int]) -> torch.Tensor:
+        """Each hash's row [B] (int64), -1 where not kept."""
+        return torch.tensor([self.index.get(h, -1) for h in hashes], dtype=torch.long)
+
+    def add(self, hashes: list[int], rows: torch.Tensor) -> None:
+        take = min(len(hashes), MEMO_ROWS - self.n)
+        if take <= 0:
+            return
+        if self.n + take > len(self.rows):  # grown by doubling: appending costs O(rows) in all
+            grown = torch.empty(min(MEMO_ROWS, max(2 * len(self.rows), self.n + take)), self.rows.shape[1])
+            grown[:self.n] = self.rows[:self.n]
+            self.rows = grown
+        self.rows[self.n:self.n + take] = rows[:take].detach().float().cpu()
+        self.index.update(zip(hashes[:take], range(self.n, self.n + take)))
+        self.n += take
+
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hashes [n] int64, rows [n, Di]) in row order, for a checkpoint."""
+        hashes = torch.empty(self.n, dtype=torch.long)
+        for h, i in self.index.items():
+            hashes[i] = h
+        return hashes, self.rows[:self.n].clone()
+
+
+_HASH_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def row_hashes(x: torch.Tensor) -> list[int]:
+    """A 64-bit hash of each row's float32 bits [B]: the bits times fixed random odd int64 weights, summed (wrapping),
+    on the rows' device. Two different rows collide with odds about 2^-60; equal rows always agree."""
+    key = (x.shape[1], str(x.device))
+    if key not in _HASH_WEIGHTS:
+        gen = torch.Generator().manual_seed(x.shape[1])
+        _HASH_WEIGHTS[key] = (torch.randint(-2 ** 62, 2 ** 62, (x.shape[1],), generator=gen) | 1).to(x.device)
+    bits = x.contiguous().view(torch.int32).long()  # [B, Dt]
+    return (bits * _HASH_WEIGHTS[key]).sum(dim=1).tolist()
 
 
 def choose_tau(fit: FitSet, k: int, seed: int, center: float = 0.0) -> float:
