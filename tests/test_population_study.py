@@ -34,14 +34,6 @@ def synthetic(tmp_path_factory) -> Path:
     return train
 
 
-@pytest.fixture
-def one_shape(monkeypatch):
-    """Every config of the tiny study in one stack group (the trainers' key may still split them by knobs): the
-    population then trains them together and `join` fills each free place."""
-    import search.study.population as population
-    monkeypatch.setattr(population, "stack_key", lambda cfg: ("tiny",))
-
-
 def run(sf: Path, state: Path, synthetic: Path, *extra: str) -> int:
     return main(["study", "run", str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet",
                  "--no-warm-start", *extra])  # each study its own trials, not earlier studies' best
@@ -62,8 +54,7 @@ def assert_nothing_running(state: Path, name: str) -> None:
     assert [n for n, r in runs(state, name)[1].items() if r.info.status == "RUNNING"] == []
 
 
-def test_each_member_is_its_own_trial_and_run_and_join_fills_the_budget_exactly(state, synthetic, tmp_path,
-                                                                                  one_shape, capsys):
+def test_each_member_is_its_own_trial_and_run_and_join_fills_the_budget_exactly(state, synthetic, tmp_path, capsys):
     sf = tiny_study_file(tmp_path, "pop3", n_trials=3, epochs=2, pruner="median")
     assert run(sf, state, synthetic, "--population", "2") == 0
     got = trials(state, "pop3")
@@ -119,7 +110,7 @@ batch_size = 64
 """
 
 
-def test_a_member_whose_config_fails_fails_alone(state, synthetic, tmp_path, one_shape, capsys):
+def test_a_member_whose_config_fails_fails_alone(state, synthetic, tmp_path, capsys):
     sf = tmp_path / "diverge.toml"
     sf.write_text(DIVERGES.format(name="diverge"))
     assert run(sf, state, synthetic, "--population", "3") == 0
