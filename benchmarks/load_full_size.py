@@ -3,12 +3,15 @@
 Usage: python benchmarks/load_full_size.py [--dir DIR] [--small] [--rebuild]
        python benchmarks/load_full_size.py --smoke     # 100 images x 32 -> 48, in a temp dir (tests)
 The file is built once with trainers.synthetic (cached in DIR, default a temp dir) and loaded in a child process,
-whose peak RSS (resource.getrusage ru_maxrss) is compared with the bytes of the float arrays it must hold.
+whose peak RSS (resource.getrusage ru_maxrss) is compared with the bytes of the float arrays it must hold. Then
+`load_train_shared` in two more child processes with an empty data cache (trainers.data.CACHE_ENV): the first parses
+the npz and writes the memory-mapped copy, the second (a spawned worker, the next run) maps it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -54,8 +57,18 @@ def child_load(path: str) -> dict:
             "n_captions": len(ts.text), "n_images": len(ts.image)}
 
 
-def _run_child(*args: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True)
+def child_shared(path: str) -> dict:
+    from trainers import data
+
+    start = time.perf_counter()
+    ts = data.load_train_shared(path)
+    return {"wall_s": time.perf_counter() - start, "peak_rss": _peak_rss_bytes(), "reads": data.reads,
+            "mapped": type(ts.text).__name__ == "memmap"}
+
+
+def _run_child(*args: str, env: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True,
+                         env=None if env is None else {**os.environ, **env})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -67,12 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny file in a fresh temp dir: the code path in seconds")
     ap.add_argument("--child-build", nargs=2, metavar=("DIR", "PARAMS"), help=argparse.SUPPRESS)
     ap.add_argument("--child-load", metavar="PATH", help=argparse.SUPPRESS)
+    ap.add_argument("--child-shared", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_build:
         print(json.dumps(child_build(args.child_build[0], json.loads(args.child_build[1]))))
         return 0
     if args.child_load:
         print(json.dumps(child_load(args.child_load)))
+        return 0
+    if args.child_shared:
+        print(json.dumps(child_shared(args.child_shared)))
         return 0
     if args.smoke:
         with tempfile.TemporaryDirectory(prefix="load-smoke-") as tmp:
@@ -107,6 +124,13 @@ def measure(params: dict, out_dir: Path, rebuild: bool) -> int:
     print(f"peak RSS of loader: {r['peak_rss'] / MB:.0f} MB")
     verdict = "met" if ratio <= GOAL_RATIO else "NOT met"
     print(f"ratio peak_rss / float_bytes = {ratio:.2f} (goal <= {GOAL_RATIO}: {verdict})")
+    from trainers.data import CACHE_ENV
+
+    with tempfile.TemporaryDirectory(prefix="load-cache-") as cache:
+        for which in ("first process (parse + write the cache)", "second process (maps the cache)"):
+            s = _run_child("--child-shared", str(train), env={CACHE_ENV: cache})
+            print(f"load_train_shared, {which}: {s['wall_s']:.1f} s wall, peak RSS {s['peak_rss'] / MB:.0f} MB, "
+                  f"reads {s['reads']}")
     return 0
 
 
