@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from trainers.run import RunState, TrainResult, now_past
-from trainers.stack import used_outputs
 
 @dataclass(eq=False)
 class Live:
@@ -74,7 +73,7 @@ def stacked_step(pop, batches: list[dict | None]) -> None:
                     continue
                 p.criterion.set_progress((lv.run.epoch + lv.steps / p.steps) / p.cfg.train.epochs)
                 inputs[k] = p.augment(real)
-                masks[k] = stack.draw_masks(lv.run.model, inputs[k]["x"].shape[0])
+                masks[k] = stack.draw_masks(k, inputs[k]["x"].shape[0])
         except Exception as exc:  # noqa: BLE001 - this member's end
             inputs[k] = None
             pop.finish(lv, exc)
@@ -107,7 +106,7 @@ def stacked_step(pop, batches: list[dict | None]) -> None:
         # (TrainingDiverged at the epoch's end, as alone), and nothing of it can reach another member's slice.
         scaled = torch.where(torch.isfinite(scaled), scaled, torch.zeros_like(scaled))
         total = scaled if total is None else total + scaled
-        taken[k] = (out_k, loss, terms, used_outputs(loss, out_k))
+        taken[k] = (out_k, loss, terms, _reads(out_k))
     if total is None:
         return
     stack.zero_grad()
@@ -123,12 +122,22 @@ def stacked_step(pop, batches: list[dict | None]) -> None:
             _after_backward(lv, k, stack, cuda, batches[k], (out_k, loss, terms, used), pop)
 
 
+def _reads(out: dict[str, torch.Tensor]) -> set[str]:
+    """The keys of one member's outputs `out` its loss's backward reaches, filled by the shared backward: a hook on
+    each output fires only when gradient flows into it (its own backward would reach it)."""
+    used: set[str] = set()
+    for key, value in out.items():
+        if value.requires_grad:
+            value.register_hook(lambda _grad, key=key: used.add(key))
+    return used
+
+
 def _after_backward(lv: Live, k: int, stack, cuda: torch.device | None, real: dict, taken: tuple, pop) -> None:
     """Member k's grads (views of its slice; `taken`: its outputs, loss, terms and the outputs its loss read), then its own clipping, optimiser, scaler, schedule, average and
     loss state, as trainers.loop._train_epoch runs them."""
     p, (out_k, loss, terms, used) = lv.run.parts, taken
     try:
-        stack.grads_to(k, lv.run.model, used)
+        stack.grads_to(k, used)
         with own_rng(lv, cuda, full=False):
             if p.cfg.train.grad_clip > 0:
                 p.scaler.unscale_(p.opt)

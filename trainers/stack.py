@@ -85,6 +85,9 @@ class Stack:
             if not buf.is_floating_point() and not name.endswith(".mask"):
                 raise NotStackable(f"integer buffer {name}")
         self.params: dict[str, torch.Tensor] = {}  # name -> leaf [K, ...]
+        self.named: list[list[tuple[str, nn.Parameter]]] = []
+        self.drops: list[list[nn.Module]] = []  # member k's nn.Dropout modules, in self.dropouts' order
+        self.reached: dict[frozenset, set[str]] = {}  # output keys read -> the parameter names they reach
         self.buffers: dict[str, torch.Tensor] = {}  # name -> [K, ...]
         self.forward_all = vmap(self._one, in_dims=(0, 0))
 
@@ -95,6 +98,8 @@ class Stack:
         """Stack the members' current parameters and buffers (a copy) and make each member's tensors views of its
         slice k, keeping their objects (the optimiser's state is keyed by the Parameter)."""
         own = [(dict(m.named_parameters()), dict(m.named_buffers())) for m in models]
+        self.named = [list(params.items()) for params, _ in own]  # member k's (name, Parameter): grads_to
+        self.drops = [[m.get_submodule(name) for name, _, _ in self.dropouts] for m in models]  # draw_masks
         with torch.no_grad():
             self.params = {n: torch.stack([p[n].detach() for p, _ in own]).requires_grad_(True) for n in own[0][0]}
             self.buffers = {n: torch.stack([b[n] for _, b in own]) for n in own[0][1]}
@@ -110,13 +115,13 @@ class Stack:
         for t in [*model.parameters(), *model.buffers()]:
             t.data = t.data.clone()
 
-    def draw_masks(self, model: nn.Module, batch: int) -> list[torch.Tensor]:
-        """The member's dropout masks [B, width] in its forward's call order, drawn from the global RNG as its own
-        forward draws them (call with the member's RNG state in place)."""
+    def draw_masks(self, k: int, batch: int) -> list[torch.Tensor]:
+        """Member k's dropout masks [B, width] in its forward's call order, drawn from the global RNG as its own
+        forward draws them, each at its own module's rate (call with the member's RNG state in place)."""
         masks = []
-        for name, width, dtype in self.dropouts:
+        for (_, width, dtype), module in zip(self.dropouts, self.drops[k]):
             ones = torch.ones(batch, width, dtype=dtype, device=self.device)
-            masks.append(F.dropout(ones, model.get_submodule(name).p, training=True))
+            masks.append(F.dropout(ones, module.p, training=True))
         return masks
 
     def forward(self, x: torch.Tensor, masks: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -132,32 +137,18 @@ class Stack:
         for leaf in self.params.values():
             leaf.grad = None
 
-    def grads_to(self, k: int, model: nn.Module, used: set[str]) -> None:
+    def grads_to(self, k: int, used: set[str]) -> None:
         """Member k's .grad: views of its slice of the stacked grads, for the parameters its own backward reaches:
-        those the outputs its loss read (`used`, used_outputs) depend on and that it trains now. The others get None,
-        as in its own backward (a frozen one, or the slot head under a loss that reads no slot): its optimiser then
-        skips them, weight decay and moments included, where a zero grad would step them."""
-        reached = set().union(*(self.reach.get(key, ()) for key in used))
-        for n, p in model.named_parameters():
+        those the outputs its loss read (`used`) depend on and that it trains now. The others get None, as in its
+        own backward (a frozen one, or the slot head under a loss that reads no slot): its optimiser then skips them,
+        weight decay and moments included, where a zero grad would step them."""
+        key = frozenset(used)
+        if key not in self.reached:
+            self.reached[key] = set().union(*(self.reach.get(name, ()) for name in used))
+        reached = self.reached[key]
+        for n, p in self.named[k]:
             g = self.params[n].grad
             p.grad = g[k] if (p.requires_grad and g is not None and n in reached) else None
-
-
-def used_outputs(loss: torch.Tensor, out: dict[str, torch.Tensor]) -> set[str]:
-    """The keys of `out` (one member's outputs) that `loss`'s autograd graph reads: a walk of the loss's part of the
-    graph, stopped at the outputs."""
-    targets = {v.grad_fn: key for key, v in out.items() if v.grad_fn is not None}
-    found, seen, todo = set(), set(), [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if node in targets:
-            found.add(targets[node])
-            continue
-        todo.extend(nxt for nxt, _ in node.next_functions)
-    return found
 
 
 def _probe(model: nn.Module, device: torch.device, amp: bool, batch: int, dim_in: int) \
