@@ -163,6 +163,25 @@ def alone_step_seconds(cfg, data, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def exactness(cfg, data) -> str:
+    """Two members (different seeds, learning rates, dropout) trained one epoch stacked and alone: the largest
+    relative difference of their epoch metrics (tests/test_population.py checks the same on CPU)."""
+    from trainers.config import with_values
+    from trainers.loop import train
+    from trainers.population import Member, train_population
+
+    cfgs = [with_values(cfg, {"train.stop_after": 1, "train.seed": seed, "optim.lr": lr, "model.dropout": drop})
+            for seed, lr, drop in ((0, 1e-3, 0.0), (1, 3e-3, 0.3))]
+    stacked = train_population([Member(c) for c in cfgs], data)
+    worst = 0.0
+    for c, end in zip(cfgs, stacked):
+        if isinstance(end, BaseException):
+            return f"failed: {type(end).__name__}: {str(end)[:120]}"
+        alone = train(c, data).history[0]
+        worst = max(worst, *(abs(end.history[0][k] - v) / max(abs(v), 1e-12) for k, v in alone.items()))
+    return f"largest relative difference of 2 members' epoch metrics: {worst:.1e}"
+
+
 def population_rows(data_path: Path, device: str, smoke: bool, ks: tuple[int, ...], clock: Clock) \
         -> list[tuple[str, str]]:
     """(label, value) rows of part (d)."""
@@ -184,6 +203,7 @@ def population_rows(data_path: Path, device: str, smoke: bool, ks: tuple[int, ..
                                        f"amp {cfg.train.amp and dev.type == 'cuda'}, {len(data.text):,} captions"),
             ("(d) one run alone (the loop's step)", f"{alone * 1e3:.1f} ms/step = {batch / alone:,.0f} samples/s = "
                                                     f"{batch * flops / alone / 1e9 / peak:.2f} of the matmul rate")]
+    rows.append(("(d) stacked = alone on this device", exactness(cfg, data)))
     for k in ks:
         if not clock.fits(30):
             rows.append((f"(d) population K={k}", f"skipped: {clock.left():.0f} s left of the budget"))
