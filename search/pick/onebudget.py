@@ -1,11 +1,15 @@
 """The one-budget job (`latentsweep run STUDY --time 30m`): one deadline for the search and the pick, and always a
-submission inside it. Its steps, each replacing the submission only with a better one:
+submission inside it. Its steps, each replacing the submission only with an answer that scores higher on the study's
+val split (search.pick.judge; the manifest says which answer won and by how much):
   1. the pick's inputs checked (before any trial is stored);
-  2. the closed-form ridge's submission, in seconds (the floor: a budget shorter than one trial still ends with it);
-  3. the search, until the pick's reserve begins (search.study.budget, re-estimated after every epoch);
-  4. the best trial's own checkpoint's submission;
-  5. the pick (ensemble and refits) with every second left; a pick that fails on anything but our own bug, or that
-     has no time left, leaves the submission of step 4.
+  2. the closed-form ridge's submission, in seconds (the floor: a budget shorter than one trial still ends with it),
+     scored on the val split as a ridge fit without those images;
+  3. the search, until the pick's reserve begins (search.study.budget, re-estimated after every epoch), the keeper
+     (search.pick.safe) offering each new best trial's checkpoint; a machine, store or outage failure ends the
+     search, not the job;
+  4. the keeper's last look;
+  5. the pick (ensemble and refits) on the job's deadline with every second left; a pick that scores below the
+     answer in place, fails on anything but our own bug, or has no time left leaves that answer.
 The MLflow export and registration come after the submission is in place (search.pick.outputs)."""
 from __future__ import annotations
 

@@ -8,9 +8,11 @@ The fold models are not thrown away: a chosen member's k fold models are bagged 
 (AutoGluon predicts with its bagged fold models the same way), so the selection's compute is also submission compute.
 
 The plan shrinks along REDUCTIONS until its estimate fits the budget, keeping one refit of the best candidate (one
-model that saw every image). Jobs run candidate by candidate, and a job starts only while the budget is not spent, so
-a pick overruns its budget by at most the one job that was running when the budget ran out; a candidate whose folds
-are then incomplete leaves the selection (its finished jobs are kept and reused by the next pick).
+model that saw every image). The budget is one trainers.deadline.Deadline (a `latentsweep run` passes its job's). Jobs
+run candidate by candidate; a job starts only when its estimate fits before the deadline less the export's reserve
+and stops there keeping its best finished epoch (or is dropped, its seconds said), so the export's share stays free;
+a candidate whose folds are then incomplete leaves the selection (its finished jobs are kept and reused by the next
+pick).
 """
 from __future__ import annotations
 
