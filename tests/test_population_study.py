@@ -126,6 +126,26 @@ def test_a_member_whose_config_fails_fails_alone(state, synthetic, tmp_path, cap
     assert_nothing_running(state, "diverge")
 
 
+def test_a_bug_in_the_shared_step_fails_its_members_as_a_bug_alone_would(state, synthetic, tmp_path, monkeypatch,
+                                                                          capsys):
+    import search.study.population as population
+
+    def broken(members, data, **kwargs):  # the stacked step raising our own bug before any member ended
+        raise RuntimeError("a bug in the stacked step")
+
+    monkeypatch.setattr(population.stacking, "train_population", broken)
+    sf = tiny_study_file(tmp_path, "stepbug", n_trials=3, epochs=1)
+    with pytest.raises(RuntimeError, match="a bug in the stacked step"):
+        run(sf, state, synthetic, "--population", "2")
+    got = trials(state, "stepbug")
+    assert [t.state.name for t in got] == ["FAIL", "FAIL"]  # both members, counted (not retried), as alone
+    assert all("a bug in the stacked step" in t.user_attrs["latentsweep.error"] for t in got)
+    study = optuna.load_study(study_name="stepbug", storage=f"sqlite:///{state / 'optuna.db'}")
+    assert "a bug in the stacked step" in study.user_attrs["latentsweep.halted"]  # the other workers stop too
+    assert {r.info.status for n, r in runs(state, "stepbug")[1].items() if n.startswith("trial-")} == {"FAILED"}
+    assert_nothing_running(state, "stepbug")
+
+
 def test_population_one_and_a_cpu_default_are_the_one_trial_worker(state, synthetic, tmp_path, monkeypatch, capsys):
     import search.study.population as population
     from search.study.devices import WorkerPlan, plan_workers

@@ -157,12 +157,16 @@ class Population:
                 return None
             return self._member(seat) if seat is not None and seat.group == self.current.group else None
 
+        gid = group[0].group
         try:
             stacking.train_population([self._member(s) for s in group], self.runner.data, join=join,
                                       progress=self.spec.progress)
+        except Exception as exc:  # noqa: BLE001 - the shared step failed: each member it held ends with it, as a
+            for seat in [s for s in self.seats if s.group == gid]:  # trial alone would (a bug counts and halts)
+                self._told(seat, exc)
         finally:
             self.current = None
-        lost = [s for s in self.seats if s.group == group[0].group]
+        lost = [s for s in self.seats if s.group == gid]
         if lost:  # a member train_population never ended: our bug or its, said loudly, its trial failed
             raise RuntimeError(f"train_population ended without ending trial(s) "
                                f"{', '.join(str(s.trial.number) for s in lost)}")
