@@ -126,6 +126,23 @@ def test_a_member_whose_config_fails_fails_alone(state, synthetic, tmp_path, cap
     assert_nothing_running(state, "diverge")
 
 
+@pytest.mark.slow
+def test_configs_that_cannot_share_a_step_train_in_their_own_groups(state, synthetic, tmp_path, capsys):
+    """A knn side trial (no stacked step) and MLP/residual MLP trials (different shapes): each group trains on its
+    own, and every trial still ends told, with its own run, within the budget."""
+    kind = '"model.kind" = { type = "categorical", choices = ["mlp", "residual_mlp"] }\n'
+    side = '\n[[side]]\nmodel = { kind = "knn" }\n'
+    sf = tiny_study_file(tmp_path, "groups", n_trials=5, epochs=1, extra=kind + side)
+    assert run(sf, state, synthetic, "--population", "3") == 0
+    got = trials(state, "groups")
+    assert len(got) == 5 and {t.state.name for t in got} <= {"COMPLETE", "PRUNED"}
+    side = [t for t in got if "latentsweep.side" in t.user_attrs]
+    assert len(side) == 1
+    others = {t.user_attrs[POP]["id"] for t in got if t not in side}
+    assert side[0].user_attrs[POP]["id"] not in others  # the knn trained in a group of its own
+    assert_nothing_running(state, "groups")
+
+
 def test_a_bug_in_the_shared_step_fails_its_members_as_a_bug_alone_would(state, synthetic, tmp_path, monkeypatch,
                                                                           capsys):
     import search.study.population as population
