@@ -27,16 +27,12 @@ log = logging.getLogger("latentsweep")
 
 def population_size(population: int | str, study_file: StudyFile, spec, data: TrainSet) -> int:
     """The places of this worker's population: `--population N`, or auto: trainers.population.population_size for
-    the study's base config on the worker's device (measured there: memory and step time). On a CPU it is 1, the
-    one-trial path unchanged: two cores gain nothing from stacking trials that each already use every core."""
+    the study's base config on the worker's device (1 on a CPU, CPU_POPULATION, measured there; on a GPU from the
+    measured memory and step time of stacked members). A study's trials of other shapes train in their own groups."""
     if population != AUTO:
         return int(population)
     cfg = with_values(study_file.base, {"data.path": spec.data_path, "train.threads": spec.threads})
-    device = resolve_device(cfg.train.device)
-    if device.type == "cpu":
-        return 1
-    sized = getattr(stacking, "population_size", None)  # the stacked step's own measure, once it exists
-    return max(1, int(sized(cfg, data, device))) if sized is not None else 1
+    return max(1, int(stacking.population_size(cfg, data, resolve_device(cfg.train.device))))
 
 
 @dataclass
