@@ -97,3 +97,32 @@ def test_a_store_dropped_mid_search_ends_the_search_not_the_job(world, tmp_path,
     assert len(last) == 1 and str(submission) in last[0] and "the search ended early" in last[0], err[-3000:]
     doc = json.loads(submission.with_name("submission.manifest.json").read_text())
     assert doc["answer"]["winner"] == doc["made_by"]
+
+
+@pytest.mark.slow  # 3 short trainings: 15 s on 2 cores, 60 s with the load average at 13
+def test_a_pick_job_stops_at_the_deadline_or_is_dropped_with_its_seconds(world, tmp_path):
+    """The pick's jobs run on the job's one deadline: a refit whose deadline has passed is dropped (no checkpoint,
+    its seconds said); one cut by the deadline after its first epoch keeps what finished and is not stamped done (the
+    next pick trains it again whole); one with time to spare is stamped done."""
+    from search.pick.jobs import DONE_FILE, Job, run_job
+    from search.study.studyfile import load_study_file
+    from trainers.config import with_values
+    from trainers.data import load_train
+    from trainers.deadline import Deadline
+
+    data = load_train(world.train)
+    base = load_study_file(tiny_study_file(tmp_path, "jobs", epochs=1)).base
+    cfg = with_values(base, {"data.split": "all", "data.path": str(world.train)})
+    ckpt, seconds = run_job(Job("m/refit-seed-0", "m", cfg, None, tmp_path / "late", 1.0), data, False,
+                            Deadline.after(-1.0))
+    assert ckpt is None and seconds is not None and seconds >= 0.0
+    ckpt, one = run_job(Job("m/refit-seed-1", "m", cfg, None, tmp_path / "whole", 1.0), data, False,
+                        Deadline.never())
+    assert ckpt is not None and (tmp_path / "whole" / DONE_FILE).is_file()
+    # 3x what one epoch and the start-up took: the first epoch ends inside it (the machine may be loaded), and the
+    # 5,000 planned epochs never do
+    long = with_values(cfg, {"train.epochs": 5000})
+    ckpt, seconds = run_job(Job("m/refit-seed-2", "m", long, None, tmp_path / "cut", 60.0), data, False,
+                            Deadline.after(3 * one + 1.0))
+    assert ckpt is not None and ckpt.is_file() and not (tmp_path / "cut" / DONE_FILE).exists()
+    assert seconds < 3 * one + 1.0 + 5 * one
