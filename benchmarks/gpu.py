@@ -126,7 +126,8 @@ def population_cfg(data: Path, device: str):
 
 
 class _FirstBatches:
-    """A task whose epoch is its first `n` batches (the alone step timed over a few steps, not an epoch)."""
+    """A task whose epoch is `n` batches, the task's epochs one after another (the alone step timed over a few
+    steps; a small data set has fewer batches than that in an epoch)."""
 
     def __init__(self, task, n: int):
         self.task, self.n = task, n
@@ -134,7 +135,8 @@ class _FirstBatches:
     def batches(self, gen):
         import itertools
 
-        return itertools.islice(self.task.batches(gen), self.n)
+        epochs = (batch for _ in itertools.count() for batch in self.task.batches(gen))
+        return itertools.islice(epochs, self.n)
 
 
 def alone_step_seconds(cfg, data, steps: int) -> float:

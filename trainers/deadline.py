@@ -11,6 +11,10 @@ from dataclasses import dataclass
 # jumps with the wall clock (NTP, a user changing the date), which time.time() does.
 
 
+class DeadlineReached(Exception):
+    """A run's deadline passed before its first epoch ended: there is no model to keep (not a config error)."""
+
+
 @dataclass(frozen=True)
 class Deadline:
     """An instant on time.monotonic(); `end = inf` (Deadline.never()) is no deadline: the one spelling of "none",

@@ -273,7 +273,7 @@ def check_fits(cfg: Config, data, deadline) -> None:
     if cfg.model.kind != "knn" or not deadline.bounded:
         return
     from trainers.devices import resolve_device
-    from trainers.run import DeadlineReached  # the run module imports the models: not at this module's load
+    from trainers.deadline import DeadlineReached
 
     seconds = build_seconds(cfg, data, resolve_device(cfg.train.device))
     if not deadline.fits(seconds):

@@ -99,6 +99,8 @@ def stacked_step(pop, batches: list[dict | None]) -> None:
                 loss, terms = p.criterion(out_k, inputs[k])
                 p.opt.zero_grad(set_to_none=True)
                 scaled = p.scaler.scale(loss)
+                if not scaled.requires_grad:  # its own backward would raise this: it fails alone, as alone
+                    raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
         except Exception as exc:  # noqa: BLE001 - this member's end
             pop.finish(lv, exc)
             continue

@@ -22,7 +22,7 @@ from trainers.checkpoint import CenteredModel
 from trainers.config import Config
 from trainers.cost import Timing, mean_epoch
 from trainers.data import TrainSet
-from trainers.deadline import Deadline
+from trainers.deadline import Deadline, DeadlineReached
 from trainers.heap import release_free_heap
 from trainers.losses import Criterion
 from trainers.optim import MONITOR_MODES, build_optimizer
@@ -30,10 +30,6 @@ from trainers.records import EpochLog
 from trainers.regularise import BatchAugment, build_average
 from trainers.splits import captions_of
 from trainers.tasks import split_images
-
-
-class DeadlineReached(Exception):
-    """The run's deadline passed before its first epoch ended: there is no model to keep (not a config error)."""
 
 
 @dataclass(frozen=True)
