@@ -129,3 +129,21 @@ def test_run_never_ends_below_its_floor_and_the_manifest_says_who_won(world, tmp
     assert answer["val_mrr"] == max(scores) and len(scores) >= 2
     assert "not above the answer in place" in capsys.readouterr().err
     assert np.isfinite(answer["val_mrr"]) and answer["scored_on"]["val_images"] > 0
+
+
+def test_a_missing_checkpoint_is_said_once_per_trial(world, tmp_path, capsys):
+    """The keeper looks every 5 s: a best trial whose best.pt is gone is said once, not at every look."""
+    import shutil
+
+    state = tmp_path / "state"
+    shutil.copytree(world.state, state)
+    best = best_trial(world.study)
+    local_checkpoint(best, state).unlink()
+    out = tmp_path / "submission.csv"
+    keeper = Keeper("better", f"sqlite:///{state / 'optuna.db'}", state, load_test(world.test), out, "cpu",
+                    SafeAnswer(out, "nothing yet", 0.0), world.judge, Standing("nothing yet", None))
+    for _ in range(3):
+        assert keeper.refresh().source == "nothing yet"
+    keeper.close()
+    err = capsys.readouterr().err
+    assert err.count(f"trial {best.number}'s checkpoint is not under") == 1, err
