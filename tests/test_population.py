@@ -66,6 +66,19 @@ RECIPES = {
                                      "geometry.frozen_epochs": 1}), [
         {"train.seed": 0}, {"train.seed": 1, "temperature.tau_start": 0.15, "loss.moment.weight": 0.1},
         {"train.seed": 2, "geometry.unfreeze_epoch": -1, "optim.lr": 3e-3, "geometry.init": "ridge"}]),
+    # moco.toml's space: its other model kinds, two members each
+    "moco_linear": (recipe("moco", **{"model.kind": "linear", "loss.queue_infonce.size": 64}), [
+        {"train.seed": 0}, {"train.seed": 1, "optim.lr": 1e-3, "optim.weight_decay": 0.01}]),
+    "moco_deep_mlp": (recipe("moco", **{"model.kind": "deep_mlp", "model.hidden": "32,32",
+                                        "loss.queue_infonce.size": 64}), [
+        {"train.seed": 0}, {"train.seed": 1, "model.dropout": 0.1, "loss.targets": "unit"}]),
+    "moco_two_head": (recipe("moco", **{"model.kind": "two_head", "model.hidden": "32",
+                                        "loss.queue_infonce.size": 64}), [
+        {"train.seed": 0}, {"train.seed": 1, "model.dropout": 0.2, "temperature.tau": 0.03}]),
+    "moco_relative": (recipe("moco", **{"model.kind": "relative", "model.hidden": "32", "model.n_anchors": 16,
+                                        "model.anchor_mix": True,
+                                        "loss.queue_infonce.size": 64}), [
+        {"train.seed": 0}, {"train.seed": 1, "model.dropout": 0.3}]),
     "vsepp_slots": (recipe("vsepp_slots", **{"model.hidden": "32", "slots.hidden": 16}), [
         {"train.seed": 0}, {"train.seed": 1, "loss.slot_triplet.weight": 0.5, "loss.triplet.margin": 0.1},
         {"train.seed": 2, "loss.slot_diversity.weight": 0.1, "optim.lr": 1e-3}]),
