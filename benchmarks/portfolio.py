@@ -3,7 +3,8 @@
 For each holdout seed S (`latentsweep data holdout DEMO --seed S`), a cold study `studies/full.toml` runs on the
 holdout's train part for SECONDS (`study run --timeout SECONDS --no-warm-start`, its own state directory), from a
 copy of the study file without its [[enqueue]] recipes and [[side]] trials (every study tries those anyway, and a
-short study would spend its seconds on them). The sampled trials are ranked within their holdout: complete ones by
+short study would spend its seconds on them) whose sampler seed is the holdout's index (one seed would draw the same
+first configurations on every holdout). The sampled trials are ranked within their holdout: complete ones by
 value, then pruned ones by the epochs they reached and their last value. The portfolio takes them round robin (the
 first of each holdout, then the second of each, ..., skipping repeats) until SIZE configurations, each written as its
 Optuna parameters of studies/full.toml with its source and its value relative to its holdout's first. A new study on
@@ -37,9 +38,10 @@ def holdout_train(train: Path, seed: int, out: Path) -> Path:
     return out / "train.npz"
 
 
-def searched_only(study: Path, out: Path) -> Path:
-    """A copy of `study` without its [[enqueue]] recipes and [[side]] trials: every study tries those anyway, so the
-    portfolio's short studies spend their seconds on sampled configurations only."""
+def searched_only(study: Path, out: Path, seed: int) -> Path:
+    """A copy of `study` without its [[enqueue]] recipes and [[side]] trials (every study tries those anyway, so the
+    portfolio's short studies spend their seconds on sampled configurations only), its sampler seed set to `seed`:
+    with one seed, every holdout's study draws the same first configurations."""
     keep, skipping = [], False
     for line in study.read_text().splitlines():
         if re.match(r"\s*\[\[(enqueue|side)\]\]", line):
@@ -50,7 +52,10 @@ def searched_only(study: Path, out: Path) -> Path:
             keep.append(line)
     out.mkdir(parents=True, exist_ok=True)
     copy = out / study.name
-    copy.write_text("\n".join(keep) + "\n")
+    text, n = re.subn(r"(sampler\s*=\s*\{[^}]*seed\s*=\s*)\d+", rf"\g<1>{seed}", "\n".join(keep) + "\n", count=1)
+    if n != 1:
+        raise SystemExit(f"{study}: no sampler seed to vary")
+    copy.write_text(text)
     sys.path.insert(0, str(ROOT))
     from search.study.studyfile import load_study_file
 
@@ -126,8 +131,8 @@ def write_portfolio(chosen: list[dict], out: Path, header: str) -> None:
 
 def build(study: Path, trains: dict[str, Path], seconds: int, size: int, work: Path, out: Path) -> list[dict]:
     started, load = time.monotonic(), os.getloadavg()[0]
-    searched = searched_only(study, work / "study")
-    per_holdout = {label: cold_study(searched, train, seconds, work / label) for label, train in trains.items()}
+    per_holdout = {label: cold_study(searched_only(study, work / label / "study", i), train, seconds, work / label)
+                   for i, (label, train) in enumerate(trains.items())}
     for label, rows in per_holdout.items():
         print(f"{label}: {len(rows)} sampled trial(s) with a value, "
               f"{sum(r['state'] == 'COMPLETE' for r in rows)} complete")
@@ -156,7 +161,6 @@ def smoke() -> int:
         train, _, _ = write_synthetic(tmp / "data", 240, dim_text=24, dim_image=32, n_test=100)
         study = tiny_study_file(tmp, "smoke", n_trials=3, epochs=2)
         out = tmp / "portfolio.toml"
-        (tmp / "holdout-synthetic").mkdir()
         chosen = build(study, {"holdout-synthetic": train}, 15, 2, tmp, out)
         configs = tomllib.loads(out.read_text())["config"]
         return 0 if chosen and len(configs) == len(chosen) else 1
@@ -180,8 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     from trainers.demo import default_train_path
 
     trains = {f"holdout-{s}": holdout_train(default_train_path(), s, args.work / f"data-{s}") for s in args.seeds}
-    for label in trains:
-        (args.work / label).mkdir(parents=True, exist_ok=True)
     build(args.study, trains, args.seconds, args.size, args.work, args.out)
     return 0
 
