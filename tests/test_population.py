@@ -55,7 +55,7 @@ RECIPES = {
         {"train.seed": 0}, {"train.seed": 1, "model.adapter_dropout": 0.3, "optim.lr": 2e-3},
         {"train.seed": 2, "geometry.unfreeze_epoch": 1, "geometry.frozen_epochs": 0}]),
     "baseline_mse": (recipe("baseline_mse", **{"model.hidden": "32,32"}), [
-        {"train.seed": 0}, {"train.seed": 1, "model.dropout": 0.0, "loss.cosine.weight": 0.5},
+        {"train.seed": 0}, {"train.seed": 1, "model.dropout": 0.0, "loss.cosine.weight": 0.5, "loss.targets": "unit"},
         {"train.seed": 2, "optim.lr": 3e-3}]),
     "moco_queue": (recipe("moco", **{"model.hidden": "32,24", "loss.queue_infonce.size": 64,
                                      "train.early_stop": 2}), [

@@ -48,7 +48,8 @@ def stack_key(cfg: Config) -> tuple | None:
     model = (m.kind, tuple(m.hidden), m.activation, m.norm, m.residual, m.out_norm, m.bias, m.out_dim, m.n_anchors,
              m.anchor_mix, m.adapter_hidden)
     slots = (cfg.slots.k, cfg.slots.hidden if cfg.slots.k else 0)
-    batches = (t.batch_size, t.sampler, "bank" in batch_keys(cfg), cfg.loss.targets)
+    bank = "bank" in batch_keys(cfg)  # the task holds the all-images bank at the losses' target scale
+    batches = (t.batch_size, t.sampler, bank, cfg.loss.targets if bank else None)
     return ("stack", model, slots, astuple(cfg.data), astuple(cfg.eval), batches, t.device, t.amp, t.threads)
 
 
