@@ -239,3 +239,28 @@ def test_population_size_is_one_on_a_cpu_and_for_unstackable_configs(data):
     base = recipe("full", **{"model.hidden": "32"})
     assert population_size(base, data, torch.device("cpu")) == 1
     assert population_size(with_values(base, {"model.kind": "knn"}), data, torch.device("cpu")) == 1
+
+
+class CountedDeadline:
+    """A deadline that passes at its `n`-th reading: the same point of a run however long its steps take (a run
+    reads its deadline before each step and at each epoch's end)."""
+
+    def __init__(self, n: int):
+        self.n, self.reads = n, 0
+
+    def __call__(self) -> Deadline:
+        self.reads += 1
+        return Deadline.after(0.0) if self.reads >= self.n else Deadline.never()
+
+
+def test_a_deadline_passing_mid_epoch_stops_that_member_as_alone(data, tmp_path):
+    base = recipe("full", **{"model.hidden": "32", "train.epochs": 4})
+    cfgs = [with_values(base, {"train.seed": i}) for i in range(3)]
+    # 15 steps an epoch (480 training captions, batch 32): the 22nd reading is during epoch 1's steps
+    alone = train(cfgs[1], data, deadline=CountedDeadline(22))
+    assert alone.stopped_at_deadline and alone.best_epoch == 0 and len(alone.history) == 1
+    ends = train_population([Member(cfgs[0]), Member(cfgs[1], deadline=CountedDeadline(22)), Member(cfgs[2])],
+                            data)
+    assert ends[1].stopped_at_deadline
+    assert_same_run(alone, ends[1], None, None)
+    assert_same_run(train(cfgs[2], data), ends[2], None, None)
