@@ -18,8 +18,9 @@ from search.pick.onebudget import _gate
 from search.pick.safe import Keeper, SafeAnswer, best_trial, local_checkpoint, ridge_answer
 from search.study.studyfile import load_study_file
 from trainers.checkpoint import load_model
-from trainers.closed_form import fit_ridge
+from trainers.closed_form import fit_ridge, moments, solve
 from trainers.data import load_test, load_train
+from trainers.splits import captions_of
 from trainers.synthetic import write_synthetic
 
 
@@ -65,6 +66,9 @@ def test_the_floor_is_scored_fit_without_the_val_images(world):
     fair = world.judge.score_floor(world.data, seen.alpha)
     unfair = world.judge.score(seen.predict(world.judge.text))
     assert 0.0 < fair < unfair
+    # the floor's fast in-gallery MRR is the trials' own protocol (trainers.metrics.evaluate_leaderboard)
+    alone = solve(moments(world.data, captions_of(world.data.cap2img, world.judge.train_images)), seen.alpha)
+    assert world.judge.score(alone.predict(world.judge.text)) == pytest.approx(fair, abs=1e-6)
 
 
 def _keeper(world, tmp_path, floor_score):

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from search.pick.ensemble import combine, predict_all
-from trainers.closed_form import moments, solve
+from trainers.closed_form import held_out_mrr, moments, solve
 from trainers.config import Config
 from trainers.data import TrainSet
-from trainers.metrics import evaluate_leaderboard
+from trainers.metrics import GALLERY_SIZE, evaluate_leaderboard
 from trainers.splits import captions_and_local_images, captions_of
 from trainers.tasks import split_images
 
@@ -49,6 +49,8 @@ class Judge:
         floor is still the one fit on every image. The strength was chosen by the floor on a split of every image,
         val images included: one choice among trainers.closed_form.ALPHAS, not a fit."""
         ridge = solve(moments(data, captions_of(data.cap2img, self.train_images)), alpha)
+        if self.gallery_size == GALLERY_SIZE:  # the same MRR, ranked inside each gallery only (closed_form's)
+            return float(held_out_mrr(ridge, self.text, self.gallery, self.target, seed=self.seed))
         return self.score(ridge.predict(self.text))
 
     def describe(self) -> dict[str, Any]:
