@@ -16,6 +16,7 @@ is None, or differs from the stack's, trains alone through `train`. Each member 
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass, replace
@@ -240,6 +241,9 @@ def train_population(members: Sequence[Member], data: TrainSet, *, join: Callabl
 def measure(cfg: Config, data: TrainSet, k: int, steps: int = MEASURE_STEPS) -> tuple[float, int]:
     """(seconds per stacked step, peak device bytes) of K members of `cfg` (seeds 0..K-1) over `steps` steps after
     one untimed step; bytes are CUDA's peak allocation (0 on a CPU)."""
+    gc.collect()  # an earlier measure's population (its stack and vmapped forward refer to each other) is freed now
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     pop = _Population(data, progress=False)
     for seed in range(k):
         if not pop.start(Member(replace(cfg, train=replace(cfg.train, seed=seed)))):
