@@ -282,5 +282,7 @@ def test_ctrl_c_mid_population_fails_and_retries_every_member(state, synthetic, 
     failed = [t for t in got if t.state.name == "FAIL"]
     assert len(failed) >= 2 and len([t for t in got if t.state.name == "WAITING"]) == len(failed)  # each retried
     _, by_name = runs(state, "intpop")
-    assert {by_name[f"trial-{t.number}"].info.status for t in failed} == {"KILLED"}
+    # the members training when Ctrl-C came are KILLED; a trial claimed but not yet started may have no run
+    states = [by_name[f"trial-{t.number}"].info.status for t in failed if f"trial-{t.number}" in by_name]
+    assert states.count("KILLED") >= 2 and set(states) <= {"KILLED", "FAILED"}
     assert_nothing_running(state, "intpop")
