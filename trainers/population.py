@@ -290,20 +290,37 @@ def population_size(cfg: Config, data: TrainSet, device: torch.device) -> int:
     cfg = replace(cfg, train=replace(cfg.train, device=str(device)))
     free, _ = torch.cuda.mem_get_info(device)
     t1, peak1 = measure(cfg, data, 1)
-    t2, peak2 = measure(cfg, data, 2)
-    per_member = max(peak2 - peak1, 1)
+    try:
+        t2, peak2 = measure(cfg, data, 2)
+    except torch.cuda.OutOfMemoryError:
+        return 1
+    # the second member's bytes, plus the copy of its best epoch's state that a measured step does not allocate
+    per_member = max(peak2 - peak1, 1) + _state_bytes(cfg, data)
     fit = max(1, int((free * MEMORY_SHARE - max(peak1 - per_member, 0)) // per_member))
     best, rate = 2, 2 / t2
     if rate < MIN_GAIN * (1 / t1):
         return 1
     k = 4
     while k <= min(fit, MAX_POPULATION):
-        t, _ = measure(cfg, data, k)
+        try:
+            t, _ = measure(cfg, data, k)
+        except torch.cuda.OutOfMemoryError:  # the estimate was short: the last K that ran
+            break
         if k / t < MIN_GAIN * rate:
             break
         best, rate = k, k / t
         k *= 2
     return min(best, fit)
+
+
+def _state_bytes(cfg: Config, data: TrainSet) -> int:
+    """Bytes of one member's model state (float32, as the loop keeps its best epoch's copy), from a model built on
+    the CPU with the data's dims (no closed-form fit: the sizes are the same)."""
+    from trainers.model_context import ModelContext
+
+    ctx = ModelContext(data.text.shape[1], data.image.shape[1], fit_x=None, fit_y=None)
+    model = build_model(replace(cfg, train=replace(cfg.train, device="cpu")), ctx)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 __all__ = ["Member", "measure", "population_size", "stack_key", "train_population"]
