@@ -30,6 +30,7 @@ def test_the_ridge_scores_its_galleries_as_the_leaderboard_does(small):
     for seed in (0, 1):
         want = evaluate_leaderboard(ridge.predict(data.text[held]), image, local, seed=seed)["mrr"]
         assert held_out_mrr(ridge, data.text[held], image, local, seed) == pytest.approx(want, abs=1e-6)
+        assert held_out_mrr(ridge, data.text, image, local, seed, caps=held) == pytest.approx(want, abs=1e-6)
 
 
 def test_the_chosen_strength_has_the_best_held_out_score(small):
