@@ -264,3 +264,33 @@ def test_a_deadline_passing_mid_epoch_stops_that_member_as_alone(data, tmp_path)
     assert ends[1].stopped_at_deadline
     assert_same_run(alone, ends[1], None, None)
     assert_same_run(train(cfgs[2], data), ends[2], None, None)
+
+
+def test_population_size_on_cuda_follows_measured_memory_and_step_time(data, monkeypatch):
+    """The CUDA branch with the card faked: K doubles while the summed rate gains, and the memory caps it."""
+    import trainers.population as population
+
+    base = recipe("full", **{"model.hidden": "32"})
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+
+    def card(step_s, per_member=gib):
+        # measure(cfg, data, k): seconds per stacked step and peak bytes (1 GiB of base + 1 GiB a member)
+        monkeypatch.setattr(population, "measure", lambda cfg, data, k, steps=5: (step_s(k), gib + k * per_member))
+
+    cuda = torch.device("cuda")
+    card(lambda k: 1.0)  # the step takes as long for any K: the rate grows with K until the memory is full
+    # (0.8 x 10 GiB - 1 GiB of base) // (1 GiB a member + its best-state copy): 6 members
+    assert population_size(base, data, cuda) == 6
+    card(lambda k: 1.0 if k <= 4 else k / 4)  # busy from K = 4 on: doubling again gains nothing
+    assert population_size(base, data, cuda) == 4
+    card(lambda k: float(k))  # no gain at all from stacking
+    assert population_size(base, data, cuda) == 1
+
+    def oom_past_2(k):
+        if k > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return 1.0
+
+    card(oom_past_2)
+    assert population_size(base, data, cuda) == 2

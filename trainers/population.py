@@ -282,7 +282,7 @@ def population_size(cfg: Config, data: TrainSet, device: torch.device) -> int:
     """How many members of `cfg`'s shape group to train stacked on `device`: 1 when it does not stack, CPU_POPULATION
     on a CPU; on CUDA, from the measured peak memory of K = 1 and 2 (the second member's bytes: its parameters,
     optimiser state, average, best-state copy and activations) against the card's free memory, then K doubled while
-    the measured summed samples per second gain at least MIN_GAIN."""
+    the measured summed samples per second gain at least MIN_GAIN (the last step to as many as the memory holds)."""
     if stack_key(cfg) is None:
         return 1
     if device.type != "cuda":
@@ -295,13 +295,13 @@ def population_size(cfg: Config, data: TrainSet, device: torch.device) -> int:
     except torch.cuda.OutOfMemoryError:
         return 1
     # the second member's bytes, plus the copy of its best epoch's state that a measured step does not allocate
-    per_member = max(peak2 - peak1, 1) + _state_bytes(cfg, data)
-    fit = max(1, int((free * MEMORY_SHARE - max(peak1 - per_member, 0)) // per_member))
+    measured = max(peak2 - peak1, 1)
+    per_member = measured + _state_bytes(cfg, data)
+    fit = max(1, int((free * MEMORY_SHARE - max(peak1 - measured, 0)) // per_member))
     best, rate = 2, 2 / t2
     if rate < MIN_GAIN * (1 / t1):
         return 1
-    k = 4
-    while k <= min(fit, MAX_POPULATION):
+    while (k := min(2 * best, fit, MAX_POPULATION)) > best:  # doubled, or as many as the memory holds
         try:
             t, _ = measure(cfg, data, k)
         except torch.cuda.OutOfMemoryError:  # the estimate was short: the last K that ran
@@ -309,7 +309,6 @@ def population_size(cfg: Config, data: TrainSet, device: torch.device) -> int:
         if k / t < MIN_GAIN * rate:
             break
         best, rate = k, k / t
-        k *= 2
     return min(best, fit)
 
 
