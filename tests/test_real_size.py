@@ -127,3 +127,13 @@ def test_a_knn_checkpoint_carries_its_val_predictions(small, tmp_path):
     old, _, _ = load_model(tmp_path / "old.pt")
     torch.testing.assert_close(predict(old, val), kept, rtol=1e-5, atol=1e-6)
     assert old.inner.computed == len(val)
+
+
+def test_the_cache_keeps_the_most_recently_used_copies(cache, tmp_path):
+    paths = [write_synthetic(tmp_path / f"f{i}", 20 + i, dim_text=6, dim_image=8)[0]
+             for i in range(cache.CACHE_KEEP + 1)]
+    for path in paths:
+        cache.load_train_shared(path)
+    kept = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(kept) == cache.CACHE_KEEP and cache.cache_dir(cache.fingerprint(paths[0])).name not in kept
+    assert isinstance(cache.load_train_shared(paths[-1]).text, np.memmap)  # the process that wrote it maps it too

@@ -146,8 +146,10 @@ def load_train_shared(path) -> TrainSet:
         reads["mapped"] += 1
         return _remember(mapped)
     data = _remember(load_train(path))
-    if folder is not None:
-        _write_cached(data, folder)
+    if folder is not None and _write_cached(data, folder):
+        # this process maps the copy too: with spawned workers the machine then holds one copy (the page cache's),
+        # not this process's private one beside theirs
+        data = _remember(_open_cached(folder, str(path), fp) or data)
     return data
 
 
@@ -179,16 +181,17 @@ def _open_cached(folder: Path, path: str, fp: str) -> TrainSet | None:
                     arrays["image_names"], arrays["image_labels"], arrays["label_names"])
 
 
-def _write_cached(data: TrainSet, folder: Path) -> None:
-    """Write `data`'s arrays into `folder` for the next process (staged, then one rename); a cache that cannot be
-    written (a full or read-only disk) only costs the next process a parse, so a failure is logged and dropped."""
+def _write_cached(data: TrainSet, folder: Path) -> bool:
+    """Write `data`'s arrays into `folder` for the next process (staged, then one rename); whether the folder holds a
+    complete copy now. A cache that cannot be written (a full or read-only disk) only costs the next process a parse,
+    so a failure is logged and dropped."""
     names = [name for name in _CACHED if getattr(data, name) is not None]
     try:
         folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         need = sum(getattr(data, name).nbytes for name in names)
         if shutil.disk_usage(folder.parent).free < 2 * need:  # never fill the disk for a cache
             log.info("no data cache: %s has under %d MB free", folder.parent, 2 * need >> 20)
-            return
+            return False
         staged = Path(tempfile.mkdtemp(prefix=".staged-", dir=folder.parent))
         try:
             for name in names:
@@ -202,6 +205,8 @@ def _write_cached(data: TrainSet, folder: Path) -> None:
         _evict(folder.parent, keep=folder)
     except OSError as exc:
         log.info("no data cache in %s (%s): the next process parses the npz again", folder.parent, exc)
+        return False
+    return True
 
 
 def _evict(root: Path, keep: Path) -> None:
