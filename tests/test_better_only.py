@@ -52,6 +52,7 @@ def test_an_answer_replaces_the_one_in_place_only_when_strictly_better():
     assert Standing("nothing", None).offer("trial 0", 0.1)  # nothing scored in place: the first answer wins
 
 
+@pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared
 def test_a_trials_checkpoint_scores_its_own_value_on_the_judges_images(world):
     """The judge's images and protocol are the trials' own: a checkpoint scores exactly its recorded val/mrr."""
     for trial in world.study.trials:
@@ -59,6 +60,7 @@ def test_a_trials_checkpoint_scores_its_own_value_on_the_judges_images(world):
         assert world.judge.score_models([model], [1.0], "cpu") == pytest.approx(trial.value, abs=1e-6)
 
 
+@pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared
 def test_the_floor_is_scored_fit_without_the_val_images(world):
     """Like with like: the floor's score is the ridge fit on the train part; the submission's ridge (fit on every
     image, the val split's too) would score higher on the val split than it has any right to."""
@@ -80,6 +82,7 @@ def _keeper(world, tmp_path, floor_score):
                   "cpu", floor, world.judge, standing), out
 
 
+@pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared
 def test_a_worse_trial_leaves_the_floor_in_place(world, tmp_path, capsys):
     keeper, out = _keeper(world, tmp_path, world.judge.score_floor(world.data, fit_ridge(world.data)[0].alpha))
     before = out.read_bytes()
@@ -92,6 +95,7 @@ def test_a_worse_trial_leaves_the_floor_in_place(world, tmp_path, capsys):
     assert keeper.standing.record()["margin_val_mrr"] > 0
 
 
+@pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared
 def test_a_better_trial_replaces_the_floor(world, tmp_path):
     keeper, out = _keeper(world, tmp_path, 0.0)  # a floor that scored nothing on the val split
     before = out.read_bytes()
@@ -102,6 +106,7 @@ def test_a_better_trial_replaces_the_floor(world, tmp_path):
     assert keeper.standing.record()["winner"] == answer.source
 
 
+@pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared
 def test_the_pick_that_loses_is_not_written_and_says_so(world, capsys):
     """The pick's gate: its chosen ensemble scored on the val split against the answer in place."""
     models = [load_model(local_checkpoint(t, world.state), "cpu")[0] for t in world.study.trials]
@@ -135,6 +140,7 @@ def test_run_never_ends_below_its_floor_and_the_manifest_says_who_won(world, tmp
     assert np.isfinite(answer["val_mrr"]) and answer["scored_on"]["val_images"] > 0
 
 
+@pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared
 def test_a_missing_checkpoint_is_said_once_per_trial(world, tmp_path, capsys):
     """The keeper looks every 5 s: a best trial whose best.pt is gone is said once, not at every look."""
     import shutil

@@ -87,6 +87,7 @@ def _study(tmp: Path, name: str, n_trials: int) -> Path:
     return path
 
 
+@pytest.mark.slow  # a study of 2 trials: 10-17 s on 2 cores
 def test_a_keeper_look_draws_nothing_and_reopens_no_storage(world, tmp_path, monkeypatch):
     """The keeper's look at a study with a new best trial: its checkpoint is loaded and scored, the global generator
     is untouched, and the storage is opened once for all looks."""
