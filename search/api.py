@@ -45,7 +45,7 @@ def presets() -> pd.DataFrame:
 def run_study(study: str | Path, *, data: str | None = None, n_trials: int | None = None,
               timeout: float | None = None, workers: int = 1, name: str | None = None, state_dir: str | None = None,
               storage: str | None = None, tracking_uri: str | None = None, artifact_root: str | None = None,
-              progress: bool = True, warm_start: bool = True, warm_from: tuple[str, ...] = (),
+              progress: bool = True, warm_start: bool | None = None, warm_from: tuple[str, ...] = (),
               population: int | str = "auto") -> dict:
     """Create or resume a study (a study file's path or a preset's name) and run its trials here, as `latentsweep
     study run`; returns the summary (trials by state, best value and trial). A new study first tries earlier
@@ -71,7 +71,7 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
 @honours_progress
 def run(study: str | Path, time: str | float, *, data: str | None = None, test: str | None = None,
         register: str | None = None, workers: int = 1, state_dir: str | None = None, progress: bool = True,
-        warm_start: bool = True, warm_from: tuple[str, ...] = (), population: int | str = "auto"
+        warm_start: bool | None = None, warm_from: tuple[str, ...] = (), population: int | str = "auto"
         ) -> OneBudgetResult:
     """Search and pick within one wall-clock budget, as `latentsweep run STUDY --time T` (T: seconds or "30m");
     returns the job's result (.summary of the study, .pick: the pick's result or None, .answer: the submission in

@@ -50,6 +50,11 @@ def test_an_answer_replaces_the_one_in_place_only_when_strictly_better():
     assert record["margin_val_mrr"] == pytest.approx(0.1)
     assert [o["won"] for o in record["offered"]] == [False, False, True, True]
     assert Standing("nothing", None).offer("trial 0", 0.1)  # nothing scored in place: the first answer wins
+    lazy, calls = Standing("floor", None), []
+    lazy.pending = lambda: calls.append(1) or lazy.offer("floor", 0.5)  # the floor, scored when first compared
+    assert lazy.record()["val_mrr"] is None and not calls
+    assert not lazy.offer("trial 1", 0.4) and lazy.offer("trial 2", 0.6) and calls == [1]
+    assert lazy.record()["margin_val_mrr"] == pytest.approx(0.1)
 
 
 @pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared

@@ -67,7 +67,7 @@ def add_worker_args(p) -> None:
 
 def warm_args(p) -> None:
     """--no-warm-start and --warm-from (search.study.warm): what a new study tries first."""
-    p.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+    p.add_argument("--no-warm-start", dest="warm_start", action="store_false", default=None,
                    help="a new study does not first try the best configurations of earlier studies on the same data "
                         "(nor the bundled portfolio when there are none)")
     p.add_argument("--warm-from", action="append", default=[], metavar="STATE_DIR|URL",
@@ -99,7 +99,7 @@ def make_spec(args, study_file=None, plan: WorkerPlan | None = None):
                       artifact_root=args.artifact_root, heartbeat=args.heartbeat, grace=args.grace,
                       progress=not args.quiet and is_terminal(), verbose=args.verbose,
                       population=getattr(args, "population", AUTO),
-                      warm_start=getattr(args, "warm_start", True), warm_from=tuple(getattr(args, "warm_from", ())))
+                      warm_start=getattr(args, "warm_start", None), warm_from=tuple(getattr(args, "warm_from", ())))
     return spec if plan is None else replace(spec, gpus=plan.gpus, per_gpu=plan.per_gpu)
 
 

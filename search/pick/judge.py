@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -76,11 +76,17 @@ class Standing:
     score: float | None
     offered: list[dict[str, Any]] = field(default_factory=list)
     judge: dict[str, Any] | None = None  # what the scores were measured on (Judge.describe)
+    # Scores the answer in place and offers it, run once before the first other answer is offered: the floor is
+    # scored only when something is compared with it (a short budget on a loaded machine often trains no trial).
+    pending: Callable[[], None] | None = field(default=None, repr=False)
 
     def offer(self, source: str, score: float | None, ties_win: bool = False) -> bool:
         """Whether the answer `source` scoring `score` replaces the one in place: only when strictly better (or
         equal, with `ties_win`: the pick's refits are the same configs trained on more images); an answer that
         cannot be compared (either score None) replaces it, as before any judge existed."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending()
         wins = (self.score is None or score is None or score > self.score
                 or (ties_win and score == self.score))
         self.offered.append({"answer": source, "val_mrr": score, "won": wins,

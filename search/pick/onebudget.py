@@ -176,24 +176,29 @@ def _search(spec: RunSpec, job_budget: JobBudget, workers: int, keeper: Keeper) 
 
 def _judge(spec: RunSpec, data, answer: SafeAnswer) -> tuple[Judge | None, Standing]:
     """The val split every answer is scored on (search.pick.judge) and the floor's standing on it: the ridge fit on
-    the split's train part. Without a judge (a study that holds nothing out) answers replace each other unscored."""
+    the split's train part, scored when the first other answer is offered. Without a judge (a study that holds
+    nothing out) answers replace each other unscored."""
     standing = Standing(answer.source, None)
     judge = make_judge(load_study_file(spec.study_file).base, data)
     if judge is None:
         note("warning: the study holds no val split out, so answers are not compared: each one replaces the last")
         return None, standing
     standing.judge = judge.describe()
-    if answer.alpha is not None:
+
+    def score_floor() -> None:
         started = time.monotonic()
         try:
             score = judge.score_floor(data, answer.alpha)
         except (RuntimeError, DataError) as exc:  # the solve on degenerate data: the floor stays, unscored
             note(f"warning: the floor could not be scored on the val split ({first_line(exc)})")
-            return judge, standing
+            return
         standing.offer(answer.source, score)
         note(f"the floor scores {score:.4f} MRR on the val split ({len(judge.held_images)} images, fit on the other "
-             f"{len(judge.train_images)} in {time.monotonic() - started:.1f} s): a trial replaces it only by beating "
-             "that")
+             f"{len(judge.train_images)} in {time.monotonic() - started:.1f} s): an answer replaces it only by "
+             "beating that")
+
+    if answer.alpha is not None:
+        standing.pending = score_floor
     return judge, standing
 
 

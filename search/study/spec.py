@@ -21,7 +21,7 @@ def build_spec(study_file: StudyFile, *, data: str | None = None, n_trials: int 
                storage: str | None = None, tracking_uri: str | None = None, artifact_root: str | None = None,
                heartbeat: int = HEARTBEAT_S, grace: int = GRACE_S, progress: bool = True,
                verbose: bool = False, population: int | str = AUTO,
-               warm_start: bool = True, warm_from: tuple[str, ...] = ()) -> RunSpec:
+               warm_start: bool | None = None, warm_from: tuple[str, ...] = ()) -> RunSpec:
     """RunSpec from explicit values, the study file and the state-directory defaults (checked, one-line errors)."""
     check_liveness(heartbeat, grace)
     population = check_population("--population", population)
@@ -40,6 +40,6 @@ def build_spec(study_file: StudyFile, *, data: str | None = None, n_trials: int 
         n_trials=n_trials if n_trials is not None else study_file.n_trials,
         timeout=timeout if timeout is not None else study_file.timeout, progress=progress, verbose=verbose,
         population=population,
-        warm_start=bool(warm_start), warm_from=(str(warm_from),) if isinstance(warm_from, (str, Path)) else
+        warm_start=None if warm_start is None else bool(warm_start), warm_from=(str(warm_from),) if isinstance(warm_from, (str, Path)) else
         tuple(map(str, warm_from)),
     )

@@ -68,7 +68,8 @@ class RunSpec:
     # trials each worker trains side by side: a number, or "auto" (search.study.population.population_size: sized on
     # the worker's GPU, 1 on a CPU); 1 is the one-trial worker_loop
     population: int | str = "auto"
-    warm_start: bool = True  # at creation, queue earlier studies' best configs on the same data (search.study.warm)
+    warm_start: bool | None = None  # at creation, queue earlier studies' best configs on the same data; None: as
+    # $LATENTSWEEP_WARM_START says, on by default (search.study.warm)
     warm_from: tuple[str, ...] = ()  # more places to look for them: state directories or Optuna storage URLs
 
 
