@@ -66,8 +66,14 @@ def checkpoint_payload(model: CenteredModel | dict, cfg: Config, dims: tuple[int
 
 
 def _read(path: Path) -> dict:
+    """The checkpoint's payload, its tensors mapped from the file (torch.load mmap: pages read as touched and shared
+    with the page cache, not a private copy to copy again into the model: a knn model keeps them as its keys, 0.5 GB
+    at challenge size), or read whole from a file torch cannot map (the legacy format)."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # not the zip format that mmap needs: read it whole
+            payload = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise LatentsweepError(f"{path}: checkpoint not found") from None
     except Exception as exc:  # unpickling errors have many types; the message is what the user needs

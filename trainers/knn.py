@@ -113,7 +113,11 @@ class KernelTranslator(Translator):
                               error_msgs):
         for name in _BUFFERS:  # sized by the training set, which a checkpoint-built model does not know
             if prefix + name in state_dict:
-                setattr(self, name, torch.empty_like(state_dict[prefix + name], device=getattr(self, name).device))
+                given, mine = state_dict[prefix + name], getattr(self, name)
+                # on the same device the checkpoint's tensor itself (mapped from the file by trainers.checkpoint;
+                # copy_ into itself is a no-op): no second 0.5 GB copy of the keys at challenge size
+                setattr(self, name, given if given.device == mine.device and given.dtype == mine.dtype
+                        else torch.empty_like(given, device=mine.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         self.shift = None
@@ -132,8 +136,12 @@ class RowMemo:
 
     @classmethod
     def of(cls, hashes: torch.Tensor, rows: torch.Tensor) -> "RowMemo":
+        """The memo saved as (hashes [n], rows [n, Di]): `rows` kept as given (a checkpoint's, mapped from its file),
+        copied only if rows are added."""
         memo = cls(rows.shape[1])
-        memo.add(hashes.tolist(), rows)
+        n = min(len(hashes), MEMO_ROWS)
+        memo.rows, memo.n = rows[:n].float().cpu(), n
+        memo.index.update(zip(hashes[:n].tolist(), range(n)))
         return memo
 
     def find(self, hashes: list[int]) -> torch.Tensor:
