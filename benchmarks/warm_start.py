@@ -36,7 +36,8 @@ def holdout(train: Path, seed: int, out: Path) -> tuple[Path, Path, Path]:
 
 def call(argv: list[str], log: Path) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([*CLI, *argv], cwd=ROOT, capture_output=True, text=True)
+    env = {**os.environ, "LATENTSWEEP_WARM_START": "on"}  # the product's default (a test suite may turn it off)
+    proc = subprocess.run([*CLI, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv[:2])} failed (exit {proc.returncode}); see {log}")

@@ -6,6 +6,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the worker processes tests spawn
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+# Many tests run several studies on one synthetic file in one state directory: warm start (on by default) would queue
+# one study's configurations in the next. tests/test_warm_start.py turns it back on.
+os.environ.setdefault("LATENTSWEEP_WARM_START", "off")
 
 import torch  # noqa: E402
 

@@ -24,6 +24,12 @@ LR, WEIGHT, MARGIN = "optim.lr", "loss.triplet.weight", "loss.triplet.margin"
 EARLIER = [(3e-3, 0.9, 0.3, 0.50), (5e-3, 0.2, None, 0.40), (2e-4, 0.8, 0.1, 0.30), (1e-3, 0.7, 0.2, 0.10)]
 
 
+@pytest.fixture(autouse=True)
+def warm_start_default(monkeypatch):
+    """The product's default (tests/conftest.py turns warm start off for the rest of the suite)."""
+    monkeypatch.delenv("LATENTSWEEP_WARM_START", raising=False)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> tuple[Path, Path]:
     """Two small train files: one, and other data (a different seed: other bytes, another fingerprint)."""
@@ -75,11 +81,13 @@ def test_a_new_study_on_the_same_data_queues_the_earlier_best_first(tmp_path, da
     assert "warm_from" in study_table(study, varying_only=False).columns  # `study status` shows the source
 
 
-def test_no_warm_start_takes_nothing(tmp_path, data, capsys):
+def test_no_warm_start_takes_nothing(tmp_path, data, capsys, monkeypatch):
     state = earlier_study(tmp_path, data[0])
     study = create(tmp_path, state, data[0], "cold", ["--no-warm-start"])
     assert warm(study) == [] and "warm start" not in capsys.readouterr().err
     assert study.user_attrs[IDENTITY_ATTR]["fingerprint"]  # still recorded: a later study can warm-start from it
+    monkeypatch.setenv("LATENTSWEEP_WARM_START", "off")  # the environment's default, for suites and benchmarks
+    assert warm(create(tmp_path, state, data[0], "cold-env")) == []
 
 
 def test_a_changed_space_takes_what_fits_and_says_what_changed(tmp_path, data, capsys):

@@ -18,6 +18,7 @@ study's own trials, and the sampler learns from them.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,13 @@ IDENTITY_ATTR = "latentsweep.data"  # study attr: {fingerprint, objective, direc
 WARM_K = 5
 PORTFOLIO = Path(__file__).with_name("portfolio.toml")
 SPLIT_KEYS = ("data.split", "data.val_ratio", "data.salt", "data.n_folds", "data.fold")
+# The default when neither --no-warm-start nor the API's warm_start says: on unless this is off/0/false/no (a test
+# suite or a benchmark whose studies share a state directory and data, and must not feed each other).
+WARM_ENV = "LATENTSWEEP_WARM_START"
+
+
+def on_by_default() -> bool:
+    return os.environ.get(WARM_ENV, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
 @dataclass
@@ -169,16 +177,16 @@ def enqueue(study: optuna.Study, values: dict[str, Any], source: str) -> bool:
     return len(study.get_trials(deepcopy=False)) > before
 
 
-def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabled: bool = True,
+def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabled: bool | None = None,
                warm_from: tuple[str, ...] = (), k: int = WARM_K) -> bool:
     """Record the study's identity, then (when `enabled`) queue the best distinct configurations of earlier studies
-    on the same data, saying what it took in one line (and one per kind of change to them). Called before the study
+    on the same data (`enabled` None: WARM_ENV decides, on by default), saying what it took in one line (and one per kind of change to them). Called before the study
     file's recipes are queued: the earlier studies ran those recipes on this data too and ranked them with the rest,
     so the best known configuration runs first. Returns whether the portfolio is due (enabled, nothing found): it
     goes after the recipes (queue_portfolio)."""
     mine = identity(study_file, data_path)
     study.set_user_attr(IDENTITY_ATTR, mine)
-    if not enabled:
+    if not (on_by_default() if enabled is None else enabled):
         return False
     found = earlier_trials(storage_of(study), mine, study.study_name, "")
     for label, url in source_storages(warm_from):
