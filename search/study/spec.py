@@ -40,6 +40,6 @@ def build_spec(study_file: StudyFile, *, data: str | None = None, n_trials: int 
         n_trials=n_trials if n_trials is not None else study_file.n_trials,
         timeout=timeout if timeout is not None else study_file.timeout, progress=progress, verbose=verbose,
         population=population,
-        warm_start=None if warm_start is None else bool(warm_start), warm_from=(str(warm_from),) if isinstance(warm_from, (str, Path)) else
-        tuple(map(str, warm_from)),
+        warm_start=None if warm_start is None else bool(warm_start),
+        warm_from=(str(warm_from),) if isinstance(warm_from, (str, Path)) else tuple(map(str, warm_from)),
     )
