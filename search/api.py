@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from search.checks import check_count, check_registry_name, check_seconds, check_type
+from search.checks import check_count, check_outputs, check_registry_name, check_seconds, check_type
+from search.pick.candidates import test_path_for
 from search.pick.onebudget import OneBudgetResult, check_pick_inputs, parse_duration, run_one_budget
 from search.pick.options import PickOptions, parse_budget
 from search.pick.outputs import PickResult
 from search.progress import honours_progress
 from search.pick.picker import run_pick
-from search.stores import resolve_stores, state_dir as resolve_state_dir
+from search.stores import default_protected, resolve_stores, state_dir as resolve_state_dir
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.study.devices import check_population
 from search.study.presets import presets as _presets
@@ -89,6 +90,7 @@ def run(study: str | Path, time: str | float, *, data: str | None = None, test: 
         spec = build_spec(study_file, data=data, n_trials=None, timeout=None, name=None, state=state_dir,
                           storage=None, tracking_uri=None, artifact_root=None, progress=progress,
                           warm_start=warm_start, warm_from=warm_from, population=population)
+        load_test(test_path_for(Path(spec.data_path), test))  # a bad test file is said before a store is opened
         preflight(spec)
         pick = check_pick_inputs(PickOptions(  # every pick input before the search, as the CLI
             study=spec.name, state_dir=spec.state_dir, storage=spec.storage.url, tracking_uri=spec.tracking_uri,
@@ -149,6 +151,8 @@ def load_ensemble(picked: PickResult | str, tracking_uri: str | None = None, sta
 def predict(model, test: str | Path | None = None, out: str | Path | None = None) -> pd.DataFrame:
     """Predict a test file's captions (default: the demo test) with a loaded ensemble: a DataFrame of caption id and
     embedding; with `out`, also written as a challenge submission CSV."""
+    if out is not None:  # before any work: never over the test file, a store or a checkpoint
+        check_outputs("out", [out], {"test": test or default_test_path()}, default_protected())
     test_set = load_test(test or default_test_path())
     embeddings = np.asarray(model.predict(test_set.embeddings), np.float32)
     if out is not None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import sys
+import warnings
 from typing import Callable, Iterator
 
 Sink = Callable[[str], None]
@@ -32,15 +34,39 @@ def stderr_sink(line: str) -> None:
 PROGRESS_ENV = "LATENTSWEEP_PROGRESS"
 _sink: Sink | None = None if os.environ.get(PROGRESS_ENV) == "off" else stderr_sink
 _said: set = set()  # the `once` keys said to the current sink
+_failed: list = []  # the current sink's first failure (said once on stderr, then its failures are ignored)
 
 
 def set_progress_sink(sink: Sink | None) -> Sink | None:
     """Send every progress line to `sink` (a callable taking one line; None: say nothing); returns the previous
-    sink. Lines said once per process (`say(..., once=key)`) are said again to a new sink."""
+    sink. Lines said once per process (`say(..., once=key)`) are said again to a new sink. A sink that is not
+    callable, or cannot be called with one line, is refused here (one line), not at the study's first line."""
     global _sink
+    check_sink(sink)
     previous, _sink = _sink, sink
     _said.clear()
+    _failed.clear()
     return previous
+
+
+def check_sink(sink) -> None:
+    """One-line LatentsweepError unless `sink` is None or callable with one positional argument (the line)."""
+    from trainers.errors import LatentsweepError
+
+    if sink is None:
+        return
+    if not callable(sink):
+        raise LatentsweepError(f"progress sink must be a callable taking one line (or None), got "
+                               f"{type(sink).__name__} {sink!r:.60}")
+    try:
+        signature = inspect.signature(sink)
+    except (TypeError, ValueError):  # a builtin without a signature (print has one): called and seen
+        return
+    try:
+        signature.bind("line")
+    except TypeError as exc:
+        raise LatentsweepError(f"progress sink {getattr(sink, '__name__', sink)!s:.60} must take one argument, the "
+                               f"line ({exc})") from None
 
 
 @contextlib.contextmanager
@@ -61,7 +87,19 @@ def say(line: str, once=None) -> None:
             return
         _said.add(once)
     if _sink is not None:
-        _sink(line)
+        try:
+            _sink(line)
+        except Exception as exc:  # noqa: BLE001 - the user's sink: its failure must not stop a study
+            if not _failed:
+                _failed.append(exc)
+                print(f"latentsweep: warning: the progress sink raised {type(exc).__name__}: {exc}; its failures "
+                      "are ignored from now on", file=sys.stderr)
+
+
+OPTUNA_LOGGER = "optuna"
+# The warnings search.process.quiet_optuna silences in the CLI's process, by message (Optuna's ExperimentalWarning
+# class is not imported here: --version must not load Optuna).
+OPTUNA_WARNINGS = (r".* is experimental", "Heartbeat of storage is supposed to be used with Study.optimize")
 
 
 @contextlib.contextmanager
@@ -73,12 +111,16 @@ def quiet_libraries() -> Iterator[None]:
 
     quiet_env = {**ENV_DEFAULTS, PROGRESS_ENV: "off"}
     env = {key: os.environ.get(key) for key in quiet_env}
-    levels = {name: logging.getLogger(name).level for name in MIGRATION_LOGGERS}
+    levels = {name: logging.getLogger(name).level for name in (*MIGRATION_LOGGERS, OPTUNA_LOGGER)}
     os.environ.update(quiet_env)
     for name in MIGRATION_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL if name == STORE_ERROR_LOGGER else logging.WARNING)
+    logging.getLogger(OPTUNA_LOGGER).setLevel(logging.WARNING)  # its INFO lines (trials told, study created)
     try:
-        yield
+        with warnings.catch_warnings():  # Optuna's "experimental" warnings (heartbeats, fail_stale_trials)
+            for text in OPTUNA_WARNINGS:
+                warnings.filterwarnings("ignore", message=text)
+            yield
     finally:
         for key, value in env.items():
             if value is None:

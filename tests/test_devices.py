@@ -293,4 +293,4 @@ def test_compose_replicas_get_gpus_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     state = tmp_path / "state"
     code, _, err = run_main(["worker", str(tiny_study_file(tmp_path, "e")), "--state-dir", str(state)])
-    assert code == 2 and "--gpus all: no CUDA device is available" in err and not state.exists()
+    assert code == 2 and "$LATENTSWEEP_GPUS all: no CUDA device is available" in err and not state.exists()

@@ -2,6 +2,7 @@
 extrapolated from one job to another of the same config on other data sizes (a refit on every image, a fold model)."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 
@@ -27,6 +28,12 @@ class Timing:
         names = {f.name for f in fields(cls)}
         if not isinstance(attrs, dict) or set(attrs) != names:
             return None
+        kinds = {f.name: (bool,) if f.type in (bool, "bool") else (int, float) for f in fields(cls)}
+        for name, value in attrs.items():  # a study edited by hand or damaged: wrong types read as no timing
+            numeric = kinds[name] != (bool,)
+            if not isinstance(value, kinds[name]) or (numeric and (isinstance(value, bool) or not
+                                                                   math.isfinite(value) or value < 0)):
+                return None
         return cls(**attrs)
 
     def estimate(self, captions: int, images: int, epochs: int, validate: bool = False) -> float:

@@ -75,21 +75,28 @@ def main(argv: list[str] | None = None) -> int:
     """The `latentsweep` entry point: the one place (with a spawned worker's entry) that sets process-wide state.
     SIGTERM and SIGHUP stop a command as Ctrl-C does, from its start-up (imports) to its end: one line, the command's
     clean-up run (trials closed, workers stopped, temporary folders removed), exit 128 + the signal's number."""
-    # A budget (`run --time`) counts from the process's start, imports included, as the user's clock does; called
-    # from Python (a test, a notebook), from this call.
     real = argv is None
-    started = process_started() if real else time.monotonic()
-    argv = sys.argv[1:] if real else list(argv)
-    with interrupt_on(*STOP_SIGNALS):
-        try:
-            code = _main(argv, started)
-        except KeyboardInterrupt:
-            name = signal.Signals(exit_code() - 128).name
-            print(f"latentsweep: interrupted{'' if name == 'SIGINT' else f' ({name})'}", file=sys.stderr)
-            code = exit_code()
+    try:
+        # A budget (`run --time`) counts from the process's start, imports included, as the user's clock does;
+        # called from Python (a test, a notebook), from this call.
+        started = process_started() if real else time.monotonic()
+        with interrupt_on(*STOP_SIGNALS):
+            try:
+                code = _main(sys.argv[1:] if real else list(argv), started)
+            except KeyboardInterrupt:
+                code = _interrupted()
+    except KeyboardInterrupt:  # at the very start or end of the block, outside its handlers
+        code = _interrupted()
     if real:  # the process is ending: a late Ctrl-C cannot interrupt its exit with a traceback
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     return code
+
+
+def _interrupted() -> int:
+    """The one line of a command stopped by a signal, and its exit code."""
+    name = signal.Signals(exit_code() - 128).name
+    print(f"latentsweep: interrupted{'' if name == 'SIGINT' else f' ({name})'}", file=sys.stderr)
+    return exit_code()
 
 
 def _main(argv: list[str], started: float) -> int:

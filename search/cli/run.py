@@ -18,6 +18,7 @@ from search.pick.picker import PickOptions
 from search.stores import protected_paths, safe_name
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.redact import redact_url
+from trainers.data import load_test
 
 
 def add_parser(sub) -> None:
@@ -43,11 +44,14 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_run)
 
 
-def check_run_outputs(spec, args) -> None:
-    """The submission, and the pick's manifest and report beside it, replace no input and nothing the state needs."""
+def check_run_files(spec, args) -> None:
+    """Before a store is opened: the test file loads (finite float embeddings), and the submission, with the pick's
+    manifest and report beside it, replaces no input and nothing the state needs."""
+    test = test_path_for(Path(spec.data_path), args.test)
+    load_test(test)
     out = out_path(PickOptions(study=safe_name(spec.name), out=args.out), Path(spec.state_dir))
     check_outputs("--out", pick_outputs(args.out, out), {"STUDY": spec.study_file, "--data": spec.data_path,
-                                             "--test": test_path_for(Path(spec.data_path), args.test)},
+                                                         "--test": test},
                   protected_paths(Path(spec.state_dir), spec.storage.url, spec.tracking_uri, spec.artifact_root))
 
 
@@ -58,7 +62,7 @@ def cmd_run(args) -> int:
     args.timeout = None  # the budget is the bound
     with no_new_empty_state_dir(args.state_dir):
         spec = make_spec(args, plan=plan)
-        check_run_outputs(spec, args)  # before preflight opens a store
+        check_run_files(spec, args)  # before preflight opens a store
         preflight(spec)
         pick = check_pick_inputs(PickOptions(
             study=safe_name(spec.name), state_dir=spec.state_dir, storage=spec.storage.url,

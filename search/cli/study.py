@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 from search.cli import presets, study_inspect
 from search.cli.study_inspect import liveness_args, stores_args
 from search.study.devices import (
-    AUTO, GPUS_ENV, PER_GPU_ENV, WorkerPlan, claim_slot, describe_plan, pin_process, plan_workers, workers_arg,
+    AUTO, GPUS_ENV, PER_GPU_ENV, WorkerPlan, claim_slot, describe_plan, pin_process, plan_workers_env, workers_arg,
 )
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.study.progress import is_terminal
@@ -76,10 +75,10 @@ def warm_args(p) -> None:
 
 def gpu_args(p, each: str) -> None:
     """--gpus and --per-gpu; their defaults come from the environment (how compose's worker replicas get them)."""
-    p.add_argument("--gpus", metavar="LIST", default=os.environ.get(GPUS_ENV) or None,
+    p.add_argument("--gpus", metavar="LIST", default=None,
                    help=f"GPUs the workers share: all, or numbers such as 0,1; {each} (default ${GPUS_ENV}, else "
                         f"none: nothing pinned)")
-    p.add_argument("--per-gpu", type=int, metavar="M", default=os.environ.get(PER_GPU_ENV) or None,
+    p.add_argument("--per-gpu", type=int, metavar="M", default=None,
                    help=f"workers per GPU of --gpus (default ${PER_GPU_ENV}, else 1)")
     p.add_argument("--population", type=workers_arg, default=AUTO, metavar="N|auto",
                    help="trials each worker trains side by side, each its own trial and run (default auto: sized on "
@@ -88,7 +87,7 @@ def gpu_args(p, each: str) -> None:
 
 def worker_plan(args) -> WorkerPlan:
     """The local workers of --workers/--gpus/--per-gpu, checked against this machine before anything is stored."""
-    return plan_workers(args.workers, args.gpus, args.per_gpu)
+    return plan_workers_env(args.workers, args.gpus, args.per_gpu)
 
 
 def make_spec(args, study_file=None, plan: WorkerPlan | None = None):
@@ -137,7 +136,7 @@ def cmd_study_create(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    plan = plan_workers(1, args.gpus, args.per_gpu)
+    plan = plan_workers_env(1, args.gpus, args.per_gpu)
     with no_new_empty_state_dir(args.state_dir):
         spec = make_spec(args, plan=plan)
         preflight(spec)  # with --gpus it asks CUDA nothing: the slot is pinned first, below

@@ -16,6 +16,7 @@ from search.pick.candidates import SPLIT_KEYS, Candidate
 from search.pick.ensemble import predict_all
 from search.pick.options import PickOptions
 from search.pick.plan import Clock, Plan, note
+from trainers.errors import DataError
 from trainers.splits import captions_and_local_images, fold_assignment
 from trainers.tasks import split_images
 
@@ -118,6 +119,8 @@ def submitted_weights(res: oof_mod.OofSelection, names: list[str], fallback: str
 
 # Folds of the study's val images for the cross-fitted selection: weights on 4/5, scored on the other 1/5.
 VAL_FOLDS = 5
+# Each selection is made on some folds and scored on another: at least two images, one on each side.
+MIN_VAL_IMAGES = 2
 # What each selection's gain figure is measured on (said in the CLI, the MLflow run's description and the figure).
 WHERE = {
     "val": "cross-fitted on the study's val split: each fifth of its images scored by a selection made on the other "
@@ -136,6 +139,9 @@ def select_val(cands: list[Candidate], data, opts: PickOptions, device) -> Selec
     """Ensemble selection on the trials' own checkpoints' predictions of the study's shared val split, at no training
     cost: greedy (or --method) weights on every val image, and the gain cross-fitted over VAL_FOLDS image folds."""
     _, val_img = split_images(cands[0].cfg, data)
+    if len(val_img) < MIN_VAL_IMAGES:  # a tiny train file (10 images): no fold to score a selection on
+        raise DataError(f"{data.path}: the study's val split has {len(val_img)} image(s); the pick's selection needs "
+                        f"at least {MIN_VAL_IMAGES} (more images, or a larger data.val_ratio)")
     caps, local = captions_and_local_images(data.cap2img, val_img)
     preds = predict_all([c.model for c in cands], data.text[caps], device)  # [Nval_caps, Di] each
     folds = oof_mod.Folds(fold_assignment(data.image_names[val_img], min(VAL_FOLDS, len(val_img))), local)

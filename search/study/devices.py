@@ -150,6 +150,27 @@ def plan_workers(workers: int | str | None, gpus: str | None, per_gpu: int | Non
     return WorkerPlan(n, ids, per_gpu, machine)
 
 
+def plan_workers_env(workers: int | str, gpus: str | None, per_gpu: int | None) -> WorkerPlan:
+    """plan_workers with --gpus and --per-gpu, when not given, from $LATENTSWEEP_GPUS and $LATENTSWEEP_PER_GPU (how
+    compose's worker replicas get them); an error a variable caused names the variable, not an option the user did
+    not type."""
+    named = {}
+    if gpus is None and os.environ.get(GPUS_ENV):
+        gpus, named["--gpus"] = os.environ[GPUS_ENV], f"${GPUS_ENV}"
+    if per_gpu is None and os.environ.get(PER_GPU_ENV):
+        text = os.environ[PER_GPU_ENV]
+        if not re.fullmatch(r"\s*-?\d+\s*", text):
+            raise LatentsweepError(f"${PER_GPU_ENV} must be a whole number, got '{text}'")
+        per_gpu, named["--per-gpu"] = int(text), f"${PER_GPU_ENV}"
+    try:
+        return plan_workers(workers, gpus, per_gpu)
+    except LatentsweepError as exc:
+        line = str(exc)
+        for option, variable in named.items():
+            line = line.replace(option, variable)
+        raise LatentsweepError(line) from None
+
+
 def pin_process(visible: str | None) -> None:
     """Make this process see only `visible` (CUDA_VISIBLE_DEVICES), before its first CUDA call; None leaves it
     alone. The driver reads the variable once, when CUDA initialises: a process that initialised it already would

@@ -10,6 +10,7 @@ it there (its model kind, for the best-of-each-kind pool).
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import optuna
@@ -17,6 +18,8 @@ import optuna
 from trainers.config import Config, coerce, flatten_tree, with_values
 from trainers.errors import ConfigError
 from trainers.validate import validate
+
+log = logging.getLogger("latentsweep")
 
 SIDE_ATTR = "latentsweep.side"  # JSON {config key: value} of a side trial
 # Knobs that belong to the study, not to one of its trials: every trial reads one data file, one task and one val
@@ -72,4 +75,14 @@ def unique(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
 def side_values(trial: optuna.trial.BaseTrial | optuna.trial.FrozenTrial) -> dict[str, Any] | None:
     """The side trial's knob values, or None for a trial the sampler proposed or an enqueued recipe."""
     text = trial.user_attrs.get(SIDE_ATTR)
-    return None if text is None else json.loads(text)
+    if text is None:
+        return None
+    try:
+        values = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        values = None
+    if not isinstance(values, dict):  # a damaged or hand-edited study: the trial reads as a sampled one
+        log.warning("trial %s: its side values (%s) are not a JSON object; ignored", trial.number,
+                    SIDE_ATTR)
+        return None
+    return values

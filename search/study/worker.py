@@ -44,6 +44,8 @@ COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
 # A worker with nothing to claim while others' trials still run re-checks this often (capped by the heartbeat
 # interval): one of those trials may die and need its retry run. A few cheap queries; 5 s keeps the idle tail short.
 WAIT_POLL_S = 5.0
+# MLflow's error codes for a run id it does not have (a damaged or hand-edited study's mlflow_run_id).
+UNKNOWN_RUN = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
 
 
 @dataclass(frozen=True)
@@ -248,8 +250,15 @@ def close_dead_runs(study: optuna.Study, tracker: Tracker) -> list[str]:
     for trial in callback.drain() if isinstance(callback, RetryAndRecord) else []:
         run_id = TrialOutputs.of(trial).mlflow_run_id  # absent when the worker died before opening the run
         if run_id:
-            tracker.log(run_id, tags={REAPED_TAG: "true"})
-            tracker.end_trial(run_id, TrialState.FAIL)
+            try:
+                tracker.log(run_id, tags={REAPED_TAG: "true"})
+                tracker.end_trial(run_id, TrialState.FAIL)
+            except Exception as exc:  # a damaged study: its recorded run is not one the tracking store has
+                if getattr(exc, "error_code", None) not in UNKNOWN_RUN:
+                    raise
+                log.warning("trial %d was failed for retry; its recorded MLflow run %r is not in the tracking "
+                            "store (no run closed)", trial.number, run_id)
+                continue
             closed.append(run_id)
     return closed + tracker.close_stale_runs(LiveTrialNumbers(study.get_trials(deepcopy=False)))
 
