@@ -156,7 +156,8 @@ def fit_range(p: Param, value: float) -> float | int:
     return value
 
 
-def ranked(trials: list[tuple[str, optuna.trial.FrozenTrial]], direction: str) -> list:
+def ranked(trials: list[tuple[str, str, optuna.trial.FrozenTrial]], direction: str) -> list:
+    """(label, study name, trial) best first in `direction`; ties by source and trial number (a stable order)."""
     sign = -1.0 if direction == "maximize" else 1.0
     return sorted(trials, key=lambda found: (sign * found[2].value, found[0], found[2].number))
 
@@ -179,11 +180,11 @@ def enqueue(study: optuna.Study, values: dict[str, Any], source: str) -> bool:
 
 def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabled: bool | None = None,
                warm_from: tuple[str, ...] = (), k: int = WARM_K) -> bool:
-    """Record the study's identity, then (when `enabled`) queue the best distinct configurations of earlier studies
-    on the same data (`enabled` None: WARM_ENV decides, on by default), saying what it took in one line (and one per kind of change to them). Called before the study
-    file's recipes are queued: the earlier studies ran those recipes on this data too and ranked them with the rest,
-    so the best known configuration runs first. Returns whether the portfolio is due (enabled, nothing found): it
-    goes after the recipes (queue_portfolio)."""
+    """Record the study's identity, then (when `enabled`; None: WARM_ENV decides, on by default) queue the best
+    distinct configurations of earlier studies on the same data, saying what it took in one line (and one per kind
+    of change to them). Called before the study file's recipes are queued: the earlier studies ran those recipes on
+    this data too and ranked them with the rest, so the best known configuration runs first. Returns whether the
+    portfolio is due (enabled, nothing found): it goes after the recipes (queue_portfolio)."""
     mine = identity(study_file, data_path)
     study.set_user_attr(IDENTITY_ATTR, mine)
     if not (on_by_default() if enabled is None else enabled):
