@@ -266,3 +266,22 @@ def test_a_ten_image_train_file_is_one_line_not_a_traceback(tmp_path, capsys):
     errors = [line for line in err.splitlines() if line.startswith("latentsweep: error:")]
     assert code == 2 and "Traceback" not in err and len(errors) == 1, err  # 1 val image (demo's ratio, 10 images)
     assert "val split has 1 image(s)" in errors[0] and not (tmp_path / "sub.csv").exists()
+
+
+def test_an_earlier_jobs_submission_is_kept_aside_with_its_manifest(tmp_path, capsys):
+    """`run` moves an earlier job's submission, manifest and report aside before its floor is written: a run stopped
+    at any moment never leaves a submission beside another job's manifest."""
+    from search.cli.run import keep_earlier
+
+    out = tmp_path / "sub.csv"
+    files = {out: "earlier csv", tmp_path / "sub.manifest.json": "{}", tmp_path / "sub.report.csv": "report"}
+    for path, text in files.items():
+        path.write_text(text)
+    keep_earlier(out)
+    assert not [p for p in files if p.exists()]
+    assert (tmp_path / "sub.earlier.csv").read_text() == "earlier csv"
+    assert (tmp_path / "sub.earlier.manifest.json").read_text() == "{}"
+    assert (tmp_path / "sub.earlier.report.csv").read_text() == "report"
+    assert "kept aside as" in capsys.readouterr().err
+    keep_earlier(out)  # nothing there: nothing said
+    assert capsys.readouterr().err == ""

@@ -3,6 +3,7 @@ the MLflow runs and the registered model."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,8 @@ from search.cli.study import add_worker_args, make_spec, say_plan, warm_args, wo
 from search.cli.study_inspect import liveness_args, stores_args
 from search.checks import check_outputs
 from search.pick.candidates import test_path_for
-from search.pick.options import out_path, pick_outputs
+from search.pick.options import out_path, pick_files, pick_outputs
+from search.pick.plan import note
 from search.pick.onebudget import check_pick_inputs, parse_duration, run_one_budget
 from search.pick.picker import PickOptions
 from search.stores import protected_paths, safe_name
@@ -55,6 +57,18 @@ def check_run_files(spec, args) -> None:
                   protected_paths(Path(spec.state_dir), spec.storage.url, spec.tracking_uri, spec.artifact_root))
 
 
+def keep_earlier(out: Path) -> None:
+    """An earlier job's submission at --out, with its manifest and report, is moved aside (NAME.earlier.*) and said:
+    this job's answers replace only its own, and what lies beside a submission is always from the job that wrote it
+    (the manifest and report move first: killed midway, no manifest is left beside another job's submission)."""
+    earlier = out.with_name(f"{out.stem}.earlier{out.suffix}")
+    moved = [(now, then) for now, then in zip(pick_files(out)[::-1], pick_files(earlier)[::-1]) if now.exists()]
+    for now, then in moved:
+        os.replace(now, then)
+    if moved:
+        note(f"an earlier submission at {out} was kept aside as {earlier} (with its manifest and report)")
+
+
 def cmd_run(args) -> int:
     started = getattr(args, "started", None) or time.monotonic()  # set by search.cli.main at its start
     total = parse_duration(args.time)
@@ -71,6 +85,7 @@ def cmd_run(args) -> int:
     say_plan(plan, spec)
     print(f"study '{spec.name}': storage {redact_url(spec.storage.url)}, tracking {redact_url(spec.tracking_uri)}",
           file=sys.stderr)
+    keep_earlier(Path(pick.out))
     done = run_one_budget(spec, total, pick, plan.workers, started)
     print(json.dumps({"study": spec.name, **done.summary}, default=str))
     if done.pick is not None:
