@@ -62,3 +62,167 @@ def test_a_gone_local_workers_trial_is_failed_at_once_and_a_live_ones_is_not(wor
         assert study.get_trials()[2].state.name == "RUNNING"
     finally:
         dispose_study(study)
+
+
+# ---- `latentsweep run` killed at many moments ------------------------------------------------------------------------
+# (signal, event, seconds after it, workers): the event is when the moment starts counting. "start": the process was
+# started (imports, before the floor); "floor": the closed form's answer is in place; "trial": a trial logged its first
+# epoch (mid-search); "search done": the pick begins; "pick": the pick's temporary folder exists. They are in phase
+# order: the study (resumed by every run) fills up, so the late moments find the search done and kill the pick.
+K, T, I = signal.SIGKILL, signal.SIGTERM, signal.SIGINT
+MOMENTS = [
+    (K, "start", 0.5, 1), (T, "start", 1.5, 1), (I, "start", 3.0, 1), (K, "floor", 0.0, 1), (T, "floor", 0.2, 1),
+    (I, "floor", 0.5, 1), (K, "trial", 0.0, 1), (T, "trial", 0.5, 1), (I, "trial", 1.0, 1), (T, "trial", 0.3, 2),
+    (K, "trial", 0.5, 2), (K, "search done", 0.0, 1), (T, "search done", 0.1, 1), (I, "search done", 0.3, 1),
+    (T, "pick", 0.0, 1), (K, "pick", 0.1, 1), (I, "pick", 0.2, 1), (T, "pick", 0.4, 1), (K, "pick", 0.6, 1),
+    (I, "pick", 0.8, 1), (T, "pick", 1.0, 1),
+]
+EXIT = {K: -signal.SIGKILL, T: 128 + signal.SIGTERM, I: 128 + signal.SIGINT}
+EVENT_TIMEOUT_S = 150  # a loaded 2-core machine: start-up and a trial's first epoch take tens of seconds
+
+
+class Job:
+    """One `latentsweep run`: its stderr read as it comes, its descendants seen while it ran."""
+
+    def __init__(self, argv: list[str], env: dict, state: Path, tmp: Path, leftovers: set):
+        self.state, self.tmp, self.lines, self.kids, self.leftovers = state, tmp, [], set(), leftovers
+        self.started = time.time()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=default_sigint)
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self.reader.start()
+
+    def _watch(self) -> None:
+        import psutil
+
+        try:
+            self.kids |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+
+    def happened(self, event: str) -> bool:
+        text = "".join(self.lines)
+        if event == "start":
+            return True
+        if event == "floor":
+            return "first answer in" in text
+        if event == "search done":
+            return "search done" in text
+        if event == "pick":
+            return bool(set(self.tmp.glob("latentsweep-pick-*")) - self.leftovers)  # this job's, not a killed one's
+        return any(p.stat().st_mtime > self.started for p in self.state.glob("studies/*/trial-*/metrics.csv"))
+
+    def kill_at(self, sig: int, event: str, delay: float) -> bool:
+        """Send `sig` `delay` s after `event`; False when the job ended first (it answered: a valid moment too)."""
+        deadline = time.time() + EVENT_TIMEOUT_S
+        while self.proc.poll() is None and not self.happened(event) and time.time() < deadline:
+            self._watch()
+            time.sleep(0.1)
+        assert self.proc.poll() is not None or self.happened(event), f"no {event} in {EVENT_TIMEOUT_S} s"
+        end = time.time() + delay
+        while self.proc.poll() is None and time.time() < end:
+            self._watch()
+            time.sleep(0.05)
+        if self.proc.poll() is not None:
+            return False
+        self._watch()
+        self.proc.send_signal(sig)
+        return True
+
+    def wait(self) -> int:
+        code = self.proc.wait(timeout=180)
+        self.reader.join(timeout=10)
+        return code
+
+    def alive_kids(self) -> list[int]:
+        import psutil
+
+        alive = []
+        for pid in self.kids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+
+def _running(state: Path) -> tuple[list, list]:
+    import sqlite3
+
+    trials = []
+    if (state / "optuna.db").exists():
+        storage = f"sqlite:///{state / 'optuna.db'}"
+        for s in optuna.get_all_study_summaries(storage):
+            trials += [(s.study_name, t.number) for t in optuna.load_study(study_name=s.study_name, storage=storage)
+                       .get_trials(states=(optuna.trial.TrialState.RUNNING,))]
+    runs = []
+    if (state / "mlflow.db").exists():
+        with sqlite3.connect(state / "mlflow.db") as conn:
+            runs = conn.execute("SELECT name FROM runs WHERE status = 'RUNNING'").fetchall()
+    return trials, runs
+
+
+def _check_out(out: Path, test, floor_seen: bool) -> None:
+    from trainers.submission import check_submission
+
+    if out.exists():
+        check_submission(out, test)  # complete and valid, never half-written
+    else:
+        assert not floor_seen, "the floor was in place, then --out vanished"
+
+
+@pytest.mark.slow  # 21 kills, then the same command answers: 3-9 min on 2 cores shared with other test runs
+def test_run_killed_at_every_phase_resumes_and_answers(world, tmp_path):
+    import psutil  # noqa: F401 - the job's processes are read with it
+
+    from trainers.data import load_test
+
+    _, train, test_path = world
+    test = load_test(test_path)
+    sf = tiny_study_file(tmp_path, "killed", n_trials=4, epochs=3)
+    state, out, tmp = tmp_path / "state", tmp_path / "out" / "submission.csv", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+    base = [sys.executable, "-m", "search"]
+    # Two trials first, so the search of every run below is short and the pick has candidates.
+    subprocess.run([*base, "study", "run", str(sf), "--data", str(train), "--state-dir", str(state), "--quiet",
+                    "--n-trials", "2"], check=True, env=env, capture_output=True, timeout=300)
+    argv = [*base, "run", str(sf), "--time", "90", "--data", str(train), "--test", str(test_path), "--state-dir",
+            str(state), "--out", str(out), "--quiet"]
+    killed = []
+    for sig, event, delay, workers in MOMENTS:
+        leftovers = {*tmp.glob("latentsweep-pick-*"), *out.parent.glob(".*")}  # an earlier SIGKILL's: no clean-up
+        job = Job(argv + (["--workers", str(workers)] if workers > 1 else []), env, state, tmp, leftovers)
+        sent = job.kill_at(sig, event, delay)
+        code = job.wait()
+        err = "".join(job.lines)
+        moment = f"{signal.Signals(sig).name} at {event} + {delay} s, {workers} worker(s): rc {code}\n{err[-3000:]}"
+        # 0: the job had answered before the signal came (a signal at its exit is ignored: it answered). -N: killed
+        # by the signal's default action before Python ran a line of latentsweep (nothing said, nothing stored), or,
+        # for SIGINT, CPython ending by SIGINT after its one line (a shell reports both as 128 + N)
+        assert code in ((EXIT[sig], 0, -sig) if sent else (0,)), moment
+        assert code != -sig or err == "" or (sig == I and err.strip().splitlines()[-1] == "latentsweep: interrupted"), \
+            moment
+        sent = code != 0
+        _check_out(out, test, "first answer in" in err)
+        gone = time.time() + 60  # after SIGKILL the workers close their trials on their own (their parent died)
+        while job.alive_kids() and time.time() < gone:
+            time.sleep(0.5)
+        assert job.alive_kids() == [], moment
+        if sig != K:  # a signal the job can handle: it cleaned up, in one line
+            assert "Traceback" not in err, moment
+            if sent:
+                assert err.strip().splitlines()[-1].startswith("latentsweep: interrupted"), moment
+            assert _running(state) == ([], []), moment
+            # no pick folder in the temporary directory, no staged submission or pick folder beside --out
+            assert {*tmp.glob("latentsweep-pick-*"), *out.parent.glob(".*")} <= leftovers, moment
+        killed.append(sent)
+    assert sum(killed) >= len(MOMENTS) - 3, f"only {sum(killed)} of {len(MOMENTS)} moments found the job running"
+    final = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "Traceback" not in final.stderr
+    _check_out(out, test, True)
+    assert _running(state) == ([], [])
+    trials = optuna.load_study(study_name="killed", storage=f"sqlite:///{state / 'optuna.db'}").get_trials()
+    assert sum(t.state.name in ("COMPLETE", "PRUNED") for t in trials) >= 2  # the pre-run's trials were kept
