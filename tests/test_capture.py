@@ -13,6 +13,7 @@ from trainers.checkpoint import CenteredModel
 from trainers.config import Config, with_values
 from trainers.data import load_train
 from trainers.errors import ConfigError
+from trainers.deadline import Deadline
 from trainers.loop import StepParts, _train_epoch, seed_everything, train
 from trainers.losses import Criterion
 from trainers.models import build_model
@@ -60,7 +61,7 @@ def parts_of(cfg: Config, data, forward_backend: str | None = None) -> StepParts
     opt, schedule = build_optimizer(cfg, model, criterion, steps)
     forward = None if forward_backend is None else StepForward(cfg, model, criterion, False, device, forward_backend)
     return StepParts(cfg, task, model, criterion, opt, schedule, torch.amp.GradScaler("cpu", enabled=False), gen,
-                     steps, False, BatchAugment(cfg, task.x), build_average(cfg, model), None, forward)
+                     steps, False, BatchAugment(cfg, task.x), build_average(cfg, model), Deadline.never, forward)
 
 
 def _refuse(name: str):

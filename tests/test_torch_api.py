@@ -17,7 +17,7 @@ PACKAGES = ("trainers", "search")
 NEWER_APIS = {
     "torch.export.Dim.DYNAMIC": ("2.6", "search/pick/pyfunc_model.py"),  # pytorch#137029, after the 2.5 branch cut
     "torch.OutOfMemoryError": ("2.5", "search/failures.py"),  # top level since 2.5 (was torch.cuda's)
-    "torch.amp.GradScaler": ("2.3", "trainers/loop.py"),  # device-generic scaler (torch.cuda.amp's before)
+    "torch.amp.GradScaler": ("2.3", "trainers/run.py"),  # device-generic scaler (torch.cuda.amp's before)
 }
 # Keyword features that an attribute check cannot see; each has a behaviour test below.
 NEWER_FEATURES = {
