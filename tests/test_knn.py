@@ -224,3 +224,19 @@ def test_top_trials_add_the_best_of_each_other_kind_from_a_real_study():
                                                   value=value))
     assert [t.number for t in top_trials(study, 2)] == [1, 3, 4]  # the two best, then the best knn trial
     assert [t.number for t in top_trials(study, 5)] == [1, 3, 0, 4, 2]  # already in the top k: not twice
+
+
+def test_a_saved_knn_exports_for_any_batch_and_predicts_as_loaded(data, tmp_path):
+    """The pick's MLflow export (torch.export with a dynamic batch) of a knn checkpoint that carries kept
+    predictions: the program predicts every batch size as the loaded model does (it once failed on the memo)."""
+    from search.pick.pyfunc_model import export_member
+
+    cfg = with_values(Config(), {"model.kind": "knn", "eval.gallery_size": 20, "train.device": "cpu"})
+    train(cfg, data, out_dir=tmp_path)
+    loaded = load_model(tmp_path / "best.pt")[0].eval()
+    assert loaded.inner.memo.n > 0  # the val captions' predictions travel with the checkpoint
+    export_member(tmp_path / "best.pt", tmp_path / "member.pt2")
+    program = torch.export.load(str(tmp_path / "member.pt2")).module()
+    for rows in (1, 7, 40):
+        x = torch.as_tensor(data.text[:rows]).float()
+        torch.testing.assert_close(program(x), predict(loaded, x))

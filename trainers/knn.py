@@ -79,6 +79,8 @@ class KernelTranslator(Translator):
     def translate(self, x: torch.Tensor) -> torch.Tensor:
         """[B, Dt] -> [B, Di]: rows this model predicted before (RowMemo, by content) are read, the rest computed."""
         x = x.float()
+        if torch.compiler.is_compiling():  # torch.export traces the plain prediction: no memo, no Python state
+            return self._blocks(x, self.center * self.values.mean(dim=0))
         hashes = row_hashes(x)
         pos = self.memo.find(hashes).to(x.device)  # [B], -1 where not kept
         miss = torch.nonzero(pos < 0).flatten()
@@ -92,16 +94,19 @@ class KernelTranslator(Translator):
         return out
 
     def _predict(self, x: torch.Tensor) -> torch.Tensor:
-        q = l2_normalize(x - self.key_mean)  # [B, Dt]
         if self.shift is None or self.shift.device != self.values.device:  # once, not per block of queries
             self.shift = self.center * self.values.mean(dim=0)  # [Di]
-        shift = self.shift
+        self.computed += len(x)
+        return self._blocks(x, self.shift)
+
+    def _blocks(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """[B, Dt] -> [B, Di]: the kernel-weighted training images of each row's nearest captions, less `shift`."""
+        q = l2_normalize(x - self.key_mean)  # [B, Dt]
         out = [self.values.new_zeros(0, self.values.shape[1])]
         for block in q.split(BLOCK):
             sim, idx = nearest(block, self.keys, self.key_image, self.k)
             w = torch.softmax(sim / self.tau, dim=1)  # [b, k]
             out.append(torch.einsum("bk,bkd->bd", w, self.values[self.key_image[idx]]) - shift)  # [b, Di]
-        self.computed += len(x)
         return torch.cat(out)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
