@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                 code = _interrupted()
     except KeyboardInterrupt:  # at the very start or end of the block, outside its handlers
         code = _interrupted()
-    if real:  # the process is ending: a late Ctrl-C cannot interrupt its exit with a traceback
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if real:  # the process is ending, its work done: a late signal cannot interrupt its exit (a traceback, -15)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     return code
 
 
