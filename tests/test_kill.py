@@ -73,9 +73,9 @@ K, T, I = signal.SIGKILL, signal.SIGTERM, signal.SIGINT
 MOMENTS = [
     (K, "start", 0.5, 1), (T, "start", 1.5, 1), (I, "start", 3.0, 1), (K, "floor", 0.0, 1), (T, "floor", 0.2, 1),
     (I, "floor", 0.5, 1), (K, "trial", 0.0, 1), (T, "trial", 0.5, 1), (I, "trial", 1.0, 1), (T, "trial", 0.3, 2),
-    (K, "trial", 0.5, 2), (K, "search done", 0.0, 1), (T, "search done", 0.1, 1), (I, "search done", 0.3, 1),
-    (T, "pick", 0.0, 1), (K, "pick", 0.1, 1), (I, "pick", 0.2, 1), (T, "pick", 0.4, 1), (K, "pick", 0.6, 1),
-    (I, "pick", 0.8, 1), (T, "pick", 1.0, 1),
+    (K, "trial", 0.5, 2), (I, "trial", 0.2, 1), (K, "search done", 0.0, 1), (T, "search done", 0.1, 1),
+    (I, "search done", 0.3, 1), (T, "pick", 0.0, 1), (K, "pick", 0.05, 1), (I, "pick", 0.1, 1), (T, "pick", 0.15, 1),
+    (K, "pick", 0.2, 1), (I, "pick", 0.3, 1), (T, "pick", 0.4, 1), (I, "pick", 0.6, 1), (T, "pick", 1.0, 1),
 ]
 EXIT = {K: -signal.SIGKILL, T: 128 + signal.SIGTERM, I: 128 + signal.SIGINT}
 EVENT_TIMEOUT_S = 150  # a loaded 2-core machine: start-up and a trial's first epoch take tens of seconds
@@ -172,7 +172,7 @@ def _check_out(out: Path, test, floor_seen: bool) -> None:
         assert not floor_seen, "the floor was in place, then --out vanished"
 
 
-@pytest.mark.slow  # 21 kills, then the same command answers: 3-9 min on 2 cores shared with other test runs
+@pytest.mark.slow  # 24 moments (>= 20 kills), then the same command answers: 3-9 min on 2 shared cores
 def test_run_killed_at_every_phase_resumes_and_answers(world, tmp_path):
     import psutil  # noqa: F401 - the job's processes are read with it
 
@@ -218,7 +218,7 @@ def test_run_killed_at_every_phase_resumes_and_answers(world, tmp_path):
             # no pick folder in the temporary directory, no staged submission or pick folder beside --out
             assert {*tmp.glob("latentsweep-pick-*"), *out.parent.glob(".*")} <= leftovers, moment
         killed.append(sent)
-    assert sum(killed) >= len(MOMENTS) - 3, f"only {sum(killed)} of {len(MOMENTS)} moments found the job running"
+    assert sum(killed) >= 20, f"only {sum(killed)} of {len(MOMENTS)} moments found the job running"
     final = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr[-3000:]
     assert "Traceback" not in final.stderr
