@@ -187,13 +187,13 @@ def test_each_spawned_worker_gets_its_own_slot(monkeypatch, tmp_path):
     spec = RunSpec("s.toml", "s", StorageSettings("sqlite://"), "sqlite://", None, str(tmp_path), "d.npz", 4, None,
                    progress=False, gpus=("0", "1"), per_gpu=2)
     runner._run_spawned(spec, None, 3, None)
-    assert [p.args[0].cuda_visible for p in started] == ["0", "1", "0"]
+    assert [p.args[-1].cuda_visible for p in started] == ["0", "1", "0"]
 
     seen = []
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # what a process pinned to one GPU sees
     monkeypatch.setattr(runner, "run_worker", lambda s: seen.append(os.environ.get("CUDA_VISIBLE_DEVICES")))
-    runner.worker_main(started[1].args[0])
+    runner.worker_main(started[1].args[-1])
     assert seen == ["1"]
 
 
