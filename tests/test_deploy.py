@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from search.cli.main import build_parser
+from search.study.devices import env_defaults
 from search.study.studyfile import load_study_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -349,4 +350,4 @@ def test_gpu_workers_get_their_slot_by_the_study_run_rule(raw, monkeypatch):
         for key, value in worker["environment"].items():
             monkeypatch.setenv(key, str(value))
         args = build_parser().parse_args(worker["command"][1:])
-        assert (args.gpus, args.per_gpu) == (gpus, per_gpu)
+        assert env_defaults(args.gpus, args.per_gpu)[:2] == (gpus, per_gpu)

@@ -150,10 +150,9 @@ def plan_workers(workers: int | str | None, gpus: str | None, per_gpu: int | Non
     return WorkerPlan(n, ids, per_gpu, machine)
 
 
-def plan_workers_env(workers: int | str, gpus: str | None, per_gpu: int | None) -> WorkerPlan:
-    """plan_workers with --gpus and --per-gpu, when not given, from $LATENTSWEEP_GPUS and $LATENTSWEEP_PER_GPU (how
-    compose's worker replicas get them); an error a variable caused names the variable, not an option the user did
-    not type."""
+def env_defaults(gpus: str | None, per_gpu: int | None) -> tuple[str | None, int | None, dict[str, str]]:
+    """(gpus, per_gpu, {option: variable it came from}): --gpus and --per-gpu, when not given, from $LATENTSWEEP_GPUS
+    and $LATENTSWEEP_PER_GPU."""
     named = {}
     if gpus is None and os.environ.get(GPUS_ENV):
         gpus, named["--gpus"] = os.environ[GPUS_ENV], f"${GPUS_ENV}"
@@ -162,6 +161,14 @@ def plan_workers_env(workers: int | str, gpus: str | None, per_gpu: int | None) 
         if not re.fullmatch(r"\s*-?\d+\s*", text):
             raise LatentsweepError(f"${PER_GPU_ENV} must be a whole number, got '{text}'")
         per_gpu, named["--per-gpu"] = int(text), f"${PER_GPU_ENV}"
+    return gpus, per_gpu, named
+
+
+def plan_workers_env(workers: int | str, gpus: str | None, per_gpu: int | None) -> WorkerPlan:
+    """plan_workers with --gpus and --per-gpu, when not given, from $LATENTSWEEP_GPUS and $LATENTSWEEP_PER_GPU (how
+    compose's worker replicas get them); an error a variable caused names the variable, not an option the user did
+    not type."""
+    gpus, per_gpu, named = env_defaults(gpus, per_gpu)
     try:
         return plan_workers(workers, gpus, per_gpu)
     except LatentsweepError as exc:
