@@ -127,7 +127,9 @@ def test_zero_seconds_left_after_the_search_still_ends_with_a_submission(world, 
     assert "over by" in captured.out and "first in the search" in captured.out
     out = tmp_path / "state" / "picks" / "zero" / "submission.csv"
     assert check_submission(out, load_test(world.test), dim=32) == (100, 32)
-    assert "checkpoint" in captured.out.splitlines()[-2]  # the best trial's own answer, not the ridge floor
+    # the best trial's own answer was offered with 0 s left: it is the submission, or it lost to the floor on the
+    # same val images and said so (search.pick.judge: better only)
+    assert "checkpoint" in captured.out.splitlines()[-2] or "not above the answer in place" in captured.out + captured.err
     assert wall <= 62.0 + SLACK_S
 
 
