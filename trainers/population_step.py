@@ -12,6 +12,7 @@ import torch
 
 from trainers.run import RunState, TrainResult, now_past
 
+
 @dataclass(eq=False)
 class Live:
     """A member in the stack: its run, its RNG states, and the epoch in progress."""
@@ -135,8 +136,8 @@ def _reads(out: dict[str, torch.Tensor]) -> set[str]:
 
 
 def _after_backward(lv: Live, k: int, stack, cuda: torch.device | None, real: dict, taken: tuple, pop) -> None:
-    """Member k's grads (views of its slice; `taken`: its outputs, loss, terms and the outputs its loss read), then its own clipping, optimiser, scaler, schedule, average and
-    loss state, as trainers.loop._train_epoch runs them."""
+    """Member k's grads (views of its slice; `taken`: its outputs, loss, terms and the outputs its loss read), then
+    its own clipping, optimiser, scaler, schedule, average and loss state, as trainers.loop._train_epoch runs them."""
     p, (out_k, loss, terms, used) = lv.run.parts, taken
     try:
         stack.grads_to(k, used)
