@@ -25,17 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from one_budget import holdout  # this script's directory is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "search"]
 OUT = ROOT / "search" / "study" / "portfolio.toml"
-
-
-def holdout_train(train: Path, seed: int, out: Path) -> Path:
-    """The train part of holdout `seed` of `train` in `out` (made once)."""
-    if not (out / "train.npz").is_file():
-        subprocess.run([*CLI, "data", "holdout", str(train), "--seed", str(seed), "--out", str(out)], cwd=ROOT,
-                       check=True, capture_output=True)
-    return out / "train.npz"
 
 
 def searched_only(study: Path, out: Path, seed: int) -> Path:
@@ -183,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from trainers.demo import default_train_path
 
-    trains = {f"holdout-{s}": holdout_train(default_train_path(), s, args.work / f"data-{s}") for s in args.seeds}
+    trains = {f"holdout-{s}": holdout(default_train_path(), s, args.work / f"data-{s}")[0] for s in args.seeds}
     build(args.study, trains, args.seconds, args.size, args.work, args.out)
     return 0
 

@@ -22,16 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
+from one_budget import holdout  # this script's directory is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "search"]
 RESAMPLES = 10_000  # bootstrap resamples of the holdouts
-
-
-def holdout(train: Path, seed: int, out: Path) -> tuple[Path, Path, Path]:
-    if not (out / "answers.npz").is_file():
-        subprocess.run([*CLI, "data", "holdout", str(train), "--seed", str(seed), "--out", str(out)], cwd=ROOT,
-                       check=True, capture_output=True)
-    return out / "train.npz", out / "test.clean.npz", out / "answers.npz"
 
 
 def call(argv: list[str], log: Path) -> None:
