@@ -187,7 +187,7 @@ def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Trac
             _reap_dead_children(study, tracker, procs, reaped)
             if bar:
                 bar.refresh()
-            if watchdog is not None and watchdog.passed():
+            if watchdog.passed():
                 _stop_children(procs)
                 break
             stop.wait(POLL_S)
