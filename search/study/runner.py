@@ -23,7 +23,7 @@ from search.study.progress import emit, trial_line
 from search.study.report import load_existing_study, study_summary
 from search.study.studyfile import load_study_file
 from search.study.worker import (
-    PARENT_ATTR, RunSpec, check_halted, counted, cpu_threads, dispose_study, load_or_create, reap,
+    PARENT_ATTR, LiveTrialNumbers, RunSpec, check_halted, counted, cpu_threads, dispose_study, load_or_create, reap,
     open_tracker, reap_owner, study_dir, worker_id, worker_loop,
 )
 from search.tracking import make_tracker
@@ -158,11 +158,26 @@ def run_study(spec: RunSpec, workers: int = 1, figures: bool = True) -> dict:
         interrupted = True
         release_interrupted(exc)  # it may have landed inside a store call: finish() writes next
     finally:
+        if interrupted:
+            close_orphan_runs(study, tracker)
         summary = finish(study, tracker, figures)
         dispose_study(study)
     if interrupted:
         raise KeyboardInterrupt
     return summary
+
+
+def close_orphan_runs(study: optuna.Study, tracker: Tracker) -> None:
+    """After an interrupt, close every trial run still RUNNING whose trial is not: the signal can land inside the
+    tracker's run creation, after the store wrote the run and before its id reached the trial (nothing then knows
+    the run to close it). A trial's run is opened after the trial is claimed and closed before it is told, so such a
+    run is an orphan."""
+    try:
+        tracker.close_stale_runs(LiveTrialNumbers(study.get_trials(deepcopy=False)))
+    except Exception as exc:  # a store down: `study reap` closes them later; a bug is raised
+        if classify(exc).kind is Kind.BUG:
+            raise
+        log.warning("could not close the interrupted trial's MLflow run (%s)", classify(exc).reason)
 
 
 def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Tracker) -> None:

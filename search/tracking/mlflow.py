@@ -135,7 +135,11 @@ class MlflowTracker:
         parent = self._require_study()
         base, user = trial_tags(number, self.study_name, parent, tags)
         run_id = self.client.create_run(self.experiment_id, run_name=f"trial-{number}", tags=base).info.run_id
-        self._log_batch(run_id, params=clean_items(params, PARAM_VALUE_MAX), tags=user)
+        try:
+            self._log_batch(run_id, params=clean_items(params, PARAM_VALUE_MAX), tags=user)
+        except BaseException:  # the caller never learns this run's id (an interrupt, a store error): end it here
+            self.client.set_terminated(run_id, status="KILLED")
+            raise
         return run_id
 
     def log(self, run_id: str, *, metrics: dict[str, float] | None = None, step: int = 0,
