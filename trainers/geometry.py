@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from trainers.ridge import ridge_weights
+
 # Rows per chunk when accumulating moments: 8192 x 1536 float64 is ~100 MB, small on any device.
 _CHUNK = 8192
 
@@ -76,9 +78,8 @@ def ridge_fit(X: torch.Tensor, Y: torch.Tensor, lam: float, whiten_eps: float) -
     n = X.shape[0]
     mx, my, cxx, cxy, _ = _moments(X, Y, with_cyy=False)
     white, _ = _sqrt_pair(cxx, whiten_eps)
-    # Normal equations divided by N: (Wh Cxx Wh + lam/N I) M = Wh Cxy.
-    gram = white @ cxx @ white + (lam / n) * torch.eye(cxx.shape[0], dtype=cxx.dtype, device=cxx.device)
-    M = torch.linalg.solve(gram, white @ cxy)
+    # Normal equations divided by N: (Wh Cxx Wh + lam/N I) M = Wh Cxy, the ridge of the whitened inputs.
+    M = ridge_weights(white @ cxx @ white, white @ cxy, lam / n)
     return _map_and_intercept(white @ M, mx, my, X)
 
 

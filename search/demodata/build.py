@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from tqdm import tqdm
 from trainers.data import load_train
 from trainers.data_writer import write_answers_npz, write_test_npz, write_train_npz
 from trainers.errors import LatentsweepError, closest
-from trainers.splits import captions_of, split_by_hash
+from trainers.progress import say
 
 DEB_PACKAGE = "tuxpaint-stamps-default"
 STAMPS_SUBDIR = Path("usr/share/tuxpaint/stamps")
@@ -69,7 +68,7 @@ def fetch_stamps(work: Path) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     debs = sorted(work.glob(f"{DEB_PACKAGE}_*.deb"))
     if not debs:
-        print(f"downloading {DEB_PACKAGE} with apt-get into {work}", file=sys.stderr)
+        say(f"downloading {DEB_PACKAGE} with apt-get into {work}")
         run = subprocess.run(["apt-get", "download", DEB_PACKAGE], cwd=work, capture_output=True, text=True)
         debs = sorted(work.glob(f"{DEB_PACKAGE}_*.deb"))
         if run.returncode != 0 or not debs:
@@ -220,30 +219,14 @@ def test_caption(stamp: Stamp, seed: int) -> int:
 
 
 def ridge_baseline(train, test_text, test_image, seed: int) -> dict:
-    """Closed-form text->image ridge: alpha chosen on a hash split of train (leaderboard protocol), refit on all of
-    train, scored on the held-out test in id order (galleries of 100, trainers.metrics.leaderboard_from_ordered)."""
-    from trainers.metrics import evaluate_leaderboard, leaderboard_from_ordered  # imports torch: see encode_images
+    """The closed-form floor (trainers.closed_form.fit_ridge: its strength chosen on a hash split of train by
+    leaderboard MRR, refit on all of train), scored on the held-out test in id order (galleries of 100,
+    trainers.metrics.leaderboard_from_ordered)."""
+    from trainers.closed_form import fit_ridge  # imports torch: see encode_images
+    from trainers.metrics import leaderboard_from_ordered
 
-    def fit(x, y, alpha):
-        mx, my = x.mean(0), y.mean(0)
-        xc = (x - mx).astype(np.float64)
-        w = np.linalg.solve(xc.T @ xc + alpha * np.eye(x.shape[1]), xc.T @ (y - my))   # [Dt, Di]
-        return lambda q: ((q - mx) @ w + my).astype(np.float32)
-
-    tr_img, va_img = split_by_hash(train.image_names, 0.2, salt=f"ridge{seed}")
-    tr_cap, va_cap = captions_of(train.cap2img, tr_img), captions_of(train.cap2img, va_img)
-    remap = np.full(len(train.image_names), -1)
-    remap[va_img] = np.arange(len(va_img))
-    alphas = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)   # ridge strengths tried around 0.1 (rows are unit vectors)
-    scores = {}
-    for alpha in alphas:
-        f = fit(train.text[tr_cap], train.image[train.cap2img[tr_cap]], alpha)
-        scores[alpha] = evaluate_leaderboard(f(train.text[va_cap]), train.image[va_img],
-                                             remap[train.cap2img[va_cap]], seed=seed)["mrr"]
-    best = max(alphas, key=lambda a: scores[a])
-    f = fit(train.text, train.image[train.cap2img], best)
-    result = leaderboard_from_ordered(f(test_text), test_image)
-    return {"alpha": best, "val_mrr": scores, **result}
+    ridge, scores = fit_ridge(train, seed)
+    return {"alpha": ridge.alpha, "val_mrr": scores, **leaderboard_from_ordered(ridge.predict(test_text), test_image)}
 
 
 def build_demo(out: Path, work: Path, languages=DEFAULT_LANGUAGES, test_fraction: float = 0.2, seed: int = 0,
@@ -359,7 +342,8 @@ Real images with human-written descriptions, encoded with two small real encoder
   shuffle, so they do not reveal categories. `answers.npz` holds each test caption's true image embedding and name.
 
 ## Ridge baseline (sanity check)
-Closed-form ridge text -> image (centred, alpha {r["alpha"]} chosen on a 20% hash split of train by leaderboard MRR),
+Closed-form ridge text -> image (centred, strength {r["alpha"]:g} x the mean eigenvalue of the text covariance, chosen
+on a 20% hash split of train by leaderboard MRR: `trainers.closed_form.fit_ridge`, the floor of `latentsweep run`),
 refit on all train captions, scored on the test file in id order in galleries of {GALLERY}
 (`trainers.metrics.leaderboard_from_ordered`, the leaderboard protocol):
 MRR {r["mrr"]:.3f}, R@1 {r["r1"]:.3f}, R@5 {r["r5"]:.3f}, R@10 {r["r10"]:.3f}, median rank {r["median_rank"]:.0f}
