@@ -1,4 +1,4 @@
-"""trainers.io.atomic_write: all or nothing, and the permissions a plain `open` would give."""
+"""trainers.io.atomic_write and atomic_path: all or nothing, and the permissions a plain `open` would give."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from trainers.io import atomic_write
+from trainers.io import atomic_path, atomic_write
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -42,3 +42,26 @@ def test_missing_directory_is_an_error_unless_parents(tmp_path):
     with atomic_write(tmp_path / "yes" / "f.txt") as fh:
         fh.write("x")
     assert (tmp_path / "yes" / "f.txt").read_text() == "x"
+
+
+def test_atomic_path_publishes_what_a_path_writer_wrote_only_when_its_check_passes(tmp_path):
+    target = tmp_path / "submission.csv"
+    target.write_text("old\n")
+    with pytest.raises(ValueError):
+        with atomic_path(target) as staged:
+            staged.write_text("bad\n")
+            assert target.read_text() == "old\n"  # nothing is in place before the block ends
+            raise ValueError("the check of the staged file failed")
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["submission.csv"]
+    with atomic_path(target) as staged:
+        staged.write_text("new\n")
+    assert target.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["submission.csv"]
+
+
+def test_a_failed_rename_names_the_users_path_not_the_temporary(tmp_path):
+    target = tmp_path / "taken"
+    target.mkdir()  # a directory where the file should go: os.replace fails
+    with pytest.raises(OSError) as caught:
+        with atomic_write(target) as fh:
+            fh.write("x")
+    assert caught.value.filename == str(target) and [p.name for p in tmp_path.iterdir()] == ["taken"]
