@@ -1,5 +1,5 @@
 """The shape of the code, read with ast: no import circles, search/ layered cli -> pick, ui -> study -> tracking/stores,
-trainers/ free of search, optuna and mlflow, and no module over MAX_LINES lines."""
+trainers/ free of search, optuna and mlflow, no module over MAX_LINES lines and no function over MAX_FUNCTION_LINES."""
 from __future__ import annotations
 
 import ast
@@ -12,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("search", "trainers")
 MAX_LINES = 400
+# A function a reader holds in one screen (issue 41): longer ones are split along a seam.
+MAX_FUNCTION_LINES = 80
 # A package may import only packages on its own level or below (never one above): cli -> pick -> study -> the bottom.
 LAYERS = {"api": 3, "cli": 3, "pick": 2, "ui": 2, "study": 1, "failures": 0, "tracking": 0, "stores": 0, "process": 0,
           "redact": 0, "demodata": 3, "progress": 0, "checks": 0}
@@ -139,6 +141,24 @@ def test_only_the_mlflow_tracker_imports_mlflow():
 def test_modules_are_short(name):  # every module of trainers/ and search/
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)}: {lines} lines"
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """'name (N lines)' of every function or method of `source` longer than `limit` lines, its decorators aside."""
+    return [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= limit]
+
+
+def test_functions_are_short():  # every function and method of trainers/ and search/
+    found = {str(path.relative_to(ROOT)): long for path in MODULES.values()
+             if (long := long_functions(path.read_text()))}
+    assert not found, found
+
+
+def test_the_length_check_sees_a_long_method():
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))  # with its def line: one too many
+    assert long_functions(f"class A:\n    def f(self):\n{body}") == [f"f ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert long_functions(f"class A:\n    def f(self):\n{body[:body.rindex('        x')]}") == []  # at the limit
 
 
 # cli/ only parses arguments, calls one function and prints: process handling (psutil, subprocess) and the checks a
