@@ -1,7 +1,8 @@
 """Studies: search spaces, Optuna storage and workers, MLflow tracking, the picker, the CLI and the Python API."""
 # The Python API (search.api) is re-exported lazily: `import search` (every CLI start and spawned worker) stays free
 # of its imports; `from search import run_study` or `search.pick(...)` loads it on first use.
-from search.progress import set_progress_sink  # the one progress channel (stderr by default; None: silent)
+from search import progress  # noqa: F401 - importing it points the progress channel at stderr
+from trainers.progress import set_progress_sink  # the progress channel's switch (a callable, or None: silent)
 
 API = ("load_ensemble", "pick_ensemble", "predict", "presets", "run", "run_study", "trials", "write_submission")
 __all__ = [*API, "set_progress_sink"]

@@ -1,24 +1,18 @@
-"""The one progress channel: every line latentsweep tells its user (a trial's result, the pick's plan and jobs, a
-warning of the `latentsweep` logger, a note from the trainer) goes through `say` to one sink. The CLI keeps the
-default sink, stderr (above any tqdm bar); the Python API silences it (`progress=False`) or redirects it
-(`set_progress_sink(callable)`). Library code never prints: it calls `say` (search), `search.pick.plan.note` or
-`search.study.progress.emit` (which call `say`), or the trainer's hook `trainers.progress.tell` (the `latentsweep`
-logger, which this module routes here). Progress bars follow the commands' own `progress`/`--quiet` switches."""
+"""Where search points the progress channel (trainers/progress.py, whose `say` every line goes through): stderr in
+the CLI and the workers it spawns (above any tqdm bar), nothing for an API call with progress=False (its libraries
+quiet too); and the one user-error line, which is said on stderr quiet or not (an error is not progress). Progress
+bars follow the commands' own `progress`/`--quiet` switches."""
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import os
 import sys
 import warnings
-from typing import Callable, Iterator
+from typing import Iterator
 
-Sink = Callable[[str], None]
-# The loggers whose warnings are progress lines: the trainer's hook (and search's own lines) and search's modules
-# (each logging under its module's name).
-LOGGERS = ("latentsweep", "search")
+from trainers.progress import progress_to, set_progress_sink
 
 
 def stderr_sink(line: str) -> None:
@@ -32,68 +26,27 @@ def stderr_sink(line: str) -> None:
 # LATENTSWEEP_PROGRESS=off starts a process silent: the API's progress=False sets it for its call, so the worker
 # processes a study spawns (`workers=K`) are silent too.
 PROGRESS_ENV = "LATENTSWEEP_PROGRESS"
-_sink: Sink | None = None if os.environ.get(PROGRESS_ENV) == "off" else stderr_sink
-_said: set = set()  # the `once` keys said to the current sink
-_failed: list = []  # the current sink's first failure (said once on stderr, then its failures are ignored)
+if os.environ.get(PROGRESS_ENV) != "off":  # `import search` (every CLI start, worker and API user) says on stderr
+    set_progress_sink(stderr_sink)
 
 
-def set_progress_sink(sink: Sink | None) -> Sink | None:
-    """Send every progress line to `sink` (a callable taking one line; None: say nothing); returns the previous
-    sink. Lines said once per process (`say(..., once=key)`) are said again to a new sink. A sink that is not
-    callable, or cannot be called with one line, is refused here (one line), not at the study's first line."""
-    global _sink
-    check_sink(sink)
-    previous, _sink = _sink, sink
-    _said.clear()
-    _failed.clear()
-    return previous
+def print_error(message: str) -> None:
+    """The one user-error line, `latentsweep: error: MESSAGE`, on stderr (not on the progress channel)."""
+    print(f"latentsweep: error: {message}", file=sys.stderr)
 
 
-def check_sink(sink) -> None:
-    """One-line LatentsweepError unless `sink` is None or callable with one positional argument (the line)."""
-    from trainers.errors import LatentsweepError
+def report_error(exc: BaseException) -> int | None:
+    """A command's or a spawned worker's failure as its one error line: returns the exit code (1: another worker's
+    bug, whose traceback is in that worker's output; 2: a user error, a full disk, a store down), or None for a bug
+    of ours or an interrupt, which the caller raises on (its traceback kept)."""
+    from search.failures import StudyHalted, one_line  # imported here: it loads torch, which --version must not
 
-    if sink is None:
-        return
-    if not callable(sink):
-        raise LatentsweepError(f"progress sink must be a callable taking one line (or None), got "
-                               f"{type(sink).__name__} {sink!r:.60}")
-    try:
-        signature = inspect.signature(sink)
-    except (TypeError, ValueError):  # a builtin without a signature (print has one): called and seen
-        return
-    try:
-        signature.bind("line")
-    except TypeError as exc:
-        raise LatentsweepError(f"progress sink {getattr(sink, '__name__', sink)!s:.60} must take one argument, the "
-                               f"line ({exc})") from None
-
-
-@contextlib.contextmanager
-def progress_to(sink: Sink | None) -> Iterator[None]:
-    """The sink for the block only."""
-    previous = set_progress_sink(sink)
-    try:
-        yield
-    finally:
-        set_progress_sink(previous)
-
-
-def say(line: str, once=None) -> None:
-    """Tell the user one line; with `once`, only the first line of that key reaches the sink (a message every trial
-    of a study would repeat)."""
-    if once is not None:
-        if once in _said:
-            return
-        _said.add(once)
-    if _sink is not None:
-        try:
-            _sink(line)
-        except Exception as exc:  # noqa: BLE001 - the user's sink: its failure must not stop a study
-            if not _failed:
-                _failed.append(exc)
-                print(f"latentsweep: warning: the progress sink raised {type(exc).__name__}: {exc}; its failures "
-                      "are ignored from now on", file=sys.stderr)
+    halted = isinstance(exc, StudyHalted)
+    line = str(exc) if halted else one_line(exc)
+    if line is None:
+        return None
+    print_error(line)
+    return 1 if halted else 2
 
 
 OPTUNA_LOGGER = "optuna"
@@ -143,28 +96,4 @@ def honours_progress(function):
     return wrapper
 
 
-class ChannelHandler(logging.Handler):
-    """A logging handler that says each record (WARNING and above) on the channel: `extra={"once": key}` says it
-    once per sink."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            say(record.getMessage(), once=getattr(record, "once", None))
-        except Exception:  # noqa: BLE001 - logging's rule: a handler never raises into the caller
-            self.handleError(record)
-
-
-def install() -> None:
-    """Route the LOGGERS' warnings to the channel (once per process: `import search` does it)."""
-    for name in LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(h, ChannelHandler) for h in logger.handlers):
-            logger.addHandler(ChannelHandler())
-
-
-install()
-
-__all__ = ["progress_to", "say", "set_progress_sink", "stderr_sink"]
+__all__ = ["honours_progress", "print_error", "report_error", "stderr_sink"]

@@ -4,7 +4,6 @@ patched method of the code under test."""
 from __future__ import annotations
 
 import errno
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from search.failures import Kind, classify
 from search.tracking.mlflow import MlflowTracker
 from trainers.errors import ConfigError
 from trainers.loop import TrainingDiverged
+from trainers.progress import progress_to
 from trainers.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ def fail_in_loss(monkeypatch, errors: list) -> None:
 
 
 def test_config_and_memory_failures_count_and_the_study_goes_on(synthetic, tmp_path, faulty_tracking, fault,
-                                                                 monkeypatch, caplog):
+                                                                 monkeypatch):
     # trial 0: a config error whose run cannot be closed (end_trial raises on both attempts after the error is known):
     # counted once, not retried, its run closed by the next claim; trial 1: a real CPU allocation failure; trial 2
     # completes.
@@ -178,14 +178,14 @@ def test_config_and_memory_failures_count_and_the_study_goes_on(synthetic, tmp_p
     fail_in_loss(monkeypatch, [ConfigError("loss.queue.size must divide the batch size"),
                                lambda: torch.empty(1 << 50)])
     name, state = "configmem", tmp_path / "state"
-    with caplog.at_level(logging.WARNING, logger="latentsweep"):
+    warned: list[str] = []
+    with progress_to(warned.append):
         assert run_study(study_file(tmp_path, name, n_trials=3, epochs=1), synthetic, state, faulty_tracking) == 0
     trials = study(state, name).trials
     assert [t.state.name for t in trials] == ["FAIL", "FAIL", "COMPLETE"]  # no WAITING copy: nothing retried
     assert trials[0].user_attrs["latentsweep.error"] == "loss.queue.size must divide the batch size"
     assert CPU_ALLOCATION in trials[1].user_attrs["latentsweep.error"]
     assert not study(state, name).user_attrs.get("latentsweep.halted")
-    warned = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("could not close the MLflow run of trial 0 (") for m in warned)
     by_name = runs(faulty_tracking[0], name)
     assert by_name["trial-0"].info.status == "FAILED" and by_name["trial-0"].data.tags["latentsweep.reaped"] == "true"
@@ -193,17 +193,17 @@ def test_config_and_memory_failures_count_and_the_study_goes_on(synthetic, tmp_p
     assert "RUNNING" not in {r.info.status for r in by_name.values()}
 
 
-def test_a_run_whose_end_fails_once_is_ended_by_the_second_attempt(synthetic, tmp_path, faulty_tracking, fault,
-                                                                    caplog):
+def test_a_run_whose_end_fails_once_is_ended_by_the_second_attempt(synthetic, tmp_path, faulty_tracking, fault):
     # An interrupt inside a store call can leave that connection unusable for the run's end: one more attempt.
     fault("end:outage:1")
     name, state = "endonce", tmp_path / "state"
-    with caplog.at_level(logging.WARNING, logger="latentsweep"):
+    said: list[str] = []
+    with progress_to(said.append):
         assert run_study(study_file(tmp_path, name, n_trials=1, epochs=1), synthetic, state, faulty_tracking) == 0
     assert [t.state.name for t in study(state, name).trials] == ["COMPLETE"]
     run = runs(faulty_tracking[0], name)["trial-0"]
     assert run.info.status == "FINISHED" and "latentsweep.reaped" not in run.data.tags
-    assert not [r for r in caplog.records if "could not close" in r.getMessage()]
+    assert said and not [line for line in said if "could not close" in line]  # said: the trial's line came
 
 
 def test_a_bug_in_the_tracker_stops_two_workers_loudly(synthetic, tmp_path):

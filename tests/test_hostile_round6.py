@@ -194,7 +194,7 @@ def test_an_environment_error_names_the_variable(case, data, existing, tmp_path,
                                            (lambda: None, "must take one argument"),
                                            (lambda a, b: None, "must take one argument")])
 def test_a_sink_that_cannot_take_a_line_is_refused_up_front(sink, fragment):
-    from search.progress import progress_to, say
+    from trainers.progress import progress_to, say
     from trainers.errors import LatentsweepError
 
     with pytest.raises(LatentsweepError, match=fragment):
@@ -203,7 +203,7 @@ def test_a_sink_that_cannot_take_a_line_is_refused_up_front(sink, fragment):
 
 
 def test_a_sink_that_raises_is_ignored_with_one_warning(capsys):
-    from search.progress import progress_to, say
+    from trainers.progress import progress_to, say
 
     def broken(line):
         raise RuntimeError("sink down")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -17,8 +16,8 @@ import numpy as np
 from trainers.errors import DataError
 from trainers.heap import release_free_heap
 from trainers.npz import SPARSE_PREFIX, Npz, check_kind, read_cap2img
+from trainers.progress import say
 
-log = logging.getLogger("latentsweep")
 
 
 @dataclass(frozen=True)
@@ -184,13 +183,13 @@ def _open_cached(folder: Path, path: str, fp: str) -> TrainSet | None:
 def _write_cached(data: TrainSet, folder: Path) -> bool:
     """Write `data`'s arrays into `folder` for the next process (staged, then one rename); whether the folder holds a
     complete copy now. A cache that cannot be written (a full or read-only disk) only costs the next process a parse,
-    so a failure is logged and dropped."""
+    so a failure is said and dropped."""
     names = [name for name in _CACHED if getattr(data, name) is not None]
     try:
         folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         need = sum(getattr(data, name).nbytes for name in names)
         if shutil.disk_usage(folder.parent).free < 2 * need:  # never fill the disk for a cache
-            log.info("no data cache: %s has under %d MB free", folder.parent, 2 * need >> 20)
+            say(f"no data cache: {folder.parent} has under {2 * need >> 20} MB free")
             return False
         staged = Path(tempfile.mkdtemp(prefix=".staged-", dir=folder.parent))
         try:
@@ -204,7 +203,7 @@ def _write_cached(data: TrainSet, folder: Path) -> bool:
                 raise
         _evict(folder.parent, keep=folder)
     except OSError as exc:
-        log.info("no data cache in %s (%s): the next process parses the npz again", folder.parent, exc)
+        say(f"no data cache in {folder.parent} ({exc}): the next process parses the npz again")
         return False
     return True
 
@@ -248,6 +247,24 @@ def load_test(path) -> TestSet:
         _check_metadata(npz, {"num_captions": (len(emb), "captions/embeddings rows"),
                               "embedding_dim_text": (emb.shape[1], "captions/embeddings columns")})
     return TestSet(str(path), fingerprint(path), ids, text, emb)
+
+
+# The TestSet this process read last (load_test_shared) with the file's identity then: one at most.
+_last_test: list[tuple[tuple, TestSet]] = []
+
+
+def load_test_shared(path) -> TestSet:
+    """`load_test(path)`, read once per process while `path` is the same, unchanged file (its inode, size and
+    modification time): a one-budget run checks its test file before a store is opened, then its floor, keeper and
+    pick use it. Callers treat it as read-only."""
+    try:
+        st = os.stat(path)
+    except OSError:  # gone or unreadable now: load_test says so in its own words
+        return load_test(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if not _last_test or _last_test[0][0] != key:
+        _last_test[:] = [(key, load_test(path))]
+    return _last_test[0][1]
 
 
 def load_answers(path) -> tuple[np.ndarray, np.ndarray]:

@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
 from search.process import STOP_SIGNALS, configure_process, exit_code, interrupt_on, process_started
+from search.progress import print_error, report_error
 
 # Each module of search.cli named here exposes add_parser(subparsers); the handler it sets as `func` returns an exit
 # code and is named after its command: `latentsweep study run` -> cmd_study_run (tests/test_layout.py checks it).
@@ -41,7 +42,8 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         where = self.prog.removeprefix("latentsweep").strip()
-        self.exit(2, f"latentsweep: error: {where + ': ' if where else ''}{message} (see --help)\n")
+        print_error(f"{where + ': ' if where else ''}{message} (see --help)")
+        self.exit(2)
 
 
 def version() -> str:
@@ -113,16 +115,10 @@ def _main(argv: list[str], started: float) -> int:
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # classified once (search.failures): a bug keeps its traceback, the rest is one line
-        from search.failures import StudyHalted, one_line  # imported here: it loads torch, which --version must not
-
-        if isinstance(exc, StudyHalted):  # a worker's bug, its traceback already printed by that worker: exit 1
-            print(f"latentsweep: error: {exc}", file=sys.stderr)
-            return 1
-        line = one_line(exc)
-        if line is None:
+        code = report_error(exc)
+        if code is None:
             raise
-        print(f"latentsweep: error: {line}", file=sys.stderr)
-        return 2
+        return code
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ from search.cli.study_inspect import liveness_args, stores_args
 from search.checks import check_outputs
 from search.pick.candidates import test_path_for
 from search.pick.options import out_path, pick_files, pick_outputs
-from search.pick.plan import note
 from search.pick.onebudget import check_pick_inputs, parse_duration, run_one_budget
 from search.pick.picker import PickOptions
 from search.stores import protected_paths, safe_name
 from search.study.preflight import no_new_empty_state_dir, preflight
 from search.redact import redact_url
-from trainers.data import load_test
+from trainers.data import load_test_shared
+from trainers.progress import say
 
 
 def add_parser(sub) -> None:
@@ -50,7 +50,7 @@ def check_run_files(spec, args) -> None:
     """Before a store is opened: the test file loads (finite float embeddings), and the submission, with the pick's
     manifest and report beside it, replaces no input and nothing the state needs."""
     test = test_path_for(Path(spec.data_path), args.test)
-    load_test(test)
+    load_test_shared(test)  # read once: the floor, the keeper and the pick use this copy
     out = out_path(PickOptions(study=safe_name(spec.name), out=args.out), Path(spec.state_dir))
     check_outputs("--out", pick_outputs(args.out, out), {"STUDY": spec.study_file, "--data": spec.data_path,
                                                          "--test": test},
@@ -66,7 +66,7 @@ def keep_earlier(out: Path) -> None:
     for now, then in moved:
         os.replace(now, then)
     if moved:
-        note(f"an earlier submission at {out} was kept aside as {earlier} (with its manifest and report)")
+        say(f"latentsweep: an earlier submission at {out} was kept aside as {earlier} (with its manifest and report)")
 
 
 def cmd_run(args) -> int:

@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import math
 import signal
-import sys
 import time
 
 from search.ui import servers
 from search.process import interrupt_on
 from search.stores import add_state_arg, state_dir
+from trainers.progress import say
 
 MAX_PORT = 65535  # TCP ports are 16-bit
 ML_WORKFLOW = "workflowType=machine_learning"  # MLflow UI URL parameter: its Model training pages, not GenAI
@@ -62,9 +62,8 @@ def positive_seconds(text: str) -> float:
 def cmd_ui(args) -> int:
     root = state_dir(args.state_dir)
     if not servers.is_loopback(args.host):
-        print(f"latentsweep: warning: binding to {args.host}: the MLflow UI and optuna-dashboard have no "
-              "authentication; anyone who can reach this address can read and change your studies and runs",
-              file=sys.stderr)
+        say(f"latentsweep: warning: binding to {args.host}: the MLflow UI and optuna-dashboard have no "
+            "authentication; anyone who can reach this address can read and change your studies and runs")
     print("starting the MLflow UI and optuna-dashboard ...", flush=True)
     # SIGTERM and SIGHUP stop the servers as Ctrl-C does: they run in their own sessions, so a closed terminal or
     # `kill` reaches only this process, and its default death would leave them running.

@@ -13,7 +13,6 @@ from optuna.trial import TrialState
 
 from search.checks import check_outputs
 from search.pick.options import PickOptions, out_path, pick_outputs
-from search.pick.plan import note
 from search.study.contract import TrialOutputs
 from search.study.objective import TIMING_ATTR
 from search.study.side import side_values
@@ -27,6 +26,7 @@ from trainers.cost import Timing
 from trainers.data import check_text_dim
 from trainers.demo import default_test_path, default_train_path
 from trainers.errors import DataError, LatentsweepError
+from trainers.progress import say
 from trainers.tasks import predict
 
 SPLIT_KEYS = ("split", "val_ratio", "salt", "n_folds", "fold")
@@ -105,7 +105,7 @@ def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | N
         except Exception as exc:  # noqa: BLE001 - any failure means: no checkpoint for this trial
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             reason += f" and MLflow run {run_id} has no best.pt ({type(exc).__name__}: {first})"
-    note(f"warning: trial {trial.number} skipped: {reason}")
+    say(f"latentsweep: warning: trial {trial.number} skipped: {reason}")
     return None
 
 

@@ -22,7 +22,7 @@ from search.checks import check_folds
 from search.failures import raise_stop
 from search.pick.candidates import Candidate, make_candidate
 from search.pick.ensemble import predict_all
-from search.pick.plan import Clock, note
+from search.pick.plan import Clock
 from trainers.checkpoint import load_model
 from trainers.config import Config, dump_toml, with_values
 from trainers.data import TrainSet
@@ -30,6 +30,7 @@ from trainers.io import atomic_write
 from trainers.deadline import Deadline
 from trainers.loop import DeadlineReached, train
 from trainers.models import UNTRAINED_KINDS
+from trainers.progress import say
 from trainers.splits import captions_and_local_images, captions_of, fold_assignment
 from trainers.tasks import split_images
 
@@ -178,8 +179,8 @@ def run_fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path, devic
             pred[held] = predict_all([load_model(ckpt, device)[0]], data.text[held], device)[0]
             ckpts.append((job.name, ckpt))
         if len(ckpts) < len(mine):
-            note(f"budget: {cand.name} and the candidates after it leave the selection (their finished fold jobs are "
-                 "kept for the next pick)")
+            say(f"latentsweep: budget: {cand.name} and the candidates after it leave the selection (their finished "
+                "fold jobs are kept for the next pick)")
             break
         kept.append(cand)
         oof.append(pred)
@@ -254,7 +255,7 @@ def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, devic
     out = []
     for base, job in todo:
         if not clock.admits(job.cost):
-            note(f"budget: {clock.left():.0f} s left, so {len(out)} of {len(todo)} seed re-runs run")
+            say(f"latentsweep: budget: {clock.left():.0f} s left, so {len(out)} of {len(todo)} seed re-runs run")
             break
         ckpt = clock.timed(job, lambda j=job: run_job(j, data, progress, clock.job_deadline()), [j for _, j in todo])
         if ckpt is None:

@@ -25,7 +25,7 @@ from search.pick.candidates import test_path_for
 from search.pick.options import PickOptions, check_options, check_writable, out_path
 from search.pick.outputs import PickResult
 from search.pick.picker import pick_until
-from search.pick.plan import EXPORT_FIXED_S, note
+from search.pick.plan import EXPORT_FIXED_S
 from search.pick.judge import Judge, Standing, make_judge
 from search.pick.safe import Keeper, SafeAnswer, ridge_answer
 from search.stores import safe_name
@@ -41,6 +41,7 @@ from trainers.deadline import Deadline
 from trainers.errors import DataError, LatentsweepError
 from trainers.io import atomic_write
 from trainers.devices import resolve_device
+from trainers.progress import say
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 # Below this a one-budget run cannot train one trial and one refit of anything but a toy (seconds).
@@ -113,15 +114,15 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
     """Search then pick within `total` seconds from `started` (time.monotonic(), default now); `pick` as returned by
     check_pick_inputs. A submission is in place from step 2 on (see the module's docstring)."""
     deadline = Deadline.after(total, started)
-    note(describe_split(total))
+    say(f"latentsweep: {describe_split(total)}")
     test, out = load_test(pick.test), Path(pick.out)
     data = load_train_shared(spec.data_path)
     answer = _floor(data, test, out)
     judge, standing = _judge(spec, data, answer)
     job_budget = JobBudget(deadline, total, floor_s=answer.seconds)
     if deadline.left() <= job_budget.opening_reserve():
-        note(f"{deadline.left():.0f} s left, not more than the pick's opening reserve of "
-             f"{job_budget.opening_reserve():.0f} s: no search; the submission stays {answer.source}")
+        say(f"latentsweep: {deadline.left():.0f} s left, not more than the pick's opening reserve of "
+            f"{job_budget.opening_reserve():.0f} s: no search; the submission stays {answer.source}")
         _write_answer_manifest(spec, out, standing, "no search: no time for one")
         return OneBudgetResult({}, answer, None, deadline.overrun(), _late(deadline, "the start"), standing.record())
     keeper = Keeper(safe_name(spec.name), spec.storage.url, Path(spec.state_dir), test, out,
@@ -130,25 +131,25 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
     late = _late(deadline, "the search")
     answer = _last_look(keeper)
     if ended.kind is Kind.BUG:  # our own bug: loudly, now that the best answer is in place
-        note(f"the search stopped on a bug; the submission in place is {answer.source} -> {answer.path}")
+        say(f"latentsweep: the search stopped on a bug; the submission in place is {answer.source} -> {answer.path}")
         raise ended.exc
     result = None
     if deadline.left() >= PICK_MIN_S:
         done = (f"search done ({summary.get('trials_finished', 0)} trials)" if ended.kind is None else
                 f"search ended early ({ended.reason})")
-        note(f"{done}; the pick gets the {deadline.left():.0f} s left")
+        say(f"latentsweep: {done}; the pick gets the {deadline.left():.0f} s left")
         result = _try_pick(pick, deadline, answer, judge, standing)
     else:
-        note(f"{deadline.left():.0f} s left, under the pick's {PICK_MIN_S:.0f} s minimum: the submission stays "
-             f"{answer.source}")
+        say(f"latentsweep: {deadline.left():.0f} s left, under the pick's {PICK_MIN_S:.0f} s minimum: the submission "
+            f"stays {answer.source}")
     late = late or _late(deadline, "the pick")
     if result is None and not out.is_file():  # no floor, no trial with a value, no pick: nothing to submit
         raise LatentsweepError(f"no submission could be made: {answer.source}, and no trial finished an epoch")
     if result is None:
         _write_answer_manifest(spec, out, standing, "the pick did not replace the answer in place")
     if ended.kind is not None:
-        note(f"submission: {out} ({'the pick' if result is not None else standing.source}); the search ended early: "
-             f"{ended.reason}")
+        say(f"latentsweep: submission: {out} ({'the pick' if result is not None else standing.source}); the search "
+            f"ended early: {ended.reason}")
     return OneBudgetResult(summary, answer, result, deadline.overrun(), late, standing.record(), ended.reason)
 
 
@@ -181,7 +182,8 @@ def _judge(spec: RunSpec, data, answer: SafeAnswer) -> tuple[Judge | None, Stand
     standing = Standing(answer.source, None)
     judge = make_judge(load_study_file(spec.study_file).base, data)
     if judge is None:
-        note("warning: the study holds no val split out, so answers are not compared: each one replaces the last")
+        say("latentsweep: warning: the study holds no val split out, so answers are not compared: each one replaces "
+            "the last")
         return None, standing
     standing.judge = judge.describe()
 
@@ -190,12 +192,12 @@ def _judge(spec: RunSpec, data, answer: SafeAnswer) -> tuple[Judge | None, Stand
         try:
             score = judge.score_floor(data, answer.alpha)
         except (RuntimeError, DataError) as exc:  # the solve on degenerate data: the floor stays, unscored
-            note(f"warning: the floor could not be scored on the val split ({first_line(exc)})")
+            say(f"latentsweep: warning: the floor could not be scored on the val split ({first_line(exc)})")
             return
         standing.offer(answer.source, score)
-        note(f"the floor scores {score:.4f} MRR on the val split ({len(judge.held_images)} images, fit on the other "
-             f"{len(judge.train_images)} in {time.monotonic() - started:.1f} s): an answer replaces it only by "
-             "beating that")
+        say(f"latentsweep: the floor scores {score:.4f} MRR on the val split ({len(judge.held_images)} images, fit on "
+            f"the other {len(judge.train_images)} in {time.monotonic() - started:.1f} s): an answer replaces it only "
+            "by beating that")
 
     if answer.alpha is not None:
         standing.pending = score_floor
@@ -207,9 +209,10 @@ def _floor(data, test, out: Path) -> SafeAnswer:
     try:
         answer = ridge_answer(data, test, out)
     except (RuntimeError, DataError) as exc:  # torch.linalg.LinAlgError is a RuntimeError
-        note(f"warning: no closed-form answer ({first_line(exc)}); the first trial's answer will be the first")
+        say(f"latentsweep: warning: no closed-form answer ({first_line(exc)}); the first trial's answer will be the "
+            "first")
         return SafeAnswer(out, "no answer yet (the closed form failed)", 0.0)
-    note(f"first answer in {answer.seconds:.1f} s: {answer.source} -> {answer.path}")
+    say(f"latentsweep: first answer in {answer.seconds:.1f} s: {answer.source} -> {answer.path}")
     return answer
 
 
@@ -222,11 +225,12 @@ def _last_look(keeper: Keeper) -> SafeAnswer:
         failure = classify(exc)
         if failure.kind is Kind.BUG:
             raise
-        note(f"warning: could not read the best trial ({failure.reason}); the submission stays {keeper.answer.source}")
+        say(f"latentsweep: warning: could not read the best trial ({failure.reason}); the submission stays "
+            f"{keeper.answer.source}")
         return keeper.answer
     finally:
         keeper.close()
-    note(f"safe answer: {answer.source} (written in {answer.seconds:.1f} s) -> {answer.path}")
+    say(f"latentsweep: safe answer: {answer.source} (written in {answer.seconds:.1f} s) -> {answer.path}")
     return answer
 
 
@@ -243,7 +247,7 @@ def _gate(judge: Judge | None, standing: Standing):
     def gate(models, weights, device) -> dict | None:
         score = None if judge is None else judge.score_models(models, weights, device)
         if not standing.offer("the pick's ensemble", score, ties_win=True):
-            note(standing.lost_line("the pick's ensemble", score))
+            say("latentsweep: " + standing.lost_line("the pick's ensemble", score))
             return None
         return standing.record()
 
@@ -264,7 +268,7 @@ def _try_pick(pick: PickOptions, deadline: Deadline, answer: SafeAnswer, judge: 
         standing.source, standing.score = in_place  # a pick that won but failed to write is not the answer
         standing.offered.append({"answer": "the pick's ensemble", "val_mrr": None, "won": False,
                                  "failed": failure.reason})
-        note(f"warning: the pick did not finish ({failure.reason}); the submission stays {answer.source}")
+        say(f"latentsweep: warning: the pick did not finish ({failure.reason}); the submission stays {answer.source}")
         return None
 
 
@@ -277,7 +281,7 @@ def _write_answer_manifest(spec: RunSpec, out: Path, standing: Standing, why: st
         with atomic_write(out.with_name(f"{out.stem}.manifest.json")) as fh:
             fh.write(json.dumps(doc, indent=2, default=float) + "\n")
     except OSError as exc:
-        note(f"warning: could not write the manifest beside {out} ({first_line(exc)})")
+        say(f"latentsweep: warning: could not write the manifest beside {out} ({first_line(exc)})")
 
 
 __all__ = ["MIN_TOTAL_S", "OneBudgetResult", "check_pick_inputs", "describe_split", "parse_duration",

@@ -8,7 +8,6 @@ is said in one line; a failure before it leaves nothing behind but what was ther
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -34,6 +33,7 @@ from search.tracking.source import source_tags
 from search.tracking.plots import ensemble_figure
 from trainers.data import TestSet, TrainSet
 from trainers.io import atomic_write
+from trainers.progress import say
 from trainers.submission import check_submission, write_submission
 
 PICK_ROLE = "pick"
@@ -289,8 +289,7 @@ def _track(tracker: Tracker, r: PickRun) -> dict[str, Any] | None:
         _end_failed(tracker, run_id, "KILLED" if kind is Kind.INTERRUPT else "FAILED")
         if kind in (Kind.BUG, Kind.INTERRUPT):
             raise
-        logging.getLogger("latentsweep").warning(
-            "the submission is in place, but its MLflow run and model could not be written (%s)", first_line(exc))
+        say(f"the submission is in place, but its MLflow run and model could not be written ({first_line(exc)})")
         return None
 
 
@@ -301,7 +300,7 @@ def _best_effort(call, what: str) -> None:
     except Exception as exc:
         if kind_of(exc) is Kind.BUG:
             raise
-        logging.getLogger("latentsweep").warning("could not %s (%s)", what, first_line(exc))
+        say(f"could not {what} ({first_line(exc)})")
 
 
 def _end_failed(tracker: Tracker, run_id: str | None, status: str) -> None:
@@ -310,8 +309,7 @@ def _end_failed(tracker: Tracker, run_id: str | None, status: str) -> None:
         try:
             tracker.end_run(run_id, status)
         except Exception as exc:  # noqa: BLE001 - the original error is the one to report; this one in a line
-            logging.getLogger("latentsweep").warning("could not mark the pick's MLflow run %s %s (%s)",
-                                                     run_id, status, first_line(exc))
+            say(f"could not mark the pick's MLflow run {run_id} {status} ({first_line(exc)})")
 
 
 def _remove_empty(created: list[Path]) -> None:

@@ -28,7 +28,7 @@ from search.pick.candidates import (
 from search.pick.jobs import SubmissionModel, fold_jobs, refit_jobs, refit_members, seed_candidates
 from search.pick.options import AUTO, Paths, PickOptions, check_options, pool_size, resolve_paths
 from search.pick.outputs import PickResult, PickRun, write_outputs
-from search.pick.plan import Clock, note
+from search.pick.plan import Clock
 from search.pick.selection import Selection, screen, select_halves, select_oof, select_val
 from search.study.report import load_existing_study
 from search.tracking.probe import probe_tracking_store
@@ -37,6 +37,7 @@ from search.tracking.base import Tracker
 from trainers.data import TestSet, TrainSet, load_test, load_train_shared
 from trainers.deadline import Deadline
 from trainers.loop import resolve_device
+from trainers.progress import say
 
 
 def choose(opts: PickOptions, pool: list[Candidate], data, paths: Paths, device,
@@ -53,10 +54,11 @@ def choose(opts: PickOptions, pool: list[Candidate], data, paths: Paths, device,
     if opts.selection == "val":
         check_agreement(pool, same_split=False)
         if shares_val_split(pool):
-            note(f"candidates: the {len(pool)} best trials, selected on their own checkpoints' predictions of the "
-                 "study's val split (no training)")
+            say(f"latentsweep: candidates: the {len(pool)} best trials, selected on their own checkpoints' "
+                "predictions of the study's val split (no training)")
             return pool, select_val(pool, data, opts, device)
-        note("candidates: the trials do not share one val split, so they are selected out-of-fold (fold models)")
+        say("latentsweep: candidates: the trials do not share one val split, so they are selected out-of-fold (fold "
+            "models)")
     return choose_oof(opts, pool, data, paths, device, clock)
 
 
@@ -66,7 +68,7 @@ def choose_oof(opts: PickOptions, pool: list[Candidate], data, paths: Paths, dev
     a budget that holds no candidate's folds) needs no selection."""
     check_agreement(pool, same_split=False)
     ordered, how = screen(pool, data, device, opts.size, opts.seed)
-    note(f"candidates: {len(pool)} best trials, ordered {how}")
+    say(f"latentsweep: candidates: {len(pool)} best trials, ordered {how}")
 
     def cost(top: int, folds: int, seeds: int) -> float:
         chosen = ordered[:top]
@@ -76,9 +78,9 @@ def choose_oof(opts: PickOptions, pool: list[Candidate], data, paths: Paths, dev
 
     p = plan_mod.plan(cost, min(opts.top, len(ordered)), opts.folds, opts.refit_seeds, clock.left())
     for line in p.notes:
-        note(line)
+        say(f"latentsweep: {line}")
     budget = f" (budget {clock.left():.0f} s left)" if clock.budget is not None else ""
-    note(f"plan: {p.describe()}{budget}")
+    say(f"latentsweep: plan: {p.describe()}{budget}")
     cands, sel = (ordered[:p.top], None) if p.folds == 0 else select_oof(ordered[:p.top], data, p.folds, opts,
                                                                          paths.picks, device, clock)
     if sel is None:
@@ -103,8 +105,8 @@ def refit_plan(chosen: list[tuple[Candidate, float]], seeds: int, data, paths: P
     clock.models = len(jobs)
     estimate = sum(clock.expect(j.cost) for j in jobs) + clock.export_reserve()
     budget = f"; budget {clock.left():.0f} s left" if clock.budget is not None else ""
-    note(f"plan: refit {len(chosen)} member(s) on every labelled image, seed 1 of each then more up to {seeds} "
-         f"seed(s) while the budget lasts: {len(jobs)} jobs and the export, estimated {estimate:.0f} s{budget}")
+    say(f"latentsweep: plan: refit {len(chosen)} member(s) on every labelled image, seed 1 of each then more up to "
+        f"{seeds} seed(s) while the budget lasts: {len(jobs)} jobs and the export, estimated {estimate:.0f} s{budget}")
 
 
 def submission_models(opts: PickOptions, cands: list[Candidate], sel: Selection, data, paths: Paths, device,
@@ -129,7 +131,7 @@ def pick_budget(opts: PickOptions, study) -> float | None:
     if opts.budget != AUTO:
         return opts.budget
     budget, why = plan_mod.default_budget(plan_mod.study_wall_seconds(study.get_trials(deepcopy=False)))
-    note(f"budget: {budget:.0f} s ({why}; --budget SECONDS or --budget none to change)")
+    say(f"latentsweep: budget: {budget:.0f} s ({why}; --budget SECONDS or --budget none to change)")
     return budget
 
 
@@ -198,7 +200,7 @@ def _pick(opts: PickOptions, inp: PickInputs, deadline: Deadline, device, gate, 
             return None
     models, notes = submission_models(opts, cands, sel, data, paths, device, clock)
     for line in notes:
-        note(line)
+        say(f"latentsweep: {line}")
     sel.notes.extend(notes)
     made = pd.DataFrame([{"role": "submission_model", "name": m.name, "weight": m.weight, "origin": m.origin}
                          for m in models])
@@ -208,5 +210,5 @@ def _pick(opts: PickOptions, inp: PickInputs, deadline: Deadline, device, gate, 
     result = write_outputs(inp.tracker, PickRun(opts, paths, inp.study, cands, sel, models, data, test, test_pred,
                                                 clock.budget, answer))
     budget = f" of its {clock.budget:.0f} s budget" if clock.budget is not None else ""
-    note(f"pick done in {clock.elapsed:.0f} s{budget}: {len(models)} model(s) in the submission")
+    say(f"latentsweep: pick done in {clock.elapsed:.0f} s{budget}: {len(models)} model(s) in the submission")
     return result

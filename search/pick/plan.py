@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from search.progress import say
 from trainers.deadline import Deadline
+from trainers.progress import say
 
 # The default budget is this fraction of the study's wall time: a pick is a finishing step, not a second study.
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -86,11 +86,6 @@ def plan(cost_of: Callable[[int, int, int], float], top: int, folds: int, seeds:
     if budget is not None and estimate > budget:
         notes.append(f"budget {budget:.0f} s: still estimated {estimate:.0f} s at the smallest plan (one job)")
     return Plan(knobs["top"], knobs["folds"], knobs["seeds"], estimate, notes)
-
-
-def note(message: str) -> None:
-    """One line of the pick's progress, on the progress channel (search/progress.py: stderr in the CLI)."""
-    say(f"latentsweep: {message}")
 
 
 # The export after the last job (the submission's predictions, the pyfunc model with every checkpoint, the MLflow
@@ -182,8 +177,8 @@ class Clock:
         """After a job: 'job i/n NAME: WHAT; elapsed, about N s left of the plan'."""
         self.done += 1
         budget = f" of {self.budget:.0f} s" if self.budget is not None else ""
-        note(f"job {self.done}/{self.total} {name}: {what}; elapsed {self.elapsed:.0f} s{budget}, "
-             f"about {max(remaining_estimate, 0.0):.0f} s of planned work left")
+        say(f"latentsweep: job {self.done}/{self.total} {name}: {what}; elapsed {self.elapsed:.0f} s{budget}, "
+            f"about {max(remaining_estimate, 0.0):.0f} s of planned work left")
 
 
 def describe_job(job, seconds: float | None) -> str:
@@ -195,4 +190,4 @@ def describe_job(job, seconds: float | None) -> str:
     return f"trained {epochs} epochs in {seconds:.0f} s ({estimated})"
 
 
-__all__ = ["Clock", "Plan", "default_budget", "describe_job", "note", "plan", "study_wall_seconds"]
+__all__ = ["Clock", "Plan", "default_budget", "describe_job", "plan", "study_wall_seconds"]

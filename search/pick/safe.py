@@ -3,7 +3,6 @@ closed-form ridge before the first trial, then the best trial's own checkpoint a
 ends with a submission whatever the search and the pick manage."""
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import threading
@@ -18,7 +17,6 @@ from search.failures import Kind, classify
 from search.pick.candidates import top_trials
 from search.pick.ensemble import predict_all
 from search.pick.judge import Judge, Standing
-from search.pick.plan import note
 from search.study.contract import TrialOutputs
 from search.study.report import load_existing_study
 from search.study.storage import dispose, storage_of
@@ -27,9 +25,9 @@ from trainers.checkpoint import load_model
 from trainers.closed_form import fit_ridge
 from trainers.data import TestSet, TrainSet, check_text_dim
 from trainers.errors import LatentsweepError
+from trainers.progress import say
 from trainers.submission import check_submission, write_submission
 
-log = logging.getLogger("latentsweep")
 # How often the keeper looks for a new best trial while the search runs: a demo trial takes 3-15 s on 2 cores, and a
 # look (one storage read) costs milliseconds; rewriting the answer (one checkpoint's test predictions) about a second.
 KEEP_POLL_S = 5.0
@@ -132,8 +130,8 @@ class Keeper:
         if found is None:
             if best.number not in self.missing:
                 self.missing.add(best.number)
-                note(f"warning: trial {best.number}'s checkpoint is not under {self.root} (yet): the answer in place "
-                     "stays until it is")
+                say(f"latentsweep: warning: trial {best.number}'s checkpoint is not under {self.root} (yet): the "
+                    "answer in place stays until it is")
             return self.answer
         self.looked.add((best.number, best.value))
         self._consider(best.number, found)
@@ -147,12 +145,13 @@ class Keeper:
         score = None if self.judge is None else self.judge.score_models([model], [1.0], self.device)
         in_place = self.standing.source
         if not self.standing.offer(source, score):
-            note(self.standing.lost_line(source, score))
+            say(f"latentsweep: {self.standing.lost_line(source, score)}")
             return
         put_submission(self.out, self.test, predict_all([model], self.test.embeddings, self.device)[0])
         self.answer = SafeAnswer(self.out, source, time.monotonic() - started)
         if score is not None:
-            note(f"{source} scores {score:.4f} MRR on the val split, above {in_place}: it is the answer now")
+            say(f"latentsweep: {source} scores {score:.4f} MRR on the val split, above {in_place}: it is the answer "
+                "now")
 
     def _watch(self) -> None:
         warned = False
@@ -162,8 +161,8 @@ class Keeper:
             except Exception as exc:  # noqa: BLE001 - a thread cannot stop the job: said once, tried again
                 if not warned:
                     failure = classify(exc)
-                    log.warning("could not update the safe answer (%s); trying again every %.0f s",
-                                failure.detail if failure.kind is Kind.BUG else failure.reason, KEEP_POLL_S)
+                    why = failure.detail if failure.kind is Kind.BUG else failure.reason
+                    say(f"could not update the safe answer ({why}); trying again every {KEEP_POLL_S:.0f} s")
                     warned = True
 
     def __enter__(self) -> "Keeper":

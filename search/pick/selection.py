@@ -15,8 +15,9 @@ from search.pick import oof as oof_mod
 from search.pick.candidates import SPLIT_KEYS, Candidate
 from search.pick.ensemble import predict_all
 from search.pick.options import PickOptions
-from search.pick.plan import Clock, Plan, note
+from search.pick.plan import Clock, Plan
 from trainers.errors import DataError
+from trainers.progress import say
 from trainers.splits import captions_and_local_images, fold_assignment
 from trainers.tasks import split_images
 
@@ -172,7 +173,7 @@ def _crossfit_selection(cands: list[Candidate], res: oof_mod.OofSelection, opts:
     member when the gain is not above its standard error), its table, metrics and manifest details."""
     weights, notes = submitted_weights(res, [c.name for c in cands], opts.fallback)
     for line in notes:
-        note(line)
+        say(f"latentsweep: {line}")
     rows = [{"role": "member", "name": c.name, "weight": float(w), "study_value": c.value, "oof_mrr": float(m)}
             for c, w, m in zip(cands, weights, res.member_mrr)]
     rows += [{"role": "best_single", "name": cands[res.best_single].name, "weight": None,

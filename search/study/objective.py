@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -16,7 +15,6 @@ from optuna.trial import TrialState
 from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
 from search.study.contract import TrialOutputs
 from search.study.devices import DEVICE_ATTR, POPULATION_ATTR
-from search.study.progress import emit
 from search.study.side import SIDE_ATTR, side_values
 from search.study.space import sample
 from search.process import raise_if_interrupted
@@ -37,8 +35,8 @@ from trainers.errors import LatentsweepError
 from trainers.devices import machine_gpu, resolve_device
 from trainers.io import atomic_write
 from trainers.loop import DeadlineReached, EpochReport, train
+from trainers.progress import say
 
-log = logging.getLogger("latentsweep")
 # Attempts to end a trial's MLflow run before the failure is warned about and left to the reaper (see _end).
 CLOSE_ATTEMPTS = 2
 ERROR_ATTR = "latentsweep.error"  # set on trials that failed for good (not retried; they count in the budget)
@@ -217,7 +215,7 @@ class TrialRunner:
         if run_id is not None:
             failure = self._close_failed(trial, run_id, failure)
         if failure.goes_on:
-            log.warning("trial %d failed: %s", trial.number, failure.reason)
+            say(f"trial {trial.number} failed: {failure.reason}")
         try:
             if failure.counts:
                 trial.set_user_attr(ERROR_ATTR, failure.reason)
@@ -239,8 +237,8 @@ class TrialRunner:
             closing = classify(exc)
             if closing.kind is Kind.BUG and failure.kind is not Kind.BUG:
                 return closing
-            log.warning("could not close the MLflow run of trial %d (%s); `latentsweep study reap` closes it",
-                        trial.number, closing.reason)
+            say(f"could not close the MLflow run of trial {trial.number} ({closing.reason}); `latentsweep study reap` "
+                "closes it")
         return failure
 
     def _report(self, trial: optuna.Trial, run_id: str, best: dict, report: EpochReport) -> None:
@@ -266,8 +264,8 @@ class TrialRunner:
             raise StoreFailed(f"cannot record epoch {report.epoch} ({first_line(exc)})") from exc
         if self.spec.verbose and not self.spec.progress:  # with bars, the epoch bar shows it
             objective = self.study_file.objective
-            emit(f"study {self.spec.name} trial {trial.number} epoch {report.epoch} {objective} "
-                 f"{report.metrics[objective]:.4f}" + (" (best epoch so far)" if report.improved else ""))
+            say(f"study {self.spec.name} trial {trial.number} epoch {report.epoch} {objective} "
+                f"{report.metrics[objective]:.4f}" + (" (best epoch so far)" if report.improved else ""))
         if trial.should_prune():
             raise optuna.TrialPruned(f"pruned at epoch {report.epoch}")
 
@@ -306,7 +304,7 @@ class TrialRunner:
         except Exception as exc:
             if kind_of(exc) is Kind.BUG:
                 raise
-            log.warning("could not log the artifacts of %s (%s)", out.name, first_line(exc))
+            say(f"could not log the artifacts of {out.name} ({first_line(exc)})")
         finally:
             try:
                 self._end(run_id, state)
@@ -324,8 +322,7 @@ class TrialRunner:
                 return
             except Exception as exc:
                 if kind_of(exc) is Kind.BUG or attempt == CLOSE_ATTEMPTS - 1:
-                    raise
-                log.debug("ending run %s failed once (%s); trying again", run_id, first_line(exc))
+                    raise  # else the next attempt; the last one's failure is raised
 
     def retry(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
         """A trial failed by the machine, a store or an interrupt is retried, exactly like a trial whose worker died

@@ -1,7 +1,6 @@
 """A worker's population: up to K claimed trials trained side by side (trainers.population), each told on its own."""
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,8 +20,8 @@ from trainers.config import with_values
 from trainers.data import TrainSet
 from trainers.devices import resolve_device
 from trainers.population import Member, stack_key
+from trainers.progress import say
 
-log = logging.getLogger("latentsweep")
 
 
 def population_size(population: int | str, study_file: StudyFile, spec, data: TrainSet) -> int:
@@ -202,11 +201,11 @@ class Population:
                 self.runner.fail(self.study, seat.trial, exc if isinstance(exc, (KeyboardInterrupt, SystemExit))
                                  else KeyboardInterrupt())
             except Exception as inner:  # noqa: BLE001 - the reaper fails it after the grace; said in one line
-                log.warning("could not fail trial %d of a stopping population (%s)", seat.trial.number, inner)
+                say(f"could not fail trial {seat.trial.number} of a stopping population ({inner})")
         try:  # a run opened by a start the stop cut short (its id not returned yet) is closed with its failed trial
             worker.close_dead_runs(self.study, self.runner.tracker)
         except Exception as inner:  # noqa: BLE001 - `study reap` or the next start closes it; said in one line
-            log.warning("could not close the runs of a stopping population (%s)", inner)
+            say(f"could not close the runs of a stopping population ({inner})")
 
 
 def _stop_beat(seat: Seat) -> None:

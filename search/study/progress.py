@@ -1,11 +1,9 @@
 """A study's progress: a tqdm bar on a terminal, plain lines otherwise (one per trial; one per epoch with --verbose),
-the lines said on the progress channel (search/progress.py)."""
+the lines said on the progress channel (trainers.progress.say)."""
 from __future__ import annotations
 
 import sys
 from typing import Any
-
-from search.progress import say
 
 
 def is_terminal() -> bool:
@@ -14,12 +12,6 @@ def is_terminal() -> bool:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):  # replaced or closed stderr
         return False
-
-
-def emit(line: str) -> None:
-    """One line of a study's progress, on the progress channel (search/progress.py: stderr in the CLI, above any tqdm
-    bar of this process)."""
-    say(line)
 
 
 def _fmt(value: Any) -> str:

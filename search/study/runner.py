@@ -1,7 +1,6 @@
 """Launching studies on this machine: one process or K spawned workers, a study progress bar, the end-of-run refresh."""
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import signal
 import sys
@@ -12,14 +11,15 @@ import optuna
 import torch
 from tqdm.auto import tqdm
 
-from search.failures import Kind, StudyHalted, classify, one_line, release_interrupted
+from search.failures import Kind, classify, release_interrupted
 from search.process import configure_process, interrupt_on, raise_if_interrupted, signals_blocked, spawned_child
+from search.progress import report_error
 
 from search.study.budget import workers_stop
 from search.study.devices import assign_slots, pin_process
 from search.study.objective import TrialRunner
 from search.study.population import population_loop, population_size
-from search.study.progress import emit, trial_line
+from search.study.progress import trial_line
 from search.study.report import load_existing_study, study_summary
 from search.study.studyfile import load_study_file
 from search.study.worker import (
@@ -31,8 +31,8 @@ from search.tracking.base import Tracker
 from search.tracking.plots import study_figures
 from trainers.data import load_train_shared
 from trainers.errors import LatentsweepError
+from trainers.progress import say
 
-log = logging.getLogger("latentsweep")
 # A worker sent SIGTERM closes its trial's run and fails it for retry: store calls of about a second on 2 cores.
 STOP_GRACE_S = 10.0
 POLL_S = 2.0  # how often the main process refreshes the study bar from the storage when workers run elsewhere
@@ -58,7 +58,7 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
     bar = _StudyBar(spec, study) if spec.progress else None
 
     def on_trial(frozen) -> None:
-        emit(trial_line(study, frozen))  # one plain line per trial, with or without a bar (--quiet included)
+        say(trial_line(study, frozen))  # one plain line per trial, with or without a bar (--quiet included)
         if bar:
             bar.update_from(frozen)
 
@@ -89,12 +89,12 @@ def close_parent_if_idle(study: optuna.Study, tracker: Tracker) -> None:
     except Exception as exc:  # a store down or a full disk is said in one line; a bug is raised (after any other)
         if classify(exc).kind is Kind.BUG:
             raise
-        log.warning("could not close the study's MLflow parent run (%s)", classify(exc).reason)
+        say(f"could not close the study's MLflow parent run ({classify(exc).reason})")
 
 
 def worker_main(spec: RunSpec) -> None:
-    """The entry of a spawned worker process: its process-wide settings, then run_worker; a user error is one line
-    on stderr and exit code 2, like the CLI (no traceback)."""
+    """The entry of a spawned worker process: its process-wide settings, then run_worker; a user error is the CLI's
+    one line on stderr and its exit code (no traceback)."""
     configure_process()
     if spec.threads:  # the share of this machine's cores of one of several local workers
         torch.set_num_threads(spec.threads)
@@ -103,15 +103,11 @@ def worker_main(spec: RunSpec) -> None:
         run_worker(spec)
     except KeyboardInterrupt:
         pass
-    except StudyHalted as exc:  # another worker's bug (its traceback is in its output): not a user error
-        print(f"latentsweep: error: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except Exception as exc:  # classified once (search.failures): a bug keeps its traceback, the rest is one line
-        line = one_line(exc)
-        if line is None:
+    except Exception as exc:  # the CLI's one error line (search.progress.report_error); a bug keeps its traceback
+        code = report_error(exc)
+        if code is None:
             raise
-        print(f"latentsweep: error: {line}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(code)
 
 
 class _StudyBar:
@@ -177,7 +173,7 @@ def close_orphan_runs(study: optuna.Study, tracker: Tracker) -> None:
     except Exception as exc:  # a store down: `study reap` closes them later; a bug is raised
         if classify(exc).kind is Kind.BUG:
             raise
-        log.warning("could not close the interrupted trial's MLflow run (%s)", classify(exc).reason)
+        say(f"could not close the interrupted trial's MLflow run ({classify(exc).reason})")
 
 
 def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Tracker) -> None:
@@ -233,7 +229,7 @@ def _stop_children(procs, quiet: bool = False, grace: float = STOP_GRACE_S) -> N
     a line; a stop on an interrupt (`quiet`) is not (the command says it was interrupted)."""
     alive = [p for p in procs if p.is_alive()]
     if alive and not quiet:
-        log.warning("stopping %d worker(s) still running at the search's end", len(alive))
+        say(f"stopping {len(alive)} worker(s) still running at the search's end")
     for p in alive:
         p.terminate()
     for p in alive:
@@ -253,11 +249,10 @@ def _reap_dead_children(study: optuna.Study, tracker: Tracker, procs, reaped: se
             except Exception as exc:  # not a bug: the heartbeat reaper still catches it after the grace
                 if classify(exc).kind is Kind.BUG:
                     raise
-                log.warning("could not reap the trials of dead worker %s (%s)", p.name, classify(exc).reason)
+                say(f"could not reap the trials of dead worker {p.name} ({classify(exc).reason})")
                 continue
             if closed:
-                log.warning("worker %s died (exit code %s); its trial was failed and queued for retry",
-                            p.name, p.exitcode)
+                say(f"worker {p.name} died (exit code {p.exitcode}); its trial was failed and queued for retry")
 
 
 def finish(study: optuna.Study, tracker: Tracker, figures: bool = True) -> dict:
@@ -268,7 +263,7 @@ def finish(study: optuna.Study, tracker: Tracker, figures: bool = True) -> dict:
     except Exception as exc:  # a store down: the study's results are in Optuna either way; a bug is raised
         if classify(exc).kind is Kind.BUG:
             raise
-        log.warning("could not refresh the study's MLflow parent run (%s)", classify(exc).reason)
+        say(f"could not refresh the study's MLflow parent run ({classify(exc).reason})")
     return summary
 
 

@@ -10,16 +10,15 @@ it there (its model kind, for the best-of-each-kind pool).
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import optuna
 
 from trainers.config import Config, coerce, flatten_tree, with_values
 from trainers.errors import ConfigError
+from trainers.progress import say
 from trainers.validate import validate
 
-log = logging.getLogger("latentsweep")
 
 SIDE_ATTR = "latentsweep.side"  # JSON {config key: value} of a side trial
 # Knobs that belong to the study, not to one of its trials: every trial reads one data file, one task and one val
@@ -82,7 +81,6 @@ def side_values(trial: optuna.trial.BaseTrial | optuna.trial.FrozenTrial) -> dic
     except ValueError:
         values = None
     if not isinstance(values, dict):  # a damaged or hand-edited study: the trial reads as a sampled one
-        log.warning("trial %s: its side values (%s) are not a JSON object; ignored", trial.number,
-                    SIDE_ATTR)
+        say(f"trial {trial.number}: its side values ({SIDE_ATTR}) are not a JSON object; ignored")
         return None
     return values

@@ -29,7 +29,6 @@ from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
 from search.redact import redact_url
-from search.study.progress import emit
 from search.study.side import side_values
 from search.study.space import Param, config_key
 from search.study.storage import StorageSettings, dispose, open_storage, storage_of
@@ -38,6 +37,7 @@ from search.stores import read_only_storage
 from trainers.config import coerce, flatten
 from trainers.data import fingerprint
 from trainers.errors import LatentsweepError
+from trainers.progress import say
 
 WARM_ATTR = "latentsweep.warm_from"  # trial attr and MLflow tag: "NAME:TRIAL" (source study) or "portfolio:INDEX"
 IDENTITY_ATTR = "latentsweep.data"  # study attr: {fingerprint, objective, direction, split...} (see identity())
@@ -209,9 +209,10 @@ def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabl
         if sum(taken.values()) >= k:
             break
     what = ", ".join(f"{n} from {label}" for label, n in taken.items())
-    say([f"warm start: {sum(taken.values())} configuration(s) of earlier studies on the same data "
-         f"({mine['fingerprint']}) first: {what or 'none (each one is queued already or none fits this space)'}",
-         *changes.lines()])
+    say(f"warm start: {sum(taken.values())} configuration(s) of earlier studies on the same data "
+        f"({mine['fingerprint']}) first: {what or 'none (each one is queued already or none fits this space)'}")
+    for line in changes.lines():
+        say(line)
     return False
 
 
@@ -224,14 +225,10 @@ def queue_portfolio(study: optuna.Study, study_file: StudyFile) -> None:
         if values and text not in seen:
             seen.add(text)
             queued += enqueue(study, values, f"portfolio:{i}")
-    say([f"warm start: no earlier study on this data ({study.user_attrs[IDENTITY_ATTR]['fingerprint']}); "
-         f"{queued} configuration(s) of the bundled portfolio queued after the study file's recipes",
-         *changes.lines()])
-
-
-def say(lines: list[str]) -> None:
-    for line in lines:
-        emit(line)
+    say(f"warm start: no earlier study on this data ({study.user_attrs[IDENTITY_ATTR]['fingerprint']}); "
+        f"{queued} configuration(s) of the bundled portfolio queued after the study file's recipes")
+    for line in changes.lines():
+        say(line)
 
 
 def warm_tags(trial) -> dict[str, str]:

@@ -1,7 +1,6 @@
 """Running studies: create/load an Optuna study, claim trials within an exact budget, run them, track them in MLflow."""
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -31,8 +30,8 @@ from search.tracking import make_tracker
 from search.tracking.base import REAPED_TAG, Tracker
 from trainers.errors import LatentsweepError
 from trainers.plugins import parse_ref
+from trainers.progress import say
 
-log = logging.getLogger("latentsweep")
 
 PARENT_ATTR = "mlflow_parent_run_id"
 ENQUEUED_ATTR = "latentsweep.enqueued"
@@ -110,7 +109,7 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
     attrs = study.user_attrs
     check_plugins(study, study_file, write=reopen)
     if create and attrs.get(HALT_ATTR):  # `study run`/`study create` again: the user has dealt with the bug
-        log.warning("study '%s' was halted (%s); resuming it", spec.name, attrs[HALT_ATTR])
+        say(f"study '{spec.name}' was halted ({attrs[HALT_ATTR]}); resuming it")
         study.set_user_attr(HALT_ATTR, "")
     if not reopen:  # read-only use (study reap): bind to the parent run as it is, write nothing to the study
         if PARENT_ATTR in attrs:
@@ -256,8 +255,8 @@ def close_dead_runs(study: optuna.Study, tracker: Tracker) -> list[str]:
             except Exception as exc:  # a damaged study: its recorded run is not one the tracking store has
                 if getattr(exc, "error_code", None) not in UNKNOWN_RUN:
                     raise
-                log.warning("trial %d was failed for retry; its recorded MLflow run %r is not in the tracking "
-                            "store (no run closed)", trial.number, run_id)
+                say(f"trial {trial.number} was failed for retry; its recorded MLflow run {run_id!r} is not in the "
+                    "tracking store (no run closed)")
                 continue
             closed.append(run_id)
     return closed + tracker.close_stale_runs(LiveTrialNumbers(study.get_trials(deepcopy=False)))
@@ -292,8 +291,8 @@ class Heartbeat:
             except Exception as exc:  # noqa: BLE001 - a dead thread would get a live trial failed and run twice
                 if not warned:  # a bug is logged with its traceback (a thread cannot stop the worker)
                     failure = classify(exc)
-                    log.warning("heartbeat of trial id %d failed (%s); retrying every %d s", self.trial_id,
-                                failure.detail if failure.kind is Kind.BUG else failure.reason, interval)
+                    why = failure.detail if failure.kind is Kind.BUG else failure.reason
+                    say(f"heartbeat of trial id {self.trial_id} failed ({why}); retrying every {interval:.0f} s")
                     warned = True
             self.stop.wait(interval)
 

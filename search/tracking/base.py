@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 import re
 import sys
 from dataclasses import dataclass, field
@@ -13,7 +12,6 @@ from search.redact import redact_values
 from search.tracking.source import source_tags
 from trainers.config import flatten_tree
 
-log = logging.getLogger(__name__)
 
 # MLflow 3.x limits (mlflow/utils/validation.py: MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH,
 # MAX_PARAMS_TAGS_PER_BATCH, MAX_METRICS_PER_BATCH).

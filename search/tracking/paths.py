@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import logging
 import re
 import sqlite3
 from pathlib import Path
+from trainers.progress import say
 
-log = logging.getLogger(__name__)
 
 ARTIFACTS = "artifacts"
 # (table, column) pairs holding artifact URIs in MLflow 3.x (mlflow/store/tracking/dbmodels/models.py,
@@ -71,10 +70,10 @@ def relocate_mlflow(state_dir: Path) -> int:
                             f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
                             f"WHERE substr({column}, 1, ?) = ?", (new, len(prefix) + 1, len(prefix), prefix))
                         changed += cur.rowcount
-            log.info("state directory moved: %d artifact URIs re-rooted at %s", changed, here)
+            say(f"state directory moved: {changed} artifact URIs re-rooted at {here}")
             return changed
     except sqlite3.Error as exc:  # a locked or foreign file: report and carry on, artifacts may then be missing
-        log.warning("could not re-root MLflow artifact URIs in %s: %s", db, exc)
+        say(f"could not re-root MLflow artifact URIs in {db}: {exc}")
         return 0
 
 

@@ -2,18 +2,17 @@
 entry points choose the Agg backend, see search.process)."""
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import TrialState
+from trainers.progress import say
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-log = logging.getLogger(__name__)
 
 HIST_BINS = 40  # log-spaced bins between rank 1 and the worst rank
 # Below this many complete trials the importance plot is left out: fANOVA fits a random forest on the trials, and
@@ -117,7 +116,7 @@ def _readable(figure: Any, name: str, n_params: int, note: str | None) -> Any:
 
 def study_figures(study: Any, objective: str | None = None) -> dict[str, Any]:
     """Optimization history, parallel coordinates of the varying knobs and, from MIN_IMPORTANCE_TRIALS complete
-    trials on, param importances; a plot that fails is skipped with a log line (plots must never fail a study)."""
+    trials on, param importances; a plot that fails is skipped with a progress line (plots must never fail a study)."""
     # pyplot and Optuna's matplotlib plots take about a second to import: only the end of a study pays for them
     import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as ovm
@@ -146,7 +145,7 @@ def study_figures(study: Any, objective: str | None = None) -> dict[str, Any]:
                 warnings.simplefilter("ignore", UserWarning)
                 figures[name] = _readable(_figure_of(plot(study)), name, len(varying), note)
         except Exception as exc:  # noqa: BLE001  (multi-objective studies, degenerate spaces, plotting bugs)
-            log.info("skipping %s: %s", name, exc)
+            say(f"skipping {name}: {exc}")
             for num in set(plt.get_fignums()) - before:
                 plt.close(num)
     return figures

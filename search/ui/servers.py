@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -24,6 +23,7 @@ from search.stores import resolve_stores
 from search.study.storage import StorageSettings, dispose, open_storage
 from search.tracking.probe import probe_tracking_store
 from trainers.errors import LatentsweepError
+from trainers.progress import say
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MLFLOW_PORT = 5000  # `mlflow server`'s own default port
@@ -239,8 +239,8 @@ def ensure_optuna_schema(storage: str) -> None:
         dispose(open_storage(StorageSettings(storage)))
     except RuntimeError as exc:  # tables made by another Optuna version: they exist, and the dashboard skips the check
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        logging.getLogger("latentsweep").warning("optuna-dashboard: the storage's tables were not (re)created (%s); "
-                                                 "the dashboard reads them as they are", first)
+        say(f"optuna-dashboard: the storage's tables were not (re)created ({first}); the dashboard reads them as "
+            "they are")
 
 
 def dashboard_argv(config: Path, host: str, port: int) -> list[str]:

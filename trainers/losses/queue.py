@@ -19,7 +19,7 @@ import torch
 from trainers.config import QueueInfoNCECfg
 from trainers.errors import ConfigError
 from trainers.losses.base import EpochContext, Loss, masked_ce, register_loss, same_image, unit
-from trainers.progress import tell
+from trainers.progress import say
 
 # Queue rows at least this cosine-similar to a caption's own image are treated as that image (a copy enqueued in an
 # earlier step) and masked as false negatives; distinct real images are far below (float32 rounding is ~1e-7).
@@ -86,9 +86,9 @@ class QueueInfoNCE(Loss):
         super().on_epoch_start(epoch, ctx)
         n = None if ctx is None else ctx.n_targets
         if n is not None and 0 < n < self.queue.shape[0] and self.filled == 0:
-            tell(f"latentsweep: loss.queue_infonce.size {self.queue.shape[0]} is more than the {n} distinct "
-                 f"training images; the queue is capped at {n} (a larger one only repeats images; "
-                 "loss.all_images_infonce uses each image once, exactly)", once=("queue cap", self.queue.shape[0], n))
+            say(f"latentsweep: loss.queue_infonce.size {self.queue.shape[0]} is more than the {n} distinct "
+                f"training images; the queue is capped at {n} (a larger one only repeats images; "
+                "loss.all_images_infonce uses each image once, exactly)", once=("queue cap", self.queue.shape[0], n))
             self.queue = self.queue.new_zeros((n, self.queue.shape[1]))
             self.queue_img = self.queue_img.new_full((n,), -1)
 
