@@ -19,7 +19,6 @@ from trainers.npz import SPARSE_PREFIX, Npz, check_kind, read_cap2img
 from trainers.progress import say
 
 
-
 @dataclass(frozen=True)
 class TrainSet:
     path: str

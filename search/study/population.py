@@ -23,7 +23,6 @@ from trainers.population import Member, stack_key
 from trainers.progress import say
 
 
-
 def population_size(population: int | str, study_file: StudyFile, spec, data: TrainSet) -> int:
     """The places of this worker's population: `--population N`, or auto: trainers.population.population_size for
     the study's base config on the worker's device (1 on a CPU, CPU_POPULATION, measured there; on a GPU from the
