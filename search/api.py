@@ -29,7 +29,7 @@ from search.study.runner import run_study as _run_study
 from search.study.spec import build_spec
 from search.study.studyfile import load_study_file
 from search.study.worker import dispose_study
-from trainers.data import load_test
+from trainers.data import load_test, load_test_shared
 from trainers.demo import default_test_path
 from trainers.errors import LatentsweepError
 from trainers.submission import write_submission
@@ -90,7 +90,7 @@ def run(study: str | Path, time: str | float, *, data: str | None = None, test: 
         spec = build_spec(study_file, data=data, n_trials=None, timeout=None, name=None, state=state_dir,
                           storage=None, tracking_uri=None, artifact_root=None, progress=progress,
                           warm_start=warm_start, warm_from=warm_from, population=population)
-        load_test(test_path_for(Path(spec.data_path), test))  # a bad test file is said before a store is opened
+        load_test_shared(test_path_for(Path(spec.data_path), test))  # a bad test file is said before a store is opened
         preflight(spec)
         pick = check_pick_inputs(PickOptions(  # every pick input before the search, as the CLI
             study=spec.name, state_dir=spec.state_dir, storage=spec.storage.url, tracking_uri=spec.tracking_uri,

@@ -1,15 +1,18 @@
 """The one classification of what can stop a trial (config, memory, machine, store outage, interrupt, our bug)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 import sys
 import traceback
 from dataclasses import dataclass
 from enum import Enum
+from typing import Iterator
 
 from search.redact import redact_url
 from trainers.errors import LatentsweepError
+from trainers.progress import say
 
 
 class StudyHalted(Exception):
@@ -196,6 +199,28 @@ def classify(exc: BaseException) -> Failure:
     said = outage_in(exc) if kind == Kind.OUTAGE and not isinstance(exc, StoreFailed) else exc
     reason = detail.strip().splitlines()[-1][:500] if kind == Kind.BUG else first_line(said)
     return Failure(kind, redact_url(reason), redact_url(detail), exc)
+
+
+@dataclass
+class Attempt:
+    """What a best_effort block ended with: its failure, or None when it finished."""
+    failure: Failure | None = None
+
+
+@contextlib.contextmanager
+def best_effort(what: str) -> Iterator[Attempt]:
+    """Run the block as something whose failure must not stop the caller (the results it concerns are in place
+    already): our own bug is raised with its traceback; any other exception is said in one line, `could not WHAT
+    (reason)`, and the code after the block runs (`attempt.failure` tells it). An interrupt (not an Exception) goes
+    through untouched."""
+    attempt = Attempt()
+    try:
+        yield attempt
+    except Exception as exc:  # noqa: BLE001 - classified once: a bug is raised, the rest said
+        attempt.failure = classify(exc)
+        if attempt.failure.kind is Kind.BUG:
+            raise
+        say(f"could not {what} ({attempt.failure.reason})")
 
 
 def release_interrupted(exc: BaseException) -> None:
