@@ -9,10 +9,11 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from search.pick.onebudget import parse_duration
+from search.pick.plan import PICK_FIXED_S
 from search.study.budget import (
-    PICK_FIXED_S, PICK_POOL, RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, SAFE_FACTOR, JobBudget,
+    RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, SAFE_FACTOR, JobBudget, PickCost,
 )
-from search.study.objective import TIMING_ATTR
+from search.study.contract import TIMING_ATTR
 from test_loop import data, small_cfg  # noqa: F401 - the module's data fixture, by name
 from trainers import metrics
 from trainers.cost import Timing, mean_epoch
@@ -110,14 +111,17 @@ def _study_with(refit_seconds: list[float], images: int = 100, eval_s: float = 0
     return study
 
 
+PICK = PickCost(PICK_FIXED_S, pool=10)  # the pool of `pick --top 5` with val selection (search.pick.options)
+
+
 def test_the_pick_reserve_follows_the_measured_costs_within_its_bounds():
-    budget = JobBudget(Deadline.after(1000.0), total_s=1000.0)
+    budget = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK)
     assert budget.reserve(_study_with([]), 400, 100) == RESERVE_MAX_FRACTION * 1000  # nothing measured yet
     assert budget.reserve(_study_with([1.0]), 400, 100) == RESERVE_MIN_FRACTION * 1000  # cheap refits
     assert budget.reserve(_study_with([20.0, 20.0]), 400, 100) == pytest.approx(RESERVE_REFITS * 20 + PICK_FIXED_S)
     # the candidates' validation is part of the pick's fixed work
     assert budget.reserve(_study_with([20.0], eval_s=2.0), 400, 100) == pytest.approx(
-        RESERVE_REFITS * 20 + PICK_FIXED_S + PICK_POOL * 2.0)
+        RESERVE_REFITS * 20 + PICK_FIXED_S + PICK.pool * 2.0)
     end = budget.search_end(_study_with([1.0]), 400, 100)
     assert end.end == pytest.approx(budget.deadline.end - 100.0)
 
@@ -125,14 +129,14 @@ def test_the_pick_reserve_follows_the_measured_costs_within_its_bounds():
 def test_the_reserve_never_shrinks_as_the_machine_slows_down():
     """A loaded machine or bigger data measures dearer refits and validations: the pick's share must not fall (it
     fell from 50% to 10% of the budget once one refit no longer fit in half of it)."""
-    budget = JobBudget(Deadline.after(240.0), total_s=240.0)
+    budget = JobBudget(Deadline.after(240.0), total_s=240.0, pick=PICK)
     costs = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
     reserves = [budget.reserve(_study_with([c], eval_s=c / 10), 400, 100) for c in costs]
     assert reserves == sorted(reserves) and reserves[-1] == RESERVE_MAX_FRACTION * 240
 
 
 def test_the_reserve_never_falls_below_what_the_safe_answer_took():
-    slow_floor = JobBudget(Deadline.after(100.0), total_s=100.0, floor_s=40.0)
+    slow_floor = JobBudget(Deadline.after(100.0), total_s=100.0, pick=PICK, floor_s=40.0)
     assert slow_floor.reserve(_study_with([0.1]), 400, 100) == SAFE_FACTOR * 40.0  # above the 50% cap too
     assert slow_floor.hard_stop().end <= slow_floor.deadline.end - SAFE_FACTOR * 40.0 + 1e-6
 

@@ -14,7 +14,7 @@ from conftest import tiny_study_file
 from search.cli.main import main
 from search.pick.candidates import best_of_each_kind, top_trials
 from search.study.report import study_table
-from search.study.side import SIDE_ATTR, side_values
+from search.study.contract import SIDE_ATTR, read_side as side_values
 from search.study.studyfile import load_study_file
 from trainers.errors import ConfigError
 from trainers.synthetic import write_synthetic

@@ -13,9 +13,7 @@ from optuna.trial import TrialState
 
 from search.checks import check_outputs
 from search.pick.options import PickOptions, out_path, pick_outputs
-from search.study.contract import TrialOutputs
-from search.study.objective import TIMING_ATTR
-from search.study.side import side_values
+from search.study.contract import TrialOutputs, TrialRecord, read_side, read_trials
 from search.stores import state_dir
 from search.study.studyfile import resolve_data_path
 from search.tracking.base import Tracker
@@ -67,32 +65,33 @@ def top_trials(study, k: int) -> list:
     fidelity can still be a strong member, and the selection re-measures every candidate anyway), then the best trial
     of each other model kind the study tried."""
     maximize = study.direction == StudyDirection.MAXIMIZE
-    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    done = [t for t in read_trials(study, (TrialState.COMPLETE, TrialState.PRUNED))
             if trial_value(t, maximize) is not None]
     if not done:
-        states = pd.Series([t.state.name for t in study.get_trials(deepcopy=False)]).value_counts().to_dict()
+        states = pd.Series([t.state.name for t in read_trials(study)]).value_counts().to_dict()
         raise LatentsweepError(f"study '{study.study_name}' has no complete or pruned trial with a value "
                                f"({', '.join(f'{n} {s}' for s, n in states.items()) or 'no trials at all'})")
     key = lambda t: (-trial_value(t, maximize) if maximize else trial_value(t, maximize), t.number)  # noqa: E731
     ranked = sorted(done, key=key)
     top = ranked[:k]
-    return top + [t for t in best_of_each_kind(ranked) if t not in top]
+    return top + [t for t in best_of_each_kind(ranked, study.study_name) if t not in top]
 
 
-def best_of_each_kind(ranked: list) -> list:
+def best_of_each_kind(ranked: list, study: str | None = None) -> list:
     """The best trial of each searched model.kind (trials in rank order): a kind whose best trial ranks below the top
     k can still be the member that adds most (the knn model's errors differ from a trained model's)."""
     seen: dict[str, object] = {}
     for t in ranked:  # a side trial (the knn of full.toml) has no parameters: its kind is in its side values
-        seen.setdefault(str(t.params.get(KIND_PARAM) or (side_values(t) or {}).get(KIND_PARAM)), t)
+        seen.setdefault(str(t.params.get(KIND_PARAM) or (read_side(t, study) or {}).get(KIND_PARAM)), t)
     return list(seen.values()) if len(seen) > 1 else []
 
 
-def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | None = None
-                     ) -> tuple[Path, str] | None:
-    """(path, origin) of the trial's best.pt: the local path in user_attrs (relative to the state directory `root`),
-    else downloaded from its tracked run; None (with a warning naming the trial) if neither."""
-    outputs = TrialOutputs.of(trial)
+def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | None = None,
+                     study: str | None = None) -> tuple[Path, str] | None:
+    """(path, origin) of the trial's best.pt: the local path it recorded (search.study.contract.TrialOutputs, relative
+    to the state directory `root`), else downloaded from its tracked run; None (with a warning naming the trial of
+    study `study`) if neither."""
+    outputs = TrialOutputs.of(trial, study)
     local = outputs.local_checkpoint
     if local and resolve_in_state(local, root or Path.cwd()).is_file():
         return resolve_in_state(local, root or Path.cwd()), "local"
@@ -105,7 +104,8 @@ def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | N
         except Exception as exc:  # noqa: BLE001 - any failure means: no checkpoint for this trial
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             reason += f" and MLflow run {run_id} has no best.pt ({type(exc).__name__}: {first})"
-    say(f"latentsweep: warning: trial {trial.number} skipped: {reason}")
+    where = f"study '{study}' trial {trial.number}" if study else f"trial {trial.number}"
+    say(f"latentsweep: warning: {where} skipped: {reason}")
     return None
 
 
@@ -121,14 +121,15 @@ def load_candidates(study, k: int, tracker: Tracker, download_dir: Path, device,
                     ) -> list[Candidate]:
     out = []
     for t in top_trials(study, k):
-        found = fetch_checkpoint(t, tracker, download_dir, root)
+        record = TrialRecord.of(t, study.study_name)
+        found = fetch_checkpoint(t, tracker, download_dir, root, study.study_name)
         if found is not None:
             value = trial_value(t, study.direction.name == "MAXIMIZE")
             cand = make_candidate(f"trial-{t.number}", t.number, *found, value, device)
             if t.datetime_start and t.datetime_complete:
                 cand.seconds = (t.datetime_complete - t.datetime_start).total_seconds()
             cand.epochs_run = max(len(t.intermediate_values), cand.best_epoch + 1)
-            cand.timing = Timing.from_attrs(t.user_attrs.get(TIMING_ATTR))
+            cand.timing = record.timing
             out.append(cand)
     if not out:
         raise LatentsweepError(f"study '{study.study_name}': none of its top {k} trials (complete or pruned) has a "

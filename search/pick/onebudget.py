@@ -22,16 +22,14 @@ from pathlib import Path
 
 from search.failures import Kind, classify, first_line
 from search.pick.candidates import test_path_for
-from search.pick.options import PickOptions, check_options, check_writable, out_path
+from search.pick.options import PickOptions, check_options, check_writable, out_path, pool_size
 from search.pick.outputs import PickResult
 from search.pick.picker import pick_until
-from search.pick.plan import EXPORT_FIXED_S
+from search.pick.plan import PICK_FIXED_S, PICK_MIN_S
 from search.pick.judge import Judge, Standing, make_judge
 from search.pick.safe import Keeper, SafeAnswer, ridge_answer
 from search.stores import safe_name
-from search.study.budget import (
-    PICK_FIXED_S, RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, JobBudget,
-)
+from search.study.budget import RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, JobBudget, PickCost
 from search.study.runner import run_study
 from search.study.studyfile import load_study_file
 from search.study.worker import RunSpec
@@ -48,10 +46,6 @@ _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 MIN_TOTAL_S = 60.0
 # Above this a budget is a typo, not a plan (a week): `--time` of 400 nines would otherwise be infinity.
 MAX_TOTAL_S = 7 * 24 * 3600.0
-# The pick starts only with at least this much left: its loading and selection plus the export's fixed part
-# (search.pick.plan.EXPORT_FIXED_S) took 15-25 s on the demo data on 2 cores; with less, it would overrun the budget
-# to replace a submission that is already in place.
-PICK_MIN_S = EXPORT_FIXED_S + 10.0
 
 
 def parse_duration(text: str) -> float:
@@ -119,7 +113,7 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
     data = load_train_shared(spec.data_path)
     answer = _floor(data, test, out)
     judge, standing = _judge(spec, data, answer)
-    job_budget = JobBudget(deadline, total, floor_s=answer.seconds)
+    job_budget = JobBudget(deadline, total, PickCost(PICK_FIXED_S, pool_size(pick)), floor_s=answer.seconds)
     if deadline.left() <= job_budget.opening_reserve():
         say(f"latentsweep: {deadline.left():.0f} s left, not more than the pick's opening reserve of "
             f"{job_budget.opening_reserve():.0f} s: no search; the submission stays {answer.source}")

@@ -26,7 +26,7 @@ from search.pick.jobs import SubmissionModel
 from search.pick.options import Paths, PickOptions
 from search.pick.pyfunc_model import ModelCard, log_ensemble, model_name
 from search.pick.selection import WHERE, Selection, spread_text
-from search.study.worker import PARENT_ATTR
+from search.study.contract import StudyRecord
 from search.redact import redact_url
 from search.tracking.base import NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker
 from search.tracking.source import source_tags
@@ -91,7 +91,7 @@ def start_run(tracker: Tracker, study, method: str) -> tuple[str, str]:
     exp_id = tracker.open_experiment(name)
     tags = {ROLE_TAG: PICK_ROLE, STUDY_TAG: name, "latentsweep.method": method,
             **source_tags(f"latentsweep pick {name}")}
-    parent = study.user_attrs.get(PARENT_ATTR)
+    parent = StudyRecord.of(study).parent_run_id
     if parent and tracker.has_run(parent):  # else the parent lives in another tracking store: the run stands alone
         tags[PARENT_TAG] = parent
     return exp_id, tracker.start_run(f"pick-{method}", tags)

@@ -30,6 +30,7 @@ from search.pick.options import AUTO, Paths, PickOptions, check_options, pool_si
 from search.pick.outputs import PickResult, PickRun, write_outputs
 from search.pick.plan import Clock
 from search.pick.selection import Selection, screen, select_halves, select_oof, select_val
+from search.study.contract import read_trials
 from search.study.report import load_existing_study
 from search.tracking.probe import probe_tracking_store
 from search.tracking import make_tracker
@@ -130,7 +131,7 @@ def pick_budget(opts: PickOptions, study) -> float | None:
     """The pick's budget in seconds: --budget, none, or the default derived from the study's wall time (printed)."""
     if opts.budget != AUTO:
         return opts.budget
-    budget, why = plan_mod.default_budget(plan_mod.study_wall_seconds(study.get_trials(deepcopy=False)))
+    budget, why = plan_mod.default_budget(plan_mod.study_wall_seconds(read_trials(study)))
     say(f"latentsweep: budget: {budget:.0f} s ({why}; --budget SECONDS or --budget none to change)")
     return budget
 

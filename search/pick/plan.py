@@ -88,10 +88,19 @@ def plan(cost_of: Callable[[int, int, int], float], top: int, folds: int, seeds:
     return Plan(knobs["top"], knobs["folds"], knobs["seeds"], estimate, notes)
 
 
-# The export after the last job (the submission's predictions, the pyfunc model with every checkpoint, the MLflow
-# run and its files): measured on the demo data on 2 cores at about EXPORT_FIXED_S plus EXPORT_PER_MODEL_S per model
-# in the submission; the clock keeps that much of the budget free when it admits a job.
+# The pick's work besides its training jobs, the one home of its costs, from one measurement (the demo data on 2
+# cores): loading the candidates and the selection took about SELECT_S, and the export after the last job (the
+# submission's predictions, the pyfunc model with every checkpoint, the MLflow run and its files) about
+# EXPORT_FIXED_S plus EXPORT_PER_MODEL_S per model in the submission: 15-25 s in all.
+# - the clock keeps the export's share of the budget free when it admits a job;
+# - a one-budget job starts the pick only with PICK_MIN_S left (with less it would overrun the budget to replace a
+#   submission already in place);
+# - and its search reserves PICK_FIXED_S for that work (the measurement's top, with a margin), besides one validation
+#   pass per candidate of the pool (search.study.budget.PickCost).
 EXPORT_FIXED_S, EXPORT_PER_MODEL_S = 10.0, 1.0
+SELECT_S = 10.0
+PICK_MIN_S = EXPORT_FIXED_S + SELECT_S
+PICK_FIXED_S = 30.0
 # A measured/estimated ratio outside these bounds says more about one odd job than about the estimates: clipped.
 FACTOR_BOUNDS = (0.25, 4.0)
 

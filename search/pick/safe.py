@@ -17,7 +17,7 @@ from search.failures import Kind, classify
 from search.pick.candidates import top_trials
 from search.pick.ensemble import predict_all
 from search.pick.judge import Judge, Standing
-from search.study.contract import TrialOutputs
+from search.study.contract import DamagedStudy, TrialOutputs
 from search.study.report import load_existing_study
 from search.study.storage import dispose, storage_of
 from search.tracking.paths import resolve_in_state
@@ -69,14 +69,16 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     """The study's best trial with a value (a pruned trial's best epoch counts), or None."""
     try:
         return top_trials(study, 1)[0]
+    except DamagedStudy:  # not "no trial yet": the caller says it
+        raise
     except LatentsweepError:  # no trial with a value yet
         return None
 
 
-def local_checkpoint(trial: optuna.trial.FrozenTrial, root: Path) -> Path | None:
-    """`trial`'s best.pt on disk under the state directory `root`, or None (nothing is downloaded: the job's
-    trials wrote their checkpoints here)."""
-    local = TrialOutputs.of(trial).local_checkpoint
+def local_checkpoint(trial: optuna.trial.FrozenTrial, root: Path, study: str | None = None) -> Path | None:
+    """`trial`'s (of study `study`) best.pt on disk under the state directory `root`, or None (nothing is
+    downloaded: the job's trials wrote their checkpoints here)."""
+    local = TrialOutputs.of(trial, study).local_checkpoint
     path = resolve_in_state(local, root) if local else None
     return path if path is not None and path.is_file() else None
 
@@ -126,7 +128,7 @@ class Keeper:
             raise
         if best is None or (best.number, best.value) in self.looked:
             return self.answer
-        found = local_checkpoint(best, self.root)
+        found = local_checkpoint(best, self.root, study.study_name)
         if found is None:
             if best.number not in self.missing:
                 self.missing.add(best.number)

@@ -8,20 +8,14 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import TrialState
 
-from search.study.objective import TIMING_ATTR
-from trainers.cost import Timing
+from search.study.contract import read_timing, read_trials
 from trainers.deadline import Deadline
 
 # What the pick is reserved: this many refits on every labelled image of the best trials' configs. On the held-out
 # challenge-format set of issue 19, 7 refits (4 members) reached 0.640 test MRR and 12 refits (3 seeds x 4) added
 # nothing, so about 8 refits is what a pick turns into test score.
 RESERVE_REFITS = 8
-# ... plus the pick's own fixed work: PICK_FIXED_S (the export of the model and its MLflow run, measured at 15-25 s
-# on the demo data on 2 cores) and one validation pass per candidate it loads (PICK_POOL: --top 5 x the pool factor
-# 2 of search.pick.options), each as long as the best trials' measured validation: what the pick's predictions of
-# the val split cost on this machine and data (at challenge size that, not the export, is most of it).
-PICK_FIXED_S = 30.0
-PICK_POOL = 10
+# ... plus the pick's own work (PickCost, decided by the pick: search.pick.plan and search.pick.options).
 # The reserve stays within these fractions of the whole budget: before any trial has finished (nothing measured
 # yet) it is the upper bound, so a first slow trial cannot eat the pick's time; and the search always gets half.
 RESERVE_MIN_FRACTION, RESERVE_MAX_FRACTION = 0.1, 0.5
@@ -36,12 +30,23 @@ RESERVE_TRIALS = 3
 
 
 @dataclass(frozen=True)
+class PickCost:
+    """What the pick after the search costs besides its refits, as the pick decides it (the one-budget job passes
+    search.pick.plan.PICK_FIXED_S and the pool of search.pick.options.pool_size): its fixed work in seconds, and one
+    validation pass per candidate of its pool, each as long as the best trials' measured validation (what the pick's
+    predictions of the val split cost on this machine and data: at challenge size, most of the pick's own work)."""
+    fixed_s: float
+    pool: int
+
+
+@dataclass(frozen=True)
 class JobBudget:
     """The whole one-budget job's time (search and pick): `total_s` seconds ending at `deadline` (the one deadline
-    of the job, trainers.deadline); `floor_s` is what the closed-form floor (search.pick.safe) took on this machine
-    (the reserve's lowest bound)."""
+    of the job, trainers.deadline); `pick` what the pick costs besides its refits; `floor_s` is what the closed-form
+    floor (search.pick.safe) took on this machine (the reserve's lowest bound)."""
     deadline: Deadline
     total_s: float
+    pick: PickCost
     floor_s: float = 0.0
 
     def reserve(self, study: optuna.Study, captions: int, images: int) -> float:
@@ -53,7 +58,7 @@ class JobBudget:
         floor = SAFE_FACTOR * self.floor_s
         if not costs:
             return self.opening_reserve()
-        fixed = PICK_FIXED_S + PICK_POOL * statistics.fmean(c.eval_s for c in costs)
+        fixed = self.pick.fixed_s + self.pick.pool * statistics.fmean(c.eval_s for c in costs)
         wanted = RESERVE_REFITS * statistics.fmean(c.refit_s for c in costs) + fixed
         return max(min(max(wanted, low), high), floor)
 
@@ -90,17 +95,18 @@ def refit_costs(study: optuna.Study, captions: int, images: int) -> list[TrialCo
     every labelled image (its best epoch so far + 1 epochs, no validation) and its measured validation pass; running
     trials count from their first epoch."""
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
-    done = [t for t in study.get_trials(deepcopy=False, states=states)
-            if Timing.from_attrs(t.user_attrs.get(TIMING_ATTR)) and t.intermediate_values]
+    trials = read_trials(study, states)
+    timings = {t.number: read_timing(t, study.study_name) for t in trials}
+    done = [t for t in trials if timings[t.number] and t.intermediate_values]
     sign = 1.0 if study.direction == optuna.study.StudyDirection.MAXIMIZE else -1.0
     done.sort(key=lambda t: -sign * max(sign * v for v in t.intermediate_values.values()))
     out = []
     for t in done[:RESERVE_TRIALS]:
         values = t.intermediate_values
         best_epoch = max(values, key=lambda e: sign * values[e])
-        timing = Timing.from_attrs(t.user_attrs[TIMING_ATTR])
+        timing = timings[t.number]
         out.append(TrialCost(timing.estimate(captions, images, best_epoch + 1), timing.eval_s))
     return out
 
 
-__all__ = ["JobBudget", "TrialCost", "refit_costs", "workers_stop"]
+__all__ = ["JobBudget", "PickCost", "TrialCost", "refit_costs", "workers_stop"]

@@ -16,12 +16,6 @@ from trainers.devices import VISIBLE_ENV
 from trainers.errors import LatentsweepError
 
 ALL = "all"
-# The device a trial trained on ('cpu' or 'cuda:K', K the machine's GPU): a tag of its MLflow run and a user attribute
-# of its Optuna trial, shown by `study status`.
-DEVICE_ATTR = "latentsweep.device"
-# A trial user attr and its run's tag: {"id": "<host:pid>/<n>", "size": K}, the population it trained in
-# (search.study.population; absent for a trial trained alone), shown by `study status`.
-POPULATION_ATTR = "latentsweep.population"
 AUTO = "auto"
 # `--workers auto` on a machine without GPUs: one worker per this many cores, the threads each compose worker gets by
 # default (WORKER_THREADS in docker-compose.yml), so auto never asks for more threads than the machine has.

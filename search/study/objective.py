@@ -13,9 +13,10 @@ from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 
 from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
-from search.study.contract import TrialOutputs
-from search.study.devices import DEVICE_ATTR, POPULATION_ATTR
-from search.study.side import SIDE_ATTR, side_values
+from search.study.contract import (
+    DEADLINE_ATTR, DEVICE_ATTR, ERROR_ATTR, HALT_ATTR, POPULATION_ATTR, SIDE_ATTR, TIMING_ATTR, TrialOutputs,
+    read_side, read_timing, read_trials,
+)
 from search.study.space import sample
 from search.process import raise_if_interrupted
 from search.redact import redact_url
@@ -28,7 +29,6 @@ from search.tracking.base import (
 from search.tracking.source import source_tags
 from search.tracking.plots import rank_histogram
 from trainers.config import Config, dump_toml, flatten, with_values
-from trainers.cost import Timing
 from trainers.data import TrainSet
 from trainers.deadline import Deadline
 from trainers.errors import LatentsweepError
@@ -39,13 +39,6 @@ from trainers.progress import say
 
 # Attempts to end a trial's MLflow run before the failure is warned about and left to the reaper (see _end).
 CLOSE_ATTEMPTS = 2
-ERROR_ATTR = "latentsweep.error"  # set on trials that failed for good (not retried; they count in the budget)
-# A study user attr, set when a bug stopped a worker: the other workers stop before claiming their next trial.
-HALT_ATTR = "latentsweep.halted"
-# Trial user attrs: the run's measured seconds (trainers.cost.Timing as a dict), what the pick plans its jobs and a
-# one-budget run its split with; and, on a trial the deadline cut short, where it stopped.
-TIMING_ATTR = "timing"
-DEADLINE_ATTR = "latentsweep.stopped_at_deadline"
 
 
 @dataclass(frozen=True)
@@ -69,8 +62,8 @@ def relative_to_state(path: Path, state_dir: str | Path) -> str:
 def typical_trial_s(study: optuna.Study) -> float | None:
     """The median measured seconds of one trial's setup, first epoch and its validation (None before any)."""
     seconds = []
-    for t in study.get_trials(deepcopy=False):
-        timing = Timing.from_attrs(t.user_attrs.get(TIMING_ATTR))
+    for t in read_trials(study):
+        timing = read_timing(t, study.study_name)
         if timing is not None:
             seconds.append(timing.setup_s + timing.train_s + timing.eval_s)
     return statistics.median(seconds) if seconds else None
@@ -168,7 +161,7 @@ class TrialRunner:
         trial is retried).
         """
         out = self.out_root / f"trial-{trial.number}"
-        side = side_values(trial)  # a side trial's config is its own values: it samples nothing
+        side = read_side(trial)  # a side trial's config is its own values: it samples nothing
         try:
             values = side if side is not None else sample(trial, list(self.study_file.space), self.base_values)
         except ValueError as exc:
@@ -284,8 +277,8 @@ class TrialRunner:
         if population is not None:  # which population it trained in, and its size (search.study.population)
             trial.set_user_attr(POPULATION_ATTR, population)
             tags.update({POPULATION_ATTR: str(population["id"]), f"{POPULATION_ATTR}_size": str(population["size"])})
-        if SIDE_ATTR in trial.user_attrs:
-            tags[SIDE_ATTR] = trial.user_attrs[SIDE_ATTR]
+        if SIDE_ATTR in trial.user_attrs:  # the stored text as it is (read_side parses it)
+            tags[SIDE_ATTR] = str(trial.user_attrs[SIDE_ATTR])
         tags.update(warm_tags(trial))  # a warm-started trial names its source study and trial (search.study.warm)
         return tags
 
@@ -295,7 +288,7 @@ class TrialRunner:
         started = time.monotonic()
         try:
             if error:
-                self.tracker.log(run_id, tags={"latentsweep.error": error[-4000:]})
+                self.tracker.log(run_id, tags={ERROR_ATTR: error[-4000:]})  # the run's tag of the same name
             paths = [p for p in (out / "config.toml", out / "metrics.csv", out / "best.pt") if p.exists()]
             self.tracker.log_artifacts(run_id, paths)
             if ranks is not None:

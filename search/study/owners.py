@@ -7,7 +7,7 @@ import socket
 
 import optuna
 
-OWNER_ATTR = "latentsweep.worker"
+from search.study.contract import OWNER_ATTR
 
 
 def _this_machine() -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from search.study.contract import ERROR_ATTR
+
 
 def is_terminal() -> bool:
     """Whether stderr is a terminal (bars and carriage returns only make sense there: not in CI, nohup or docker)."""
@@ -36,7 +38,7 @@ def trial_line(study: Any, frozen: Any) -> str:
         parts[-1] = f"value {_fmt(frozen.intermediate_values[step])} at epoch {step}"
     parts.append(f"best {_fmt(best)}" + ("" if best_number is None else f" (trial {best_number})"))
     parts.append("duration " + ("-" if duration is None else f"{duration:.1f} s"))
-    error = frozen.user_attrs.get("latentsweep.error")
+    error = frozen.user_attrs.get(ERROR_ATTR)
     if error:
         parts.append(f"error: {error}")
     return "  ".join(parts)

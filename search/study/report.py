@@ -9,8 +9,7 @@ import pandas as pd
 from optuna.trial import TrialState
 
 from search.redact import redact_url
-from search.study.devices import DEVICE_ATTR, POPULATION_ATTR
-from search.study.side import side_values
+from search.study.contract import DEVICE_ATTR, POPULATION_ATTR, StudyRecord, read_side
 from search.study.storage import StorageSettings, dispose, open_storage
 from search.study.warm import warm_column
 from search.tracking.base import SUMMARY_STEP_KEY
@@ -45,7 +44,7 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
     frame = frame.rename(columns={value: "value", **{c: c[len("params_"):] for c in frame.columns
                                                        if c.startswith("params_")}})
     for trial in study.get_trials(deepcopy=False):  # a side trial's knob values stand in its row's cells
-        for key, val in (side_values(trial) or {}).items():
+        for key, val in (read_side(trial, study.study_name) or {}).items():
             if key in frame.columns:
                 frame.loc[frame["number"] == trial.number, key] = val
     frame["value"] = pd.to_numeric(frame["value"])  # all None (no trial has a value yet) would be an object column
@@ -64,7 +63,7 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
 
 
 def _devices(study: optuna.Study, frame: pd.DataFrame) -> list[str]:
-    """Add the `device` column (search.study.devices.DEVICE_ATTR of each trial) when any trial recorded one, and the
+    """Add the `device` column (search.study.contract.DEVICE_ATTR of each trial) when any trial recorded one, and the
     `population` column (its size, POPULATION_ATTR) when any trained in one; their names in a list, or none (a study
     from before devices were recorded)."""
     devices = {t.number: t.user_attrs.get(DEVICE_ATTR) for t in study.get_trials(deepcopy=False)}
@@ -91,7 +90,7 @@ def study_summary(study: optuna.Study) -> dict[str, Any]:
         best = study.best_trial
         # a side trial samples nothing: its knob values stand where a sampled trial's parameters would
         summary.update(best_value=best.value, best_trial=best.number,
-                       best_params=dict(best.params) or side_values(best) or {})
+                       best_params=dict(best.params) or read_side(best, study.study_name) or {})
     elif summary["trials_complete"]:
         summary["pareto_front_size"] = len(study.best_trials)
     return summary
@@ -102,7 +101,7 @@ def study_header(study: optuna.Study) -> str:
     trials = study.get_trials(deepcopy=False)
     counts = pd.Series([t.state.name.lower() for t in trials], dtype=object).value_counts().to_dict()
     parts = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-    metric = (study.metric_names or [study.user_attrs.get("objective", "objective")])[0]
+    metric = StudyRecord.of(study).objective or "objective"
     header = f"study {study.study_name}: {study.direction.name.lower()} {metric}, {len(trials)} trials"
     header += f" ({parts})" if parts else ""
     try:
@@ -124,7 +123,7 @@ def studies_table(storage: str) -> pd.DataFrame:
                                dtype=object).value_counts()
             best = s.best_trial
             rows.append({"study": s.study_name, "direction": s.direction.name.lower(),
-                         "objective": (study.metric_names or [study.user_attrs.get("objective", "")])[0],
+                         "objective": StudyRecord.of(study).objective or "",
                          "trials": s.n_trials, **{k: int(states.get(k, 0)) for k in ("complete", "pruned", "fail",
                                                                                        "running")},
                          "best_value": None if best is None else best.value,

@@ -16,6 +16,7 @@ from search.process import configure_process, interrupt_on, raise_if_interrupted
 from search.progress import report_error
 
 from search.study.budget import workers_stop
+from search.study.contract import StudyRecord
 from search.study.devices import assign_slots, pin_process
 from search.study.objective import TrialRunner
 from search.study.population import population_loop, population_size
@@ -23,7 +24,7 @@ from search.study.progress import trial_line
 from search.study.report import load_existing_study, study_summary
 from search.study.studyfile import load_study_file
 from search.study.worker import (
-    PARENT_ATTR, LiveTrialNumbers, RunSpec, check_halted, counted, cpu_threads, dispose_study, load_or_create, reap,
+    LiveTrialNumbers, RunSpec, check_halted, counted, cpu_threads, dispose_study, load_or_create, reap,
     open_tracker, reap_owner, study_dir, worker_id, worker_loop,
 )
 from search.tracking import make_tracker
@@ -259,7 +260,7 @@ def finish(study: optuna.Study, tracker: Tracker, figures: bool = True) -> dict:
     """Refresh the parent run (summary, and the Optuna plots when `figures`) and return the summary."""
     summary = study_summary(study)
     try:
-        tracker.end_study(summary, study_figures(study, study.user_attrs.get("objective")) if figures else {})
+        tracker.end_study(summary, study_figures(study, StudyRecord.of(study).objective) if figures else {})
     except Exception as exc:  # a store down: the study's results are in Optuna either way; a bug is raised
         if classify(exc).kind is Kind.BUG:
             raise
@@ -274,7 +275,7 @@ def reap_study(name: str, stores) -> list:
     study = load_existing_study(name, stores.storage.url, stores.storage.heartbeat_interval,
                                 stores.storage.grace_period)
     try:
-        parent = study.user_attrs.get(PARENT_ATTR)
+        parent = StudyRecord.of(study).parent_run_id
         if not parent:
             raise LatentsweepError(f"study '{name}' has no MLflow parent run recorded")
         tracker = make_tracker(stores.tracking_uri, stores.artifact_root)

@@ -4,8 +4,8 @@ Why: a model with nothing to tune (the knn model builds the same predictions wha
 a choice of a searched categorical knob is a trap for TPE. Once it has the best value, TPE proposes it again and
 again: on a demo holdout, 108 of a 10-minute study's first 117 trials rebuilt the same knn model (0.391 each time)
 and the trained models stopped being searched. A side trial has no Optuna parameters, so no sampler models it; its
-config is `[base]` with the entry's knob values, kept in the trial's user attribute SIDE_ATTR, and the pick reads
-it there (its model kind, for the best-of-each-kind pool).
+config is `[base]` with the entry's knob values, kept in the trial's user attribute SIDE_ATTR, read back by
+search.study.contract.read_side (the trial's own config; for the pick, its model kind in the best-of-each-kind pool).
 """
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ from typing import Any
 
 import optuna
 
+from search.study.contract import ENQUEUED_ATTR, SIDE_ATTR
 from trainers.config import Config, coerce, flatten_tree, with_values
 from trainers.errors import ConfigError
-from trainers.progress import say
 from trainers.validate import validate
 
 
-SIDE_ATTR = "latentsweep.side"  # JSON {config key: value} of a side trial
 # Knobs that belong to the study, not to one of its trials: every trial reads one data file, one task and one val
 # split (so that their values compare), and the study's plugins ([study] plugins).
 STUDY_OWNED = ("data.path", "data.task", "data.split", "data.val_ratio", "data.n_folds", "data.fold", "data.salt")
@@ -58,7 +57,7 @@ def enqueue_side(study: optuna.Study, entries: tuple[dict[str, Any], ...]) -> No
     for values in entries:
         text = json.dumps(values, sort_keys=True)
         if text not in have:
-            study.enqueue_trial({}, user_attrs={"latentsweep.enqueued": True, SIDE_ATTR: text})
+            study.enqueue_trial({}, user_attrs={ENQUEUED_ATTR: True, SIDE_ATTR: text})
             have.add(text)  # two identical entries run once
 
 
@@ -69,18 +68,3 @@ def unique(entries: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
         if values:
             seen.setdefault(json.dumps(values, sort_keys=True), values)
     return tuple(seen.values())
-
-
-def side_values(trial: optuna.trial.BaseTrial | optuna.trial.FrozenTrial) -> dict[str, Any] | None:
-    """The side trial's knob values, or None for a trial the sampler proposed or an enqueued recipe."""
-    text = trial.user_attrs.get(SIDE_ATTR)
-    if text is None:
-        return None
-    try:
-        values = json.loads(text) if isinstance(text, str) else None
-    except ValueError:
-        values = None
-    if not isinstance(values, dict):  # a damaged or hand-edited study: the trial reads as a sampled one
-        say(f"trial {trial.number}: its side values ({SIDE_ATTR}) are not a JSON object; ignored")
-        return None
-    return values

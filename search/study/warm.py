@@ -29,7 +29,7 @@ from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
 from search.redact import redact_url
-from search.study.side import side_values
+from search.study.contract import ENQUEUED_ATTR, IDENTITY_ATTR, WARM_ATTR, read_side
 from search.study.space import Param, config_key
 from search.study.storage import StorageSettings, dispose, open_storage, storage_of
 from search.study.studyfile import StudyFile
@@ -39,8 +39,6 @@ from trainers.data import fingerprint
 from trainers.errors import LatentsweepError
 from trainers.progress import say
 
-WARM_ATTR = "latentsweep.warm_from"  # trial attr and MLflow tag: "NAME:TRIAL" (source study) or "portfolio:INDEX"
-IDENTITY_ATTR = "latentsweep.data"  # study attr: {fingerprint, objective, direction, split...} (see identity())
 # At most this many configurations are taken: SageMaker's warm start takes at most 5 parent jobs, and full.toml
 # finishes about 27 trials in 5 minutes on 2 quiet cores (docs/results.md), so a 60-s `run` searches a handful.
 WARM_K = 5
@@ -111,7 +109,7 @@ def earlier_trials(storage, mine: dict, exclude: str, where: str) -> list[tuple[
         study_id = storage.get_study_id_from_name(summary.study_name)
         trials = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
         found += [(label, summary.study_name, t) for t in trials
-                  if t.value is not None and t.params and side_values(t) is None]
+                  if t.value is not None and t.params and read_side(t, summary.study_name) is None]
     return found
 
 
@@ -174,7 +172,7 @@ def portfolio() -> list[dict[str, Any]]:
 def enqueue(study: optuna.Study, values: dict[str, Any], source: str) -> bool:
     """Queue one configuration unless the study has it already (a recipe of the study file); True when queued."""
     before = len(study.get_trials(deepcopy=False))
-    study.enqueue_trial(values, user_attrs={"latentsweep.enqueued": True, WARM_ATTR: source}, skip_if_exists=True)
+    study.enqueue_trial(values, user_attrs={ENQUEUED_ATTR: True, WARM_ATTR: source}, skip_if_exists=True)
     return len(study.get_trials(deepcopy=False)) > before
 
 

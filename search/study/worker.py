@@ -15,9 +15,12 @@ from search.failures import Kind, StudyHalted, classify, release_interrupted
 from search.process import raise_if_interrupted
 from search.redact import redact_url
 from search.study.budget import JobBudget
-from search.study.contract import TrialOutputs
-from search.study.objective import ERROR_ATTR, HALT_ATTR, TrialRunner
-from search.study.owners import OWNER_ATTR, gone, worker_id
+from search.study.contract import (
+    ENQUEUED_ATTR, ERROR_ATTR, HALT_ATTR, OBJECTIVE_ATTR, OWNER_ATTR, PARENT_ATTR, PLUGINS_ATTR, TrialOutputs,
+    study_attrs,
+)
+from search.study.objective import TrialRunner
+from search.study.owners import gone, worker_id
 from search.study.samplers import DEFAULT, build_pruner, build_sampler
 from search.study.side import enqueue_side
 from search.study.storage import (
@@ -33,9 +36,6 @@ from trainers.plugins import parse_ref
 from trainers.progress import say
 
 
-PARENT_ATTR = "mlflow_parent_run_id"
-ENQUEUED_ATTR = "latentsweep.enqueued"
-PLUGINS_ATTR = "latentsweep.plugins"  # {file name: sha256} of the study's plugin files
 # The budget counts finished trials: complete, pruned, and failed for good (ERROR_ATTR: a config that cannot train or
 # does not fit in memory, or a bug). Trials failed by the machine, a store, an interrupt or a dead worker are retried
 # instead, so they do not count (search.failures says which is which).
@@ -78,7 +78,7 @@ def check_plugins(study, study_file: StudyFile, write: bool) -> None:
     """Every worker of a study loads the same plugin files (by sha256, from its own copy of the study file): the
     first records them on the study, a worker whose files differ stops before its first trial."""
     mine = {Path(path).name: sha for path, sha in map(parse_ref, study_file.plugins)}
-    recorded = study.user_attrs.get(PLUGINS_ATTR)
+    recorded = study_attrs(study).get(PLUGINS_ATTR)
     if recorded is None:
         if write:
             study.set_user_attr(PLUGINS_ATTR, mine)
@@ -106,7 +106,7 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
     existing = len(study.get_trials(deepcopy=False))
     if existing:  # resumed: a sampler seeded as at the start would propose trial 0's values again
         study.sampler = build_sampler(study_file.sampler, per_worker=not create, history=existing)
-    attrs = study.user_attrs
+    attrs = study_attrs(study)
     check_plugins(study, study_file, write=reopen)
     if create and attrs.get(HALT_ATTR):  # `study run`/`study create` again: the user has dealt with the bug
         say(f"study '{spec.name}' was halted ({attrs[HALT_ATTR]}); resuming it")
@@ -128,11 +128,11 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
         enqueue_side(study, study_file.side)  # first: one cheap config each (the knn: seconds on the demo)
         portfolio_due = warm_start(study, study_file, spec.data_path, spec.warm_start, spec.warm_from)
         for values in study_file.enqueue:
-            study.enqueue_trial(values, user_attrs={"latentsweep.enqueued": True}, skip_if_exists=True)
+            study.enqueue_trial(values, user_attrs={ENQUEUED_ATTR: True}, skip_if_exists=True)
         if portfolio_due:  # nothing earlier on this data (search.study.warm)
             queue_portfolio(study, study_file)
         study.set_user_attr(ENQUEUED_ATTR, True)
-    study.set_user_attr("objective", study_file.objective)
+    study.set_user_attr(OBJECTIVE_ATTR, study_file.objective)
     if study.metric_names != [study_file.objective]:
         study.set_metric_names([study_file.objective])  # optuna-dashboard labels the value with it, not "Objective 0"
     return study
@@ -247,7 +247,8 @@ def close_dead_runs(study: optuna.Study, tracker: Tracker) -> list[str]:
     callback = storage_of(study).get_heartbeat_stale_trial_callback()
     closed = []
     for trial in callback.drain() if isinstance(callback, RetryAndRecord) else []:
-        run_id = TrialOutputs.of(trial).mlflow_run_id  # absent when the worker died before opening the run
+        # absent when the worker died before opening the run
+        run_id = TrialOutputs.of(trial, study.study_name).mlflow_run_id
         if run_id:
             try:
                 tracker.log(run_id, tags={REAPED_TAG: "true"})
@@ -364,7 +365,7 @@ def fail_or_stop(study: optuna.Study, runner: TrialRunner, trial: optuna.Trial |
 
 def check_halted(study: optuna.Study) -> None:
     """Raise StudyHalted when a worker of this study stopped on a bug (see TrialRunner.fail)."""
-    reason = study.user_attrs.get(HALT_ATTR)
+    reason = study_attrs(study).get(HALT_ATTR)
     if reason:
         raise StudyHalted(f"study '{study.study_name}' halted: {reason} (a bug, not the configuration: its traceback "
                           f"is in that worker's output; `study run` again resumes it)")
