@@ -187,7 +187,7 @@ def test_pick_writes_a_valid_submission_manifest_and_report(world, greedy_pick):
     assert set(report["role"]) == {"member", "best_single", "mean", "ensemble", "submission_model"}
     made = report[report["role"] == "submission_model"]
     assert set(made["origin"]) == {"local"} and made["weight"].sum() == pytest.approx(1.0)  # --no-refit
-    assert not list(out.parent.glob(".pick-*"))  # no staging left behind
+    assert not list(out.parent.glob(".*"))  # no staging left behind (trainers.io.atomic_path: hidden, beside)
 
 
 @pytest.mark.slow

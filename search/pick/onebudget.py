@@ -31,10 +31,9 @@ from search.pick.safe import Keeper, SafeAnswer, ridge_answer
 from search.stores import safe_name
 from search.study.budget import RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, JobBudget, PickCost
 from search.study.runner import run_study
-from search.study.studyfile import load_study_file
 from search.study.worker import RunSpec
 from search.tracking.probe import probe_tracking_store
-from trainers.data import check_text_dim, load_test, load_train_shared
+from trainers.data import check_text_dim, load_test_shared, load_train_shared
 from trainers.deadline import Deadline
 from trainers.errors import DataError, LatentsweepError
 from trainers.io import atomic_write
@@ -83,7 +82,7 @@ def check_pick_inputs(pick: PickOptions, data_path: str) -> PickOptions:
     check_options(pick)
     resolve_device(pick.device)
     test = test_path_for(Path(data_path), pick.test)
-    check_text_dim(load_test(test), load_train_shared(data_path).text.shape[1], "the training captions have")
+    check_text_dim(load_test_shared(test), load_train_shared(data_path).text.shape[1], "the training captions have")
     out = out_path(pick, Path(pick.state_dir))
     check_writable(out)
     probe_tracking_store(pick.tracking_uri)
@@ -109,7 +108,7 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
     check_pick_inputs. A submission is in place from step 2 on (see the module's docstring)."""
     deadline = Deadline.after(total, started)
     say(f"latentsweep: {describe_split(total)}")
-    test, out = load_test(pick.test), Path(pick.out)
+    test, out = load_test_shared(pick.test), Path(pick.out)
     data = load_train_shared(spec.data_path)
     answer = _floor(data, test, out)
     judge, standing = _judge(spec, data, answer)
@@ -174,7 +173,7 @@ def _judge(spec: RunSpec, data, answer: SafeAnswer) -> tuple[Judge | None, Stand
     the split's train part, scored when the first other answer is offered. Without a judge (a study that holds
     nothing out) answers replace each other unscored."""
     standing = Standing(answer.source, None)
-    judge = make_judge(load_study_file(spec.study_file).base, data)
+    judge = make_judge(spec.parsed_study().base, data)
     if judge is None:
         say("latentsweep: warning: the study holds no val split out, so answers are not compared: each one replaces "
             "the last")

@@ -7,10 +7,8 @@ is said in one line; a failure before it leaves nothing behind but what was ther
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +18,7 @@ import numpy as np
 import optuna
 import pandas as pd
 
-from search.failures import Kind, first_line, kind_of, release_interrupted
+from search.failures import Kind, best_effort, first_line, kind_of, release_interrupted
 from search.pick.candidates import Candidate
 from search.pick.jobs import SubmissionModel
 from search.pick.options import Paths, PickOptions
@@ -32,7 +30,7 @@ from search.tracking.base import NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, Data
 from search.tracking.source import source_tags
 from search.tracking.plots import ensemble_figure
 from trainers.data import TestSet, TrainSet
-from trainers.io import atomic_write
+from trainers.io import atomic_path, atomic_write
 from trainers.progress import say
 from trainers.submission import check_submission, write_submission
 
@@ -226,8 +224,8 @@ def write_outputs(tracker: Tracker, r: PickRun) -> PickResult:
         doc = manifest(r, run)
         with atomic_write(paths.manifest) as fh:
             fh.write(json.dumps(doc, indent=2, default=float) + "\n")
-        _best_effort(lambda: tracker.log_artifacts(run["run_id"], [paths.out, paths.report, paths.manifest]),
-                     "log the pick's files to its MLflow run")
+        with best_effort("log the pick's files to its MLflow run"):  # they are in place already
+            tracker.log_artifacts(run["run_id"], [paths.out, paths.report, paths.manifest])
     registered = run["registered"] if run else None
     return PickResult(paths.out, paths.manifest, paths.report, r.sel.table, doc["weights"], r.sel.best_single,
                       float(r.sel.gain), float(r.sel.gain_se), r.sel.kind, run["run_id"] if run else None,
@@ -235,30 +233,30 @@ def write_outputs(tracker: Tracker, r: PickRun) -> PickResult:
 
 
 def _put_files(r: PickRun) -> dict[str, Any]:
-    """Stage the submission (checked against the test set), report and manifest, then move them into place; on a
-    failure nothing is moved and the directories created for --out are removed. Returns the manifest."""
+    """Stage the submission (checked against the test set), report and manifest beside their places
+    (trainers.io.atomic_path), then move them into place; on a failure nothing is moved and the directories created
+    for --out are removed. Returns the manifest."""
     paths = r.paths
     created = _make_dirs(paths.out.parent)
-    stage = Path(tempfile.mkdtemp(prefix=".pick-", dir=paths.out.parent))
     try:
-        staged = {p: stage / p.name for p in (paths.out, paths.report, paths.manifest)}
-        write_submission(staged[paths.out], r.test.ids, r.test_pred)
-        check_submission(staged[paths.out], r.test, dim=r.test_pred.shape[1])
-        r.sel.table.to_csv(staged[paths.report], index=False)
-        doc = manifest(r, {"tracking_uri": redact_url(paths.tracking_uri), "run_id": None})
-        staged[paths.manifest].write_text(json.dumps(doc, indent=2, default=float) + "\n")
-        # An earlier job's manifest and report go first and the new manifest comes last: killed at any moment, the
-        # files beside the submission are from the job that wrote it, or absent.
-        for final in (paths.manifest, paths.report):
-            final.unlink(missing_ok=True)
-        for final in (paths.out, paths.report, paths.manifest):
-            os.replace(staged[final], final)
+        with contextlib.ExitStack() as stack:
+            # entered in reverse, so moved in this order at the block's end: the submission, the report, and the
+            # new manifest last
+            staged = {p: stack.enter_context(atomic_path(p, parents=False))
+                      for p in (paths.manifest, paths.report, paths.out)}
+            write_submission(staged[paths.out], r.test.ids, r.test_pred)
+            check_submission(staged[paths.out], r.test, dim=r.test_pred.shape[1])
+            r.sel.table.to_csv(staged[paths.report], index=False)
+            doc = manifest(r, {"tracking_uri": redact_url(paths.tracking_uri), "run_id": None})
+            staged[paths.manifest].write_text(json.dumps(doc, indent=2, default=float) + "\n")
+            # An earlier job's manifest and report go first: killed at any moment, the files beside the submission
+            # are from the job that wrote it, or absent.
+            for final in (paths.manifest, paths.report):
+                final.unlink(missing_ok=True)
         return doc
     except BaseException:
         _remove_empty(created)
         raise
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _track(tracker: Tracker, r: PickRun) -> dict[str, Any] | None:
@@ -291,16 +289,6 @@ def _track(tracker: Tracker, r: PickRun) -> dict[str, Any] | None:
             raise
         say(f"the submission is in place, but its MLflow run and model could not be written ({first_line(exc)})")
         return None
-
-
-def _best_effort(call, what: str) -> None:
-    """`call()`, a failure of which (not a bug) is warned about: the files it concerns are already in place."""
-    try:
-        call()
-    except Exception as exc:
-        if kind_of(exc) is Kind.BUG:
-            raise
-        say(f"could not {what} ({first_line(exc)})")
 
 
 def _end_failed(tracker: Tracker, run_id: str | None, status: str) -> None:

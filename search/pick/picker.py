@@ -35,7 +35,7 @@ from search.study.report import load_existing_study
 from search.tracking.probe import probe_tracking_store
 from search.tracking import make_tracker
 from search.tracking.base import Tracker
-from trainers.data import TestSet, TrainSet, load_test, load_train_shared
+from trainers.data import TestSet, TrainSet, load_test_shared, load_train_shared
 from trainers.deadline import Deadline
 from trainers.loop import resolve_device
 from trainers.progress import say
@@ -156,7 +156,7 @@ def load_inputs(opts: PickOptions, downloads: Path, device) -> PickInputs:
     tracker = make_tracker(paths.tracking_uri, paths.artifact_root)
     pool = load_candidates(study, pool_size(opts), tracker, downloads, device, paths.root)
     data_path, test_path = resolve_data(opts, pool)
-    test = load_test(test_path)
+    test = load_test_shared(test_path)  # a one-budget run read it already
     check_test(pool, test)
     data = load_train_shared(data_path)  # a one-budget run's search read it already
     check_data(pool, data)

@@ -3,8 +3,6 @@ closed-form ridge before the first trial, then the best trial's own checkpoint a
 ends with a submission whatever the search and the pick manage."""
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from trainers.checkpoint import load_model
 from trainers.closed_form import fit_ridge
 from trainers.data import TestSet, TrainSet, check_text_dim
 from trainers.errors import LatentsweepError
+from trainers.io import atomic_path
 from trainers.progress import say
 from trainers.submission import check_submission, write_submission
 
@@ -44,16 +43,11 @@ class SafeAnswer:
 
 def put_submission(out: Path, test: TestSet, pred: np.ndarray) -> None:
     """Write the submission of `pred` [N_test, Di] for `test` to `out`: staged beside it, checked, then moved into
-    place in one rename, so `out` is at every moment either the previous valid submission or the new one."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, staged = tempfile.mkstemp(prefix=f".{out.name}-", suffix=".csv", dir=out.parent)
-    os.close(fd)
-    try:
+    place in one rename (trainers.io.atomic_path), so `out` is at every moment either the previous valid submission
+    or the new one."""
+    with atomic_path(out) as staged:
         write_submission(staged, test.ids, pred)
         check_submission(staged, test, dim=pred.shape[1])
-        os.replace(staged, out)
-    finally:
-        Path(staged).unlink(missing_ok=True)
 
 
 def ridge_answer(data: TrainSet, test: TestSet, out: Path) -> SafeAnswer:

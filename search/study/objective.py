@@ -12,7 +12,9 @@ import optuna
 from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 
-from search.failures import Failure, Kind, MachineFailed, StoreFailed, classify, first_line, kind_of
+from search.failures import (
+    Failure, Kind, MachineFailed, StoreFailed, best_effort, classify, first_line, kind_of,
+)
 from search.study.contract import (
     DEADLINE_ATTR, DEVICE_ATTR, ERROR_ATTR, HALT_ATTR, POPULATION_ATTR, SIDE_ATTR, TIMING_ATTR, TrialOutputs,
     read_side, read_timing, read_trials,
@@ -192,11 +194,6 @@ class TrialRunner:
              "text_dim": int(self.data.text.shape[1]), "image_dim": int(self.data.image.shape[1])}))
         return Started(cfg, out, run_id, functools.partial(self._report, trial, run_id, {}))
 
-    @property
-    def open_run(self) -> str | None:
-        """The run of the one trial in progress (the one-trial path), or None."""
-        return next(iter(self.open_runs.values()), None)
-
     def fail(self, study: optuna.Study, trial: optuna.Trial,
              exc: BaseException) -> tuple[Failure, optuna.trial.FrozenTrial]:
         """The trial raised `exc` (anywhere from sampling to recording its result): classify it once, close its run,
@@ -287,17 +284,14 @@ class TrialRunner:
         disk) is warned about and the run still ends; a bug there is raised, after the run ended."""
         started = time.monotonic()
         try:
-            if error:
-                self.tracker.log(run_id, tags={ERROR_ATTR: error[-4000:]})  # the run's tag of the same name
-            paths = [p for p in (out / "config.toml", out / "metrics.csv", out / "best.pt") if p.exists()]
-            self.tracker.log_artifacts(run_id, paths)
-            if ranks is not None:
-                self.tracker.log_figure(run_id, rank_histogram(ranks, f"{self.spec.name} {out.name}"),
-                                        "rank_distribution.png")
-        except Exception as exc:
-            if kind_of(exc) is Kind.BUG:
-                raise
-            say(f"could not log the artifacts of {out.name} ({first_line(exc)})")
+            with best_effort(f"log the artifacts of {out.name}"):
+                if error:
+                    self.tracker.log(run_id, tags={ERROR_ATTR: error[-4000:]})  # the run's tag of the same name
+                paths = [p for p in (out / "config.toml", out / "metrics.csv", out / "best.pt") if p.exists()]
+                self.tracker.log_artifacts(run_id, paths)
+                if ranks is not None:
+                    self.tracker.log_figure(run_id, rank_histogram(ranks, f"{self.spec.name} {out.name}"),
+                                            "rank_distribution.png")
         finally:
             try:
                 self._end(run_id, state)

@@ -12,7 +12,7 @@ from search.study.space import config_key
 from search.study.storage import (
     StorageSettings, dispose, open_storage, redact_url, tracking_has_experiment,
 )
-from search.study.studyfile import StudyFile, load_study_file
+from search.study.studyfile import StudyFile
 from search.study.worker import RunSpec, check_existing
 from search.tracking.base import DB_SCHEMES
 from search.tracking.paths import default_artifact_root
@@ -49,7 +49,7 @@ def preflight(spec: RunSpec) -> None:
     """Fail before any trial, with everything that can be known then: the base config validates on this machine,
     the data loads and splits, the objective is a logged metric, both stores answer, and a stored study of that
     name agrees with the file (direction, distributions of its knobs)."""
-    study_file = load_study_file(spec.study_file)
+    study_file = spec.parsed_study()
     check_store_paths(spec)
     validate(study_file.base)
     check_devices(study_file, spec)

@@ -11,7 +11,7 @@ import optuna
 import torch
 from tqdm.auto import tqdm
 
-from search.failures import Kind, classify, release_interrupted
+from search.failures import best_effort, release_interrupted
 from search.process import configure_process, interrupt_on, raise_if_interrupted, signals_blocked, spawned_child
 from search.progress import report_error
 
@@ -22,7 +22,6 @@ from search.study.objective import TrialRunner
 from search.study.population import population_loop, population_size
 from search.study.progress import trial_line
 from search.study.report import load_existing_study, study_summary
-from search.study.studyfile import load_study_file
 from search.study.worker import (
     LiveTrialNumbers, RunSpec, check_halted, counted, cpu_threads, dispose_study, load_or_create, reap,
     open_tracker, reap_owner, study_dir, worker_id, worker_loop,
@@ -51,7 +50,7 @@ def run_worker(spec: RunSpec, create: bool = False, study: optuna.Study | None =
 
 
 def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker: Tracker | None) -> int:
-    study_file = load_study_file(spec.study_file)
+    study_file = spec.parsed_study()
     data = load_train_shared(spec.data_path)  # the pre-flight check read it already
     owned = study is None
     tracker = tracker or open_tracker(spec)
@@ -84,13 +83,9 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
 def close_parent_if_idle(study: optuna.Study, tracker: Tracker) -> None:
     """A worker that joined on its own (`latentsweep worker`) ends the parent run when no trial runs any more, so
     the last worker out leaves nothing RUNNING in MLflow (a later worker or `study run` reopens it)."""
-    try:
+    with best_effort("close the study's MLflow parent run"):  # a store down or a full disk
         if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             finish(study, tracker)
-    except Exception as exc:  # a store down or a full disk is said in one line; a bug is raised (after any other)
-        if classify(exc).kind is Kind.BUG:
-            raise
-        say(f"could not close the study's MLflow parent run ({classify(exc).reason})")
 
 
 def worker_main(spec: RunSpec) -> None:
@@ -141,7 +136,7 @@ class _StudyBar:
 def run_study(spec: RunSpec, workers: int = 1, figures: bool = True) -> dict:
     """Create/load the study, run it here with `workers` processes, refresh the parent run (with the Optuna figures
     unless `figures` is False: a one-budget run draws them after its submission); returns the summary."""
-    study_file = load_study_file(spec.study_file)
+    study_file = spec.parsed_study()
     tracker = open_tracker(spec)
     study = load_or_create(study_file, spec, tracker, create=True)
     interrupted = False
@@ -169,12 +164,8 @@ def close_orphan_runs(study: optuna.Study, tracker: Tracker) -> None:
     tracker's run creation, after the store wrote the run and before its id reached the trial (nothing then knows
     the run to close it). A trial's run is opened after the trial is claimed and closed before it is told, so such a
     run is an orphan."""
-    try:
+    with best_effort("close the interrupted trial's MLflow run"):  # a store down: `study reap` closes it later
         tracker.close_stale_runs(LiveTrialNumbers(study.get_trials(deepcopy=False)))
-    except Exception as exc:  # a store down: `study reap` closes them later; a bug is raised
-        if classify(exc).kind is Kind.BUG:
-            raise
-        say(f"could not close the interrupted trial's MLflow run ({classify(exc).reason})")
 
 
 def _run_spawned(spec: RunSpec, study: optuna.Study, workers: int, tracker: Tracker) -> None:
@@ -245,13 +236,9 @@ def _reap_dead_children(study: optuna.Study, tracker: Tracker, procs, reaped: se
     for p in procs:
         if p.pid not in reaped and not p.is_alive():
             reaped.add(p.pid)
-            try:
+            closed = []
+            with best_effort(f"reap the trials of dead worker {p.name}"):  # the heartbeat reaper does, after the grace
                 closed = reap_owner(study, tracker, worker_id(p.pid))
-            except Exception as exc:  # not a bug: the heartbeat reaper still catches it after the grace
-                if classify(exc).kind is Kind.BUG:
-                    raise
-                say(f"could not reap the trials of dead worker {p.name} ({classify(exc).reason})")
-                continue
             if closed:
                 say(f"worker {p.name} died (exit code {p.exitcode}); its trial was failed and queued for retry")
 
@@ -259,12 +246,8 @@ def _reap_dead_children(study: optuna.Study, tracker: Tracker, procs, reaped: se
 def finish(study: optuna.Study, tracker: Tracker, figures: bool = True) -> dict:
     """Refresh the parent run (summary, and the Optuna plots when `figures`) and return the summary."""
     summary = study_summary(study)
-    try:
+    with best_effort("refresh the study's MLflow parent run"):  # a store down: the results are in Optuna anyway
         tracker.end_study(summary, study_figures(study, StudyRecord.of(study).objective) if figures else {})
-    except Exception as exc:  # a store down: the study's results are in Optuna either way; a bug is raised
-        if classify(exc).kind is Kind.BUG:
-            raise
-        say(f"could not refresh the study's MLflow parent run ({classify(exc).reason})")
     return summary
 
 

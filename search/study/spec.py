@@ -42,4 +42,5 @@ def build_spec(study_file: StudyFile, *, data: str | None = None, n_trials: int 
         population=population,
         warm_start=None if warm_start is None else bool(warm_start),
         warm_from=(str(warm_from),) if isinstance(warm_from, (str, Path)) else tuple(map(str, warm_from)),
+        parsed=study_file,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +27,7 @@ from search.study.storage import (
     RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, schema_lock, storage_of, trial_id,
 )
 from search.stores import safe_name
-from search.study.studyfile import StudyFile
+from search.study.studyfile import StudyFile, load_study_file
 from search.study.warm import queue_portfolio, warm_start
 from search.tracking import make_tracker
 from search.tracking.base import REAPED_TAG, Tracker
@@ -72,6 +72,19 @@ class RunSpec:
     warm_start: bool | None = None  # at creation, queue earlier studies' best configs on the same data; None: as
     # $LATENTSWEEP_WARM_START says, on by default (search.study.warm)
     warm_from: tuple[str, ...] = ()  # more places to look for them: state directories or Optuna storage URLs
+    # `study_file` parsed (search.study.spec.build_spec sets it): read through parsed_study(), never pickled
+    parsed: StudyFile | None = field(default=None, repr=False, compare=False)
+
+    def parsed_study(self) -> StudyFile:
+        """The study file, parsed once per process: the one build_spec parsed, else (a spawned worker) parsed here
+        once, which also loads its plugin files into this process."""
+        if self.parsed is None:
+            object.__setattr__(self, "parsed", load_study_file(self.study_file))  # a cache of a frozen value
+        return self.parsed
+
+    def __getstate__(self) -> dict:
+        # a spawned worker parses its own copy: the parse is what loads the plugin files into its process
+        return {**self.__dict__, "parsed": None}
 
 
 def check_plugins(study, study_file: StudyFile, write: bool) -> None:
