@@ -10,7 +10,7 @@ import pytest
 
 import search.study.studyfile
 import trainers.data
-from conftest import tiny_study_file
+from conftest import main_spent, tiny_study_file
 from search.cli.main import main
 from search.study.spec import build_spec
 from search.study.studyfile import load_study_file
@@ -38,6 +38,17 @@ def test_a_study_run_parses_its_study_file_once(tmp_path, parses):
     assert main(["study", "run", str(sf), "--data", str(train), "--state-dir", str(tmp_path / "state"),
                  "--quiet"]) == 0
     assert parses == [str(sf)]  # the spec's copy served the pre-flight check, the study's creation and its worker
+
+
+def test_a_run_parses_its_study_file_and_reads_its_test_file_once(tmp_path, parses, monkeypatch):
+    train, test, _ = write_synthetic(tmp_path / "syn", 60, dim_text=8, dim_image=12, n_test=10)
+    sf = tiny_study_file(tmp_path, "runonce", n_trials=2)
+    reads, real = [], trainers.data.load_test
+    monkeypatch.setattr(trainers.data, "load_test", lambda path: reads.append(str(path)) or real(path))
+    argv = ["run", str(sf), "--time", "60", "--data", str(train), "--test", str(test),
+            "--state-dir", str(tmp_path / "state"), "--quiet"]
+    assert main_spent(argv, 50.0) == 0  # 10 s left: the checks, the floor, and what fits of the search
+    assert parses == [str(sf)] and reads == [str(test)]  # each was 3 (the checks, pre-flight, the job's judge/floor)
 
 
 def test_a_spawned_workers_spec_parses_its_own_copy_once(tmp_path, parses):
