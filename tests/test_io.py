@@ -45,17 +45,18 @@ def test_missing_directory_is_an_error_unless_parents(tmp_path):
 
 
 def test_atomic_path_publishes_what_a_path_writer_wrote_only_when_its_check_passes(tmp_path):
-    target = tmp_path / "submission.csv"
+    target, names = tmp_path / "submission.csv", lambda: sorted(p.name for p in tmp_path.iterdir())
     target.write_text("old\n")
+    staged_seen = []
     with pytest.raises(ValueError):
         with atomic_path(target) as staged:
             staged.write_text("bad\n")
-            assert target.read_text() == "old\n"  # nothing is in place before the block ends
+            staged_seen.append((staged.parent, target.read_text()))  # beside it; nothing in place yet
             raise ValueError("the check of the staged file failed")
-    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["submission.csv"]
+    assert staged_seen == [(tmp_path, "old\n")] and target.read_text() == "old\n" and names() == ["submission.csv"]
     with atomic_path(target) as staged:
         staged.write_text("new\n")
-    assert target.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["submission.csv"]
+    assert target.read_text() == "new\n" and names() == ["submission.csv"]
 
 
 def test_a_failed_rename_names_the_users_path_not_the_temporary(tmp_path):
