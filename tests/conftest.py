@@ -10,9 +10,40 @@ os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 # one study's configurations in the next. tests/test_warm_start.py turns it back on.
 os.environ.setdefault("LATENTSWEEP_WARM_START", "off")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# Under pytest-xdist (`-n 2 --dist loadgroup`: README, Tests) tests are dealt to the workers one by one, and a
+# module-scoped fixture is built in every worker that gets one of its tests. These modules' fixtures run a study, a
+# pick or a training (tens of seconds each on 2 cores): each module's tests go to one worker, which builds them once.
+SHARED_FIXTURE_MODULES = {"test_picker.py", "test_pick_budget.py", "test_better_only.py", "test_bad_input_round5.py",
+                          "test_cli_train.py", "test_loop.py"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if item.path.name in SHARED_FIXTURE_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+# A back-dated start: seconds of a `run --time 60` budget counted as already spent, so that a test of the smallest
+# budget waits out 50 s of it, not 60. More would starve the search: it only starts with more than half the budget
+# left (the pick's opening reserve, search.study.budget), after the floor, which takes seconds on a loaded machine (at
+# 20 s the zero-seconds test's search finished no trial there). A CLI process reads $LATENTSWEEP_TEST_SPENT_S
+# (search.process.process_started); an in-process command takes the clock from main_spent below.
+SPENT_S = 10.0
+
+
+def main_spent(argv: list[str], spent_s: float = SPENT_S) -> int:
+    """search.cli.main.main(argv) with its clock started `spent_s` s ago: the command's code unchanged, its budget
+    shorter by that much."""
+    import time
+
+    from search.cli.main import _main
+
+    return _main(list(argv), time.monotonic() - spent_s)
 
 
 def default_sigint() -> None:

@@ -14,7 +14,7 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import tiny_study_file
+from conftest import SPENT_S, main_spent, tiny_study_file
 from search.cli.main import main
 from trainers import metrics
 from trainers.data import load_test
@@ -33,11 +33,14 @@ def world(tmp_path_factory):
     return types.SimpleNamespace(root=root, train=train, test=test)
 
 
-def _run(world, tmp_path, *extra: str, study: Path | None = None, total: int = 60) -> tuple[int, float]:
+def _run(world, tmp_path, *extra: str, study: Path | None = None, total: int = 60,
+         spent: float = 0.0) -> tuple[int, float]:
+    """`latentsweep run` in-process; `spent` s of its budget counted as gone at its start (conftest.main_spent)."""
     study = study or tiny_study_file(tmp_path, "answer", n_trials=50, epochs=3)
     start = time.monotonic()
-    code = main(["run", str(study), "--time", str(total), "--data", str(world.train), "--test", str(world.test),
-                 "--state-dir", str(tmp_path / "state"), "--quiet", *extra])
+    argv = ["run", str(study), "--time", str(total), "--data", str(world.train), "--test", str(world.test),
+            "--state-dir", str(tmp_path / "state"), "--quiet", *extra]
+    code = main_spent(argv, spent) if spent else main(argv)
     return code, time.monotonic() - start
 
 
@@ -83,6 +86,18 @@ def test_bad_pick_inputs_fail_before_any_trial_is_stored(world, tmp_path, capsys
     assert wall < 30 and _trials(tmp_path) == []
 
 
+def test_a_back_dated_start_only_moves_the_cli_clock_back(monkeypatch):
+    """$LATENTSWEEP_TEST_SPENT_S (tests only) starts the CLI's clock that many seconds earlier; anything but a number
+    of seconds >= 0 changes nothing (it can only shorten a job, never lengthen one)."""
+    from search.process import TEST_SPENT_ENV, process_started
+
+    monkeypatch.delenv(TEST_SPENT_ENV, raising=False)
+    plain = process_started()
+    for value, back in (("45", 45.0), ("0.5", 0.5), ("-30", 0.0), ("nan", 0.0), ("inf", 0.0), ("soon", 0.0)):
+        monkeypatch.setenv(TEST_SPENT_ENV, value)
+        assert abs(plain - process_started() - back) < 0.5, value
+
+
 @pytest.mark.slow  # 10-13 s: the suite's 10 minutes on 2 cores; .ci/run's slow step runs it
 def test_a_tracking_store_failing_at_the_export_leaves_the_submission(world, tmp_path, capsys, monkeypatch):
     """The pick's CSV is in place before the MLflow export: a full disk during the model's logging is a warning,
@@ -121,7 +136,7 @@ def test_zero_seconds_left_after_the_search_still_ends_with_a_submission(world, 
 
     monkeypatch.setattr(runner_mod, "study_summary", slow_summary)
     study = tiny_study_file(tmp_path, "zero", n_trials=2, epochs=2)
-    code, wall = _run(world, tmp_path, study=study)
+    code, wall = _run(world, tmp_path, study=study)  # all 60 s: a back-dated start leaves the search no trial
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "over by" in captured.out and "first in the search" in captured.out
@@ -153,13 +168,13 @@ def test_slow_validation_and_closes_with_a_knn_side_trial_on_a_loaded_machine(wo
     study.write_text(study.read_text() + '\n[[side]]\nmodel = { kind = "knn" }\n')
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        code, wall = _run(world, tmp_path, study=study)
+        code, wall = _run(world, tmp_path, study=study, spent=SPENT_S)
     finally:
         for p in busy:
             p.kill()
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert wall <= 60 * (1 + SLACK_FRACTION) + SLACK_S, captured.err
+    assert SPENT_S + wall <= 60 * (1 + SLACK_FRACTION) + SLACK_S, captured.err
     out = tmp_path / "state" / "picks" / "loaded" / "submission.csv"
     assert check_submission(out, load_test(world.test), dim=32) == (100, 32)
 
