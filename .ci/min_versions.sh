@@ -37,7 +37,11 @@ pins="$venv/floors.txt"
 # The subset imports and exercises every direct dependency: the torch APIs, training, the config and study files,
 # Optuna storage/heartbeat/retry, MLflow tracking, a pick's LoggedModel, the UI servers.
 # -m: the slow tests of these files too (the UI servers' are slow-marked), which the suite's addopts leave out.
-"$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 -m "not wheel and not nightly" \
+# Deselected: the two longest of test_study.py (Ctrl-C and a parallel budget: 30-40 s each on 2 cores), which test
+# our signal and budget handling, not a dependency's API; the suite and the slow step run them.
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not wheel and not nightly" \
+    --deselect tests/test_study.py::test_ctrl_c_fails_trial_kills_run_and_resume_retries_it \
+    --deselect tests/test_study.py::test_parallel_sqlite_workers_spend_exact_budget \
     tests/test_torch_api.py tests/test_rows.py tests/test_config.py tests/test_studyfile.py tests/test_space.py \
     tests/test_loop.py tests/test_optim.py tests/test_tracking.py tests/test_study.py tests/test_worker_exits.py \
     tests/test_tracking_e2e.py tests/test_ui.py "$@"

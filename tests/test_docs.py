@@ -196,7 +196,7 @@ def test_readme_is_a_short_front_page():
 
 def test_ci_runs_exactly_the_readme_test_command():
     commands = [line for line in README.read_text().splitlines() if line.startswith("python3 -m venv ")]
-    assert len(commands) == 2 and commands[1].endswith("&& .venv/bin/python -m pytest")
+    assert len(commands) == 2 and commands[1].rsplit(" && ", 1)[1].startswith(".venv/bin/python -m pytest")
     assert commands[1] in (ROOT / ".ci" / "run").read_text().splitlines()
 
 

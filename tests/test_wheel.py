@@ -67,6 +67,9 @@ def test_the_wheel_runs_a_preset_pick_and_a_plugin_from_an_empty_directory(tmp_p
     # a plugin example, as a user would bring it: the study file and its plugin side by side
     for name in ("siglip.toml", "siglip_loss.py"):
         (empty / name).write_bytes((ROOT / "examples" / name).read_bytes())
+    study = (empty / "siglip.toml").read_text()
+    assert "\nepochs = 8\n" in study  # 2 epochs are enough to load the plugin's loss and train with it
+    (empty / "siglip.toml").write_text(study.replace("\nepochs = 8\n", "\nepochs = 2\n"))
     run([cli, "study", "run", "siglip.toml", "--n-trials", "2"], empty, env)
     run([cli, "study", "init", "full", "my_study.toml"], empty, env)
     assert (empty / "my_study.toml").is_file()
