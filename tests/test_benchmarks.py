@@ -11,11 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
-# Smoke runs of 20 s to 2 minutes on a busy 2-core machine: most start the CLI in subprocesses (a study run,
-# workers, picks: torch, Optuna and MLflow imported each time); knob_cost and search_efficiency train dozens of
-# configs; gpu.py's smoke (30 s on a quiet 2-core machine) also runs throughput's code path; trial_costs (14 s) runs
-# a study. The suite's 10 minutes on 2 cores keep them out; .ci/run's slow step runs them. A script not listed here
-# (a new one) runs in the suite.
+# Smoke runs of 14 s to a minute in .ci/run's slow step on a busy 2-core machine: most start the CLI in
+# subprocesses (a study run, workers, picks: torch, Optuna and MLflow imported each time); knob_cost and
+# search_efficiency train dozens of configs; gpu.py's smoke (14 s, its compiled step left to tests/test_capture.py)
+# also runs throughput's code path; trial_costs runs a study. The suite's 8 minutes on 2 cores keep them out;
+# .ci/run's slow step runs them. A script not listed here (a new one) runs in the suite.
 SLOW = {"end_to_end.py", "ensemble_size.py", "full_search.py", "gpu.py", "knob_ab.py", "knob_cost.py",
         "memory_peak.py", "one_budget.py", "portfolio.py", "screenshots.py", "search_efficiency.py", "seed_repro.py",
         "throughput.py", "warm_start.py",
