@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # torch, Optuna and the project's modules are imported where they are used: --help answers without them
-from trainers.demo import default_train_path  # noqa: E402
+from latentsweep.trainers.data.demo import default_train_path  # noqa: E402
 
-CLI = [sys.executable, "-m", "search"]
+CLI = [sys.executable, "-m", "latentsweep"]
 STUDY = "full"
 BOOT = 10_000  # bootstrap resamples of the pooled captions
 # --smoke's study: named like full.toml's (the script reads study STUDY back), trials of a second or two, so that the
@@ -85,8 +85,8 @@ def sh(argv: list[str], log: Path, makes: Path | None = None) -> float | None:
 
 def reciprocal_ranks(pred: np.ndarray, answers: Path) -> np.ndarray:
     """[N] 1/rank of each test caption (id order) against its leaderboard chunk's images, as `submission score`."""
-    from trainers.data import load_answers
-    from trainers.metrics import GALLERY_SIZE, ranks
+    from latentsweep.trainers.data.sets import load_answers
+    from latentsweep.trainers.eval.metrics import GALLERY_SIZE, ranks
 
     ids, image = load_answers(answers)
     truth = np.asarray(image, np.float32)[np.argsort(ids, kind="stable")]
@@ -98,7 +98,7 @@ def reciprocal_ranks(pred: np.ndarray, answers: Path) -> np.ndarray:
 
 
 def submission_rr(csv: Path, answers: Path) -> np.ndarray:
-    from trainers.submission import read_submission
+    from latentsweep.trainers.eval.submission import read_submission
 
     ids, emb = read_submission(csv)
     return reciprocal_ranks(emb[np.argsort(ids, kind="stable")], answers)
@@ -108,9 +108,9 @@ def models_rr(ckpts: list[str], weights: list[float], test, answers: Path) -> np
     """Reciprocal ranks of the weighted ensemble of checkpoints on the test file."""
     import torch
 
-    from search.pick import ensemble
-    from trainers.checkpoint import load_model
-    from trainers.tasks import predict
+    from latentsweep.search.pick import ensemble
+    from latentsweep.trainers.train.checkpoint import load_model
+    from latentsweep.trainers.train.tasks import predict
 
     x = torch.as_tensor(test.embeddings)
     preds = [predict(load_model(c)[0], x).numpy() for c in ckpts]
@@ -165,9 +165,9 @@ def trial_refits(state: Path, number: int, seeds: int, test, answers: Path, log:
     (the pick's cached refits of the same config and data are reused)."""
     import optuna
 
-    from search.pick.candidates import make_candidate
-    from search.pick.jobs import refit_jobs, run_job
-    from trainers.data import load_train
+    from latentsweep.search.pick.candidates import make_candidate
+    from latentsweep.search.pick.jobs import refit_jobs, run_job
+    from latentsweep.trainers.data.sets import load_train
 
     study = optuna.load_study(study_name=STUDY, storage=f"sqlite:///{state / 'optuna.db'}")
     trial = study.trials[number]
@@ -198,7 +198,7 @@ def one_holdout(seed: int, args, work: Path) -> dict:
     """Every submission of one holdout; saves work/results.npz (reciprocal ranks) and returns the timings."""
     import optuna
 
-    from trainers.data import load_test
+    from latentsweep.trainers.data.sets import load_test
 
     log, state, h = work / "log.txt", work / "state", work / "holdout"
     sh([*CLI, "data", "holdout", args.data, "--seed", seed, "--out", h], log, h / "answers.npz")
@@ -213,8 +213,8 @@ def one_holdout(seed: int, args, work: Path) -> dict:
                              work / "reference.csv", *getattr(args, "reference_args", [])], log,
                             work / "reference.csv")
     rr["reference"] = submission_rr(work / "reference.csv", answers)
-    from search.pick.candidates import top_trials
-    from trainers.errors import LatentsweepError
+    from latentsweep.search.pick.candidates import top_trials
+    from latentsweep.trainers.core.errors import LatentsweepError
     try:
         best = top_trials(optuna.load_study(study_name=STUDY, storage=f"sqlite:///{state / 'optuna.db'}"), 1)[0]
         rr["best_trial_refit"] = trial_refits(state, best.number, 1, test, answers, log)
@@ -240,7 +240,7 @@ def one_holdout(seed: int, args, work: Path) -> dict:
         kinds = job_kinds(manifest, old, job_seconds(log), test, answers)
         row["job_seconds"] = {k: v[1] for k, v in kinds.items()}
         rr.update({f"kind_{k}": v[0] for k, v in kinds.items()})
-    # A pick that lost to the answer in place (search.pick.judge) leaves run's own manifest: no weights, no gain
+    # A pick that lost to the answer in place (latentsweep.search.pick.judge) leaves run's own manifest: no weights, no gain
     row["members"], row["gain"] = manifest.get("weights"), [manifest.get("gain_mrr"), manifest.get("gain_mrr_se")]
     row["answer"] = manifest.get("answer")  # which answer won on the val split, and by how much
     row["trials"] = sum(1 for _ in optuna.load_study(study_name=STUDY, storage=f"sqlite:///{state / 'optuna.db'}"
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         with tempfile.TemporaryDirectory(prefix="end-to-end-smoke-") as tmp:
-            from trainers.synthetic import write_synthetic
+            from latentsweep.trainers.data.synthetic import write_synthetic
 
             # --headline: the old picks and splits would add 3 more picks (minutes); same helpers as the headline
             args.work, args.seeds, args.time, args.report, args.headline = Path(tmp) / "work", [0], "60", False, True

@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainers.demo import default_train_path  # noqa: E402
+from latentsweep.trainers.data.demo import default_train_path  # noqa: E402
 from end_to_end import reciprocal_ranks  # noqa: E402  (this script's directory is on sys.path)
 
 VARIANTS = {"base": {}, "ema": {"ema": 0.995}, "noise": {"noise": 0.5}, "cos": {"cos": True},
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if args.smoke:
         with tempfile.TemporaryDirectory(prefix="ensemble-smoke-") as tmp:
-            from trainers.synthetic import write_synthetic
+            from latentsweep.trainers.data.synthetic import write_synthetic
 
             train = write_synthetic(Path(tmp) / "data", 100, captions_per_image=5, dim_text=32, dim_image=48)[0]
             return run(Path(tmp) / "work", [0], False, train, epochs=1)
@@ -156,7 +156,7 @@ def run(work: Path, holdout_seeds: list[int], report_only: bool, train: Path, ep
     for s in holdout_seeds if not report_only else []:
         h = work / f"holdout-{s}"
         if not (h / "answers.npz").is_file():
-            subprocess.run([sys.executable, "-m", "search", "data", "holdout", str(train), "--seed",
+            subprocess.run([sys.executable, "-m", "latentsweep", "data", "holdout", str(train), "--seed",
                             str(s), "--out", str(h)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         train_holdout(h, h, epochs)
     print(report(work, holdout_seeds))

@@ -1,7 +1,7 @@
 """What a `full` study buys per minute: trials and best value after 5, 10 and 15 minutes, over sampler seeds, for one
 or two checkouts of the project (before / after a change), run side by side so that both see the same machine load.
 
-For each seed, every checkout runs `python -m search study run studies/full.toml --timeout SECONDS` in its own state
+For each seed, every checkout runs `python -m latentsweep study run studies/full.toml --timeout SECONDS` in its own state
 directory at the same time, each with `--threads` torch threads (OMP_NUM_THREADS; default 1: two arms share a 2-core
 machine evenly).
 The study file's sampler seed is replaced by the run's seed. Afterwards each study is read back and, for every
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     if args.smoke:
         with tempfile.TemporaryDirectory(prefix="full-search-smoke-") as tmp:
             sys.path.insert(0, str(ROOT))  # the data generator of this checkout (the runs are subprocesses)
-            from trainers.synthetic import write_synthetic
+            from latentsweep.trainers.data.synthetic import write_synthetic
 
             args.repo, args.seeds, args.seconds, args.work = None, [0], 15.0, Path(tmp)
             args.data = write_synthetic(Path(tmp) / "data", 100, dim_text=32, dim_image=48)[0]
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         for i, repo in enumerate(repos):
             run = work / f"seed-{seed}" / f"arm-{i}"
             study, name = seeded_copy(repo / "studies", seed, run / "studies")
-            argv_ = [sys.executable, "-m", "search", "study", "run", str(study), "--state-dir", str(run / "state"),
+            argv_ = [sys.executable, "-m", "latentsweep", "study", "run", str(study), "--state-dir", str(run / "state"),
                      "--timeout", str(args.seconds), "--quiet"]
             if args.data:
                 argv_ += ["--data", str(args.data)]

@@ -5,12 +5,12 @@ One call, under 8 minutes on an H100/H200, printing a markdown table:
       per-epoch body) eager, and captured (train.capture = compile, when the trainer has it), against a plain
       DataLoader(TensorDataset) loop, and the trainer's FLOP rate as a fraction of the card's float32 matmul rate;
   (b) trials per minute of `latentsweep study run studies/full.toml --workers K` at challenge size (25,000 images x 5
-      captions, 1024 -> 1536, trainers/synthetic.py) for K = 1, 2, 4, 8 on one GPU (with `--gpus 0 --per-gpu K` when
+      captions, 1024 -> 1536, trainers/data/synthetic.py) for K = 1, 2, 4, 8 on one GPU (with `--gpus 0 --per-gpu K` when
       the CLI has them): trials finished within --window seconds of the first start, the run stopped after that;
   (c) `latentsweep run studies/full.toml --time 120` on the same data, scored on its held-out test file.
-  (d) population trials (trainers.population): K members of studies/full.toml's [base] trained in one stacked step
+  (d) population trials (latentsweep.trainers.train.population): K members of studies/full.toml's [base] trained in one stacked step
       on the (b)/(c) data, K = 1, 2, 4, 8, 16, 32: seconds per step, samples/s summed over members, the MLP's FLOP
-      rate as a fraction of the float32 matmul rate, peak memory, and one member's step alone (trainers.loop's own
+      rate as a fraction of the float32 matmul rate, peak memory, and one member's step alone (latentsweep.trainers.train.loop's own
       step) for comparison.
 (d) runs first after the data is written, then (c), then (b), so that a short budget skips the last worker counts; a
 part that would overrun --budget is skipped and says so.
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "search"]
+CLI = [sys.executable, "-m", "latentsweep"]
 FULL = {"n_images": 25_000, "captions_per_image": 5, "n_test": 1_500}  # challenge dims are the generator's defaults
 SMOKE_DATA = {"n_images": 100, "captions_per_image": 5, "n_test": 20, "dim_text": 32, "dim_image": 48}
 STOP_GRACE_S = 15  # after the window: in-flight trials may finish, then the run is stopped (they do not count)
@@ -62,9 +62,9 @@ class Clock:
 # ---- (a) the training step -------------------------------------------------------------------------------------
 
 def capture_mode() -> str | None:
-    """The trainer's compiled step (train.capture = compile, trainers/capture.py) when this checkout has it."""
+    """The trainer's compiled step (train.capture = compile, trainers/train/capture.py) when this checkout has it."""
     try:
-        from trainers.capture import CAPTURES
+        from latentsweep.trainers.train.capture import CAPTURES
     except ImportError:
         return None
     return "compile" if "compile" in CAPTURES else None
@@ -122,7 +122,7 @@ def population_cfg(data: Path, device: str):
     import tomllib
 
     sys.path.insert(0, str(ROOT))
-    from trainers.config import from_dict, with_values
+    from latentsweep.trainers.config.tree import from_dict, with_values
 
     base = from_dict(tomllib.loads((ROOT / "studies" / "full.toml").read_text())["base"])
     return with_values(base, {"data.path": str(data), "train.device": device})
@@ -143,17 +143,17 @@ class _FirstBatches:
 
 
 def alone_step_seconds(cfg, data, steps: int) -> float:
-    """Seconds per step of one run of `cfg` through trainers.loop's own step (_train_epoch), after one step."""
+    """Seconds per step of one run of `cfg` through latentsweep.trainers.train.loop's own step (_train_epoch), after one step."""
     import dataclasses
 
     import torch
-    from trainers.checkpoint import CenteredModel
-    from trainers.devices import resolve_device
-    from trainers.loop import _BestCheckpoint, _train_epoch, seed_everything
-    from trainers.models import build_model
-    from trainers.deadline import Deadline
-    from trainers.run import RunState
-    from trainers.tasks import TASKS
+    from latentsweep.trainers.train.checkpoint import CenteredModel
+    from latentsweep.trainers.core.devices import resolve_device
+    from latentsweep.trainers.train.loop import _BestCheckpoint, _train_epoch, seed_everything
+    from latentsweep.trainers.models.zoo import build_model
+    from latentsweep.trainers.core.deadline import Deadline
+    from latentsweep.trainers.train.run import RunState
+    from latentsweep.trainers.train.tasks import TASKS
 
     device = resolve_device(cfg.train.device)
     gen = seed_everything(0)
@@ -171,9 +171,9 @@ def alone_step_seconds(cfg, data, steps: int) -> float:
 def exactness(cfg, data) -> str:
     """Two members (different seeds, learning rates, dropout) trained one epoch stacked and alone: the largest
     relative difference of their epoch metrics (tests/test_population.py checks the same on CPU)."""
-    from trainers.config import with_values
-    from trainers.loop import train
-    from trainers.population import Member, train_population
+    from latentsweep.trainers.config.tree import with_values
+    from latentsweep.trainers.train.loop import train
+    from latentsweep.trainers.train.population import Member, train_population
 
     cfgs = [with_values(cfg, {"train.stop_after": 1, "train.seed": seed, "optim.lr": lr, "model.dropout": drop})
             for seed, lr, drop in ((0, 1e-3, 0.0), (1, 3e-3, 0.3))]
@@ -192,8 +192,8 @@ def population_rows(data_path: Path, device: str, smoke: bool, ks: tuple[int, ..
     """(label, value) rows of part (d)."""
     import throughput as tp
     import torch
-    from trainers.data import load_train
-    from trainers.population import measure
+    from latentsweep.trainers.data.sets import load_train
+    from latentsweep.trainers.train.population import measure
 
     dev = torch.device(device)
     cfg = population_cfg(data_path, device)
@@ -302,7 +302,7 @@ def check_argv(argv: list[str]) -> str:
     """--smoke: the command line parsed by the CLI's own parser (its flags still exist), not run: a real `study run`
     or `run` costs a minute of start-up and search on CPU, and `run` takes 60 s at least."""
     sys.path.insert(0, str(ROOT))
-    from search.cli.main import build_parser
+    from latentsweep.search.cli.main import build_parser
 
     build_parser().parse_args([str(a) for a in argv[len(CLI):]])
     return "not run (--smoke): command line accepted by the CLI parser"
@@ -324,7 +324,7 @@ def one_budget_run(paths: tuple[Path, Path, Path], work: Path) -> str:
 
 def write_data(work: Path, smoke: bool, images: int | None = None) -> tuple[Path, Path, Path]:
     sys.path.insert(0, str(ROOT))
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     sizes = SMOKE_DATA if smoke else FULL
     return write_synthetic(work / "data", **(sizes | ({"n_images": images} if images else {})), seed=0)

@@ -26,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainers.demo import default_train_path  # noqa: E402
+from latentsweep.trainers.data.demo import default_train_path  # noqa: E402
 from end_to_end import BOOT, CLI, paired, sh, submission_rr  # noqa: E402  (this script's directory is on sys.path)
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.smoke:
         with tempfile.TemporaryDirectory(prefix="knob-ab-smoke-") as tmp:
-            from trainers.synthetic import write_synthetic
+            from latentsweep.trainers.data.synthetic import write_synthetic
 
             a.work, a.holdouts = Path(tmp), [0]
             a.arm, a.change = ["tiny=train.epochs=1,model.hidden=32"], "train.average=ema"

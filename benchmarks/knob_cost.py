@@ -1,7 +1,7 @@
 """Seconds per training epoch for every seed recipe and for each expensive knob, as a ratio of this machine's matmul
-rate, at the demo size and at challenge size (25,000 images x 5 captions, 1024 -> 1536, trainers/synthetic.py).
+rate, at the demo size and at challenge size (25,000 images x 5 captions, 1024 -> 1536, trainers/data/synthetic.py).
 
-Each row trains its config with the real trainer (`trainers.loop.train`, validation included) for WARM + 1 epochs and
+Each row trains its config with the real trainer (`latentsweep.trainers.train.loop.train`, validation included) for WARM + 1 epochs and
 times the last one. At challenge size only a fraction of the captions is kept (every image stays, so the bank and
 queue sizes are the real ones) and the epoch time is scaled back to all captions: per-step costs scale with the
 caption count, and the [batch x images] products of the queue and all-images losses keep their true width.
@@ -81,8 +81,8 @@ def challenge_data(work: Path, fraction: float):
     import numpy as np
     from dataclasses import replace
 
-    from trainers.data import load_train
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.sets import load_train
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     train, _, _ = write_synthetic(work, 25_000, captions_per_image=5, seed=0)
     data = load_train(train)
@@ -92,7 +92,7 @@ def challenge_data(work: Path, fraction: float):
 
 
 def epoch_seconds(cfg, data) -> float:
-    from trainers.loop import train
+    from latentsweep.trainers.train.loop import train
 
     stamps: list[float] = []
     start = time.perf_counter()
@@ -103,9 +103,9 @@ def epoch_seconds(cfg, data) -> float:
 
 def configs() -> list[tuple[str, object]]:
     """(row, Config or the error that prevents it) for every recipe and knob row."""
-    from trainers.config import Config, with_values
-    from trainers.errors import LatentsweepError
-    from search.study.studyfile import load_study_file
+    from latentsweep.trainers.config.tree import Config, with_values
+    from latentsweep.trainers.core.errors import LatentsweepError
+    from latentsweep.search.study.studyfile import load_study_file
 
     full = with_values(Config(), BASE)
     common = {"train.epochs": WARM + 1, "train.early_stop": 0, "train.stop_after": 0, "data.split": "hash"}
@@ -126,16 +126,16 @@ def configs() -> list[tuple[str, object]]:
 
 def smoke_data(work: Path):
     """Tiny synthetic data (120 images x 5 captions, 32 -> 48): every row's code path in seconds."""
-    from trainers.data import load_train
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.sets import load_train
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     train, _, _ = write_synthetic(work, 120, captions_per_image=5, dim_text=32, dim_image=48, seed=0)
     return load_train(train), 1.0
 
 
 def measure(size: str, fraction: float) -> list[dict]:
-    from trainers.data import load_train
-    from trainers.demo import default_train_path
+    from latentsweep.trainers.data.sets import load_train
+    from latentsweep.trainers.data.demo import default_train_path
 
     with tempfile.TemporaryDirectory() as tmp:
         if size == "demo":

@@ -2,9 +2,9 @@
 
 Usage: python benchmarks/load_full_size.py [--dir DIR] [--small] [--rebuild]
        python benchmarks/load_full_size.py --smoke     # 100 images x 32 -> 48, in a temp dir (tests)
-The file is built once with trainers.synthetic (cached in DIR, default a temp dir) and loaded in a child process,
+The file is built once with latentsweep.trainers.data.synthetic (cached in DIR, default a temp dir) and loaded in a child process,
 whose peak RSS (resource.getrusage ru_maxrss) is compared with the bytes of the float arrays it must hold. Then
-`load_train_shared` in two more child processes with an empty data cache (trainers.data.CACHE_ENV): the first parses
+`load_train_shared` in two more child processes with an empty data cache (latentsweep.trainers.data.sets.CACHE_ENV): the first parses
 the npz and writes the memory-mapped copy, the second (a spawned worker, the next run) maps it.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _peak_rss_bytes() -> int:
 
 
 def child_build(out_dir: str, params: dict) -> dict:
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     start = time.perf_counter()
     write_synthetic(out_dir, **params)
@@ -42,7 +42,7 @@ def child_build(out_dir: str, params: dict) -> dict:
 
 
 def child_load(path: str) -> dict:
-    from trainers.data import fingerprint, load_train
+    from latentsweep.trainers.data.sets import fingerprint, load_train
 
     baseline = _peak_rss_bytes()  # interpreter + numpy, before any data
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -58,7 +58,7 @@ def child_load(path: str) -> dict:
 
 
 def child_shared(path: str) -> dict:
-    from trainers import data
+    from latentsweep.trainers.data import sets as data
 
     start = time.perf_counter()
     ts = data.load_train_shared(path)
@@ -124,7 +124,7 @@ def measure(params: dict, out_dir: Path, rebuild: bool) -> int:
     print(f"peak RSS of loader: {r['peak_rss'] / MB:.0f} MB")
     verdict = "met" if ratio <= GOAL_RATIO else "NOT met"
     print(f"ratio peak_rss / float_bytes = {ratio:.2f} (goal <= {GOAL_RATIO}: {verdict})")
-    from trainers.data import CACHE_ENV
+    from latentsweep.trainers.data.sets import CACHE_ENV
 
     with tempfile.TemporaryDirectory(prefix="load-cache-") as cache:
         for which in ("first process (parse + write the cache)", "second process (maps the cache)"):

@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/memory_peak.py [--dir DIR] [--before REV] [--study FILE] [--json OUT]
        python benchmarks/memory_peak.py --smoke    # the same commands on a tiny file in a temp dir (no goal check)
-The challenge-size train.npz (25,000 images x 5 captions, 1024 -> 1536, trainers.synthetic) is built once in DIR
+The challenge-size train.npz (25,000 images x 5 captions, 1024 -> 1536, latentsweep.trainers.data.synthetic) is built once in DIR
 (default: a temp dir). Each command runs as a child process; its peak RSS is the ru_maxrss that os.wait4 returns,
 which covers the child and every process it waited for (a study's workers). --before REV runs the same commands
 on the code of git revision REV too (exported with git archive), for a before/after table.
@@ -34,7 +34,7 @@ def build(directory: Path, params: dict = FULL) -> Path:
     """The challenge-size (or `params`-size) train.npz in `directory` (reused when present)."""
     path = directory / "train.npz"
     if not path.is_file():
-        from trainers.synthetic import write_synthetic
+        from latentsweep.trainers.data.synthetic import write_synthetic
 
         start = time.perf_counter()
         write_synthetic(directory, **params)
@@ -44,7 +44,7 @@ def build(directory: Path, params: dict = FULL) -> Path:
 
 def float_bytes(path: Path) -> int:
     """Bytes of the float arrays a loader must hold: captions/embeddings + images/embeddings (from the headers)."""
-    from trainers.data import describe_npz
+    from latentsweep.trainers.data.sets import describe_npz
 
     keys = describe_npz(path)["keys"]
     total = 0
@@ -81,9 +81,9 @@ def peak_rss(argv: list[str], code: Path, work: Path) -> tuple[int, float]:
 
 
 def commands(study: Path, data: Path, work: Path) -> dict[str, list[str]]:
-    cli = [sys.executable, "-m", "search"]
+    cli = [sys.executable, "-m", "latentsweep"]
     return {
-        "load only": [sys.executable, "-c", f"from trainers.data import load_train; load_train({str(data)!r})"],
+        "load only": [sys.executable, "-c", f"from latentsweep.trainers.data.sets import load_train; load_train({str(data)!r})"],
         "train --epochs 1": [*cli, "train", str(study), "--data", str(data), "--epochs", "1", "--quiet",
                              "--out", str(work / "train")],
         "study run (1 trial)": [*cli, "study", "run", str(study), "--data", str(data), "--n-trials", "1",

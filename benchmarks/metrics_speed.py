@@ -1,4 +1,4 @@
-"""Benchmark: trainers.metrics.evaluate (global + leaderboard) at challenge validation scale on 2 CPU threads.
+"""Benchmark: latentsweep.trainers.eval.metrics.evaluate (global + leaderboard) at challenge validation scale on 2 CPU threads.
 
     python benchmarks/metrics_speed.py [--threads 2] [--repeats 5] [--device cpu]
     python benchmarks/metrics_speed.py --smoke     # 50 images x 32-d, 1 repeat: the code path in a second (tests)
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np  # here, not at the top: --help answers without loading torch
     import torch
 
-    from trainers.metrics import evaluate
+    from latentsweep.trainers.eval.metrics import evaluate
 
     torch.set_num_threads(args.threads)
     n_images, dim = (50, 32) if args.smoke else (N_IMAGES, DIM)

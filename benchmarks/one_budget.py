@@ -4,7 +4,7 @@ For each holdout seed S (`latentsweep data holdout TRAIN --seed S`), each budget
 busy processes beside the job), in a fresh state directory: `latentsweep run studies/full.toml --time T` with its
 defaults. Reported per run: wall / budget, the machine's load average over the run (the machine may be shared), the
 seconds the first (closed-form) answer took, which answer the manifest says won on the study's val split and by how
-much (search.pick.judge), whether the pick's answer is the submission, the test MRR of the submission (leaderboard
+much (latentsweep.search.pick.judge), whether the pick's answer is the submission, the test MRR of the submission (leaderboard
 protocol, `submission score`), the test MRR of the closed-form floor alone (fit on the same train file) and whether
 the submission scores at least that on the held-out images.
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "search"]
+CLI = [sys.executable, "-m", "latentsweep"]
 # Busy processes beside a loaded run: as many as this machine's 2 cores, so the job gets about half of them.
 LOAD_PROCS = 2
 
@@ -52,7 +52,7 @@ def run_once(study: Path, train: Path, test: Path, budget: int, loaded: bool, wo
 
 
 def winner(submission: Path) -> dict:
-    """The manifest's verdict (search.pick.judge.Standing.record): which answer won on the val split, its val MRR
+    """The manifest's verdict (latentsweep.search.pick.judge.Standing.record): which answer won on the val split, its val MRR
     and its margin over the best answer it beat; Nones when there is no manifest."""
     manifest = submission.with_name(f"{submission.stem}.manifest.json")
     if not manifest.is_file():
@@ -63,10 +63,10 @@ def winner(submission: Path) -> dict:
 
 
 def floor_mrr(train: Path, test: Path, answers: Path, work: Path) -> float:
-    """Test MRR of the closed-form floor alone (search.pick.safe.ridge_answer on the same train file): what every
+    """Test MRR of the closed-form floor alone (latentsweep.search.pick.safe.ridge_answer on the same train file): what every
     submission must at least score on the held-out images."""
-    from search.pick.safe import ridge_answer
-    from trainers.data import load_test, load_train_shared
+    from latentsweep.search.pick.safe import ridge_answer
+    from latentsweep.trainers.data.sets import load_test, load_train_shared
 
     csv = work / "floor.csv"
     if not csv.is_file():
@@ -75,7 +75,7 @@ def floor_mrr(train: Path, test: Path, answers: Path, work: Path) -> float:
 
 
 def score(csv: str, answers: Path) -> float | None:
-    from trainers.submission import score_submission
+    from latentsweep.trainers.eval.submission import score_submission
 
     return score_submission(csv, answers)["mrr"] if Path(csv).is_file() else None
 
@@ -110,8 +110,8 @@ def smoke() -> int:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import SPENT_S, tiny_study_file
-    from search.process import TEST_SPENT_ENV
-    from trainers.synthetic import write_synthetic
+    from latentsweep.search.process import TEST_SPENT_ENV
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     os.environ[TEST_SPENT_ENV] = str(SPENT_S)  # each 60-s run starts back-dated: 50 s to wait, not 60 (tests only)
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,7 +127,7 @@ def smoke() -> int:
 def measure(work: Path, seeds: list[int], budgets: list[int], loads: list[str]) -> list[dict]:
     """Every (holdout, budget, load) run, in that order; each row printed as it ends."""
     sys.path.insert(0, str(ROOT))
-    from trainers.demo import default_train_path
+    from latentsweep.trainers.data.demo import default_train_path
 
     rows = []
     for seed in seeds:

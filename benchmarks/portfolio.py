@@ -28,7 +28,7 @@ from pathlib import Path
 from one_budget import holdout  # this script's directory is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "search"]
+CLI = [sys.executable, "-m", "latentsweep"]
 OUT = ROOT / "search" / "study" / "portfolio.toml"
 
 
@@ -51,7 +51,7 @@ def searched_only(study: Path, out: Path, seed: int) -> Path:
         raise SystemExit(f"{study}: no sampler seed to vary")
     copy.write_text(text)
     sys.path.insert(0, str(ROOT))
-    from search.study.studyfile import load_study_file
+    from latentsweep.search.study.studyfile import load_study_file
 
     loaded = load_study_file(copy)
     if loaded.enqueue or loaded.side:
@@ -148,7 +148,7 @@ def smoke() -> int:
     import tomllib
 
     from conftest import tiny_study_file
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.work is None:
         p.error("--work is required (or --smoke)")
     sys.path.insert(0, str(ROOT))
-    from trainers.demo import default_train_path
+    from latentsweep.trainers.data.demo import default_train_path
 
     trains = {f"holdout-{s}": holdout(default_train_path(), s, args.work / f"data-{s}")[0] for s in args.seeds}
     build(args.study, trains, args.seconds, args.size, args.work, args.out)

@@ -3,7 +3,7 @@
 Same split for all (data.split/val_ratio of each recipe: hash, 0.2), leaderboard protocol on the validation images,
 plus the held-out demo test file scored with the challenge protocol through its answer key. Prints a markdown table.
 
-    python benchmarks/recipes.py [--data trainers/demo_data/train.npz] [--epochs N] [--only bigjump,moco]
+    python benchmarks/recipes.py [--data trainers/data/demo_data/train.npz] [--epochs N] [--only bigjump,moco]
     python benchmarks/recipes.py --smoke    # every recipe for 1 epoch on tiny synthetic data in a temp dir (tests)
 """
 from __future__ import annotations
@@ -21,14 +21,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from search.study.studyfile import load_study_file  # noqa: E402
-from trainers import metrics  # noqa: E402
-from trainers.config import with_values  # noqa: E402
-from trainers.data import load_answers, load_test, load_train  # noqa: E402
-from trainers.demo import DEMO_DIR  # noqa: E402
-from trainers.geometry import ridge_fit  # noqa: E402
-from trainers.loop import train  # noqa: E402
-from trainers.tasks import TASKS, predict  # noqa: E402
+from latentsweep.search.study.studyfile import load_study_file  # noqa: E402
+from latentsweep.trainers.eval import metrics  # noqa: E402
+from latentsweep.trainers.config.tree import with_values  # noqa: E402
+from latentsweep.trainers.data.sets import load_answers, load_test, load_train  # noqa: E402
+from latentsweep.trainers.data.demo import DEMO_DIR  # noqa: E402
+from latentsweep.trainers.models.geometry import ridge_fit  # noqa: E402
+from latentsweep.trainers.train.loop import train  # noqa: E402
+from latentsweep.trainers.train.tasks import TASKS, predict  # noqa: E402
 
 RECIPES = ("baseline_mse", "vsepp_slots", "bigjump", "moco", "multilabel_triplet")
 RIDGE_LAMBDAS = (0.1, 1.0, 10.0, 100.0, 1000.0)  # a small grid, chosen on val like a user would
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def smoke_data(out_dir: Path) -> tuple[Path, Path, Path]:
     """A tiny challenge-shaped train / test / answers set with image labels (the multilabel recipe needs them)."""
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     return write_synthetic(out_dir, 150, captions_per_image=3, dim_text=32, dim_image=48, n_labels=6, n_test=30)
 

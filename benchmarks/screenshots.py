@@ -39,7 +39,7 @@ UI_START_S = 180  # `latentsweep ui` waits up to 120 s for both servers; a loade
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "search", *args]
+    return [sys.executable, "-m", "latentsweep", *args]
 
 
 def ensure_study(state: Path, study: str, run_args: tuple[str, ...] = ()) -> None:
@@ -58,7 +58,7 @@ def targets(state: Path, study: str) -> tuple[str, str, int]:
     import optuna
     from mlflow import MlflowClient
 
-    from search.tracking.paths import relocate_mlflow
+    from latentsweep.search.tracking.paths import relocate_mlflow
 
     relocate_mlflow(state)
     storage = optuna.storages.RDBStorage(f"sqlite:///{state / 'optuna.db'}")
@@ -107,7 +107,7 @@ def pages(exp_id: str, run_id: str, study_id: int) -> dict[str, str]:
 
 def smoke() -> int:
     """Everything before the servers and the browser, on a 1-trial quickstart study of tiny data in a temp dir."""
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     with tempfile.TemporaryDirectory(prefix="screenshots-smoke-") as tmp:
         data = write_synthetic(Path(tmp) / "data", 100, dim_text=32, dim_image=48)[0]
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         raise SystemExit("no Chromium found: apt-get install -y chromium")
-    from search.ui.servers import free_port  # here, not at the top: --help answers without MLflow's imports
+    from latentsweep.search.ui.servers import free_port  # here, not at the top: --help answers without MLflow's imports
 
     state, out = Path(args.state_dir).resolve(), Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

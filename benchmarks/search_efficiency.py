@@ -44,10 +44,10 @@ def run_arm(study_file, name: str, sampler: dict, pruner: dict, data, data_path:
     """Run a search for `budget` seconds; returns [(seconds since start, running best)] at each finished trial."""
     import optuna
 
-    from search.study.objective import TrialRunner
-    from search.study.storage import StorageSettings
-    from search.study.worker import RunSpec, load_or_create, worker_loop
-    from search.tracking.memory import InMemoryTracker
+    from latentsweep.search.study.objective import TrialRunner
+    from latentsweep.search.study.storage import StorageSettings
+    from latentsweep.search.study.worker import RunSpec, load_or_create, worker_loop
+    from latentsweep.search.tracking.memory import InMemoryTracker
 
     arm_study_file = dataclasses.replace(study_file, name=name, sampler=sampler, pruner=pruner, enqueue=())
     spec = RunSpec(study_file=str(study_file.path), name=name,
@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.summary:
         return summarize(args.summary, args.name, args.budget)
-    from search.process import quiet_optuna
+    from latentsweep.search.process import quiet_optuna
 
     quiet_optuna()
     if args.smoke:
-        from trainers.synthetic import write_synthetic
+        from latentsweep.trainers.data.synthetic import write_synthetic
 
         with tempfile.TemporaryDirectory(prefix="search-efficiency-smoke-") as tmp:
             args.epochs, args.budget = 1, 3.0
@@ -131,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def compare(args: argparse.Namespace, state: Path) -> int:
     """The recipe alone, then each arm for args.budget seconds with its state in `state`; prints the table."""
-    from search.study.studyfile import load_study_file, resolve_data_path
-    from trainers.config import with_values
-    from trainers.data import load_train
-    from trainers.loop import train
+    from latentsweep.search.study.studyfile import load_study_file, resolve_data_path
+    from latentsweep.trainers.config.tree import with_values
+    from latentsweep.trainers.data.sets import load_train
+    from latentsweep.trainers.train.loop import train
 
     state.mkdir(parents=True, exist_ok=True)
     study_file = load_study_file(args.study)

@@ -4,7 +4,7 @@ The notebook's code cells are read from the seed file at run time and executed a
 into this repository. Only the data loading is replaced: the notebook imports `load_data`, `prepare_train_data`,
 `generate_submission` from the challenge's `challenge.src.common` and `mrr`, `recall_at_k`, `ndcg` (and a
 visualiser) from `challenge.src.eval`, which are not in the seed. Stand-ins for those modules are put in
-`sys.modules`: `load_data` returns the demo train file (trainers/data.py `load_train`, trainers/demo.py's path)
+`sys.modules`: `load_data` returns the demo train file (trainers/data/sets.py `load_train`, trainers/data/demo.py's path)
 under the challenge's key names, `prepare_train_data` returns X (caption embeddings), y (each caption's RAW image
 embedding) and the caption->image label, as torch tensors; the metrics are the challenge's definitions over the
 top-k index lists the notebook passes (reciprocal rank of the true image, 0 past k).
@@ -20,8 +20,8 @@ retrieval pictures, test submission of the ensemble); they do not change the bes
 checkpoints under `models/` in a scratch directory.
 
 The split is the notebook's own MD5 rule (first 8 hex digits / 0xFFFFFFFF < 0.10); the script checks it selects the
-same validation images as the recipe's (trainers/splits.py). The metric is the same: the best epoch's val MRR over
-the global val gallery; for both sides it is recomputed with trainers/metrics.py (`val/mrr_global`) on each epoch's
+same validation images as the recipe's (trainers/data/splits.py). The metric is the same: the best epoch's val MRR over
+the global val gallery; for both sides it is recomputed with trainers/eval/metrics.py (`val/mrr_global`) on each epoch's
 checkpoint. Both select the best epoch by that figure (the notebook's rule; the trainer's best.pt is chosen by the
 leaderboard val/mrr, so its per-epoch metrics.csv is read instead). Demo test MRR of each best checkpoint is printed
 too, as a second, held-out figure.
@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # torch and the trainer's modules are imported where they are used: --help answers without them
-from trainers.demo import default_answers_path, default_test_path, default_train_path  # noqa: E402
+from latentsweep.trainers.data.demo import default_answers_path, default_test_path, default_train_path  # noqa: E402
 
 SEED_FILE = ROOT.parent / "shared" / "seeds" / "000_c10626d535106e76.txt"
 CELL_START = "In [None]:"
@@ -96,7 +96,7 @@ def challenge_modules(train_path: Path) -> dict[str, types.ModuleType]:
     import torch
     from scipy import sparse
 
-    from trainers.data import load_train
+    from latentsweep.trainers.data.sets import load_train
 
     def load_data(path):  # the notebook's data/train/train.npz -> the demo data, challenge key names
         data = load_train(train_path, texts=True)
@@ -140,8 +140,8 @@ def test_mrr(predict_fn, test_path: Path, answers_path: Path) -> float:
     """Demo test MRR (challenge protocol, captions in id order in galleries of 100) of pred = predict_fn(x)."""
     import torch
 
-    from trainers import metrics
-    from trainers.data import load_answers, load_test
+    from latentsweep.trainers.eval import metrics
+    from latentsweep.trainers.data.sets import load_answers, load_test
 
     test = load_test(test_path)
     ids, image = load_answers(answers_path)
@@ -188,7 +188,7 @@ def _score_notebook_run(ns: dict, scratch: Path, log: str, seed: int, test_path:
     """Our val/mrr_global of every epoch checkpoint the notebook saved; the best epoch's, its own figure, test MRR."""
     import torch
 
-    from trainers import metrics
+    from latentsweep.trainers.eval import metrics
 
     model = ns["model"].eval()
     val_x, val_gallery = ns["X_val"], ns["img_emb_all"][torch.from_numpy(ns["IMG_VAL_MASK"])]
@@ -208,10 +208,10 @@ def _score_notebook_run(ns: dict, scratch: Path, log: str, seed: int, test_path:
 def run_recipe(study: Path, seed: int, epochs: int | None, threads: int, train_path: Path, test_path: Path,
                answers_path: Path) -> dict:
     """`latentsweep train STUDY --seed S` as a user runs it; best epoch by val/mrr_global from its metrics.csv."""
-    from trainers.checkpoint import load_model
+    from latentsweep.trainers.train.checkpoint import load_model
 
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "search", "train", str(study), "--data", str(train_path), "--seed", str(seed),
+        cmd = [sys.executable, "-m", "latentsweep", "train", str(study), "--data", str(train_path), "--seed", str(seed),
                "--quiet", "--out", out, "--set", f"train.threads={threads}"]
         cmd += ["--epochs", str(epochs)] if epochs else []
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def smoke(args: argparse.Namespace) -> int:
     """compare() for seed 0, 1 epoch, on a tiny synthetic train / test / answers set in a temp dir."""
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     args.seeds, args.epochs, args.sides = "0", 1, "seed,recipe"
     if not Path(args.seed_file).is_file():
@@ -301,9 +301,9 @@ def check_same_split(recipe: Path, train_path: Path) -> None:
     """The notebook's MD5 rule (first 8 hex digits / 0xFFFFFFFF < val_ratio) must select the recipe's val images."""
     import hashlib
 
-    from search.study.studyfile import load_study_file
-    from trainers.data import load_train
-    from trainers.splits import split_by_hash
+    from latentsweep.search.study.studyfile import load_study_file
+    from latentsweep.trainers.data.sets import load_train
+    from latentsweep.trainers.data.splits import split_by_hash
 
     base = load_study_file(recipe).base
     names = load_train(train_path).image_names

@@ -29,17 +29,17 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainers import metrics  # noqa: E402
-from trainers.capture import CAPTURES, StepForward  # noqa: E402
-from trainers.checkpoint import CenteredModel  # noqa: E402
-from trainers.config import Config, with_values  # noqa: E402
-from trainers.data import TrainSet  # noqa: E402
-from trainers.loop import StepParts, _train_epoch  # noqa: E402
-from trainers.regularise import BatchAugment, build_average  # noqa: E402
-from trainers.losses import Criterion  # noqa: E402
-from trainers.models import ModelContext, build_model  # noqa: E402
-from trainers.optim import build_optimizer  # noqa: E402
-from trainers.tasks import TASKS  # noqa: E402
+from latentsweep.trainers.eval import metrics  # noqa: E402
+from latentsweep.trainers.train.capture import CAPTURES, StepForward  # noqa: E402
+from latentsweep.trainers.train.checkpoint import CenteredModel  # noqa: E402
+from latentsweep.trainers.config.tree import Config, with_values  # noqa: E402
+from latentsweep.trainers.data.sets import TrainSet  # noqa: E402
+from latentsweep.trainers.train.loop import StepParts, _train_epoch  # noqa: E402
+from latentsweep.trainers.train.regularise import BatchAugment, build_average  # noqa: E402
+from latentsweep.trainers.losses import Criterion  # noqa: E402
+from latentsweep.trainers.models.zoo import ModelContext, build_model  # noqa: E402
+from latentsweep.trainers.train.optim import build_optimizer  # noqa: E402
+from latentsweep.trainers.train.tasks import TASKS  # noqa: E402
 
 CAPS_PER_IMAGE = 5
 VAL_RATIO = 0.01  # the smallest split the config allows: the benchmark times training, not validation
@@ -105,7 +105,7 @@ def random_trainset(n_captions: int, dims: Dims) -> TrainSet:
 
 class TrainerEpoch:
     """The trainer itself: the translate task's batches, the CenteredModel wrapper, the configured optimiser and
-    schedule, and the loop's own per-epoch body (`trainers.loop._train_epoch`), at challenge dims."""
+    schedule, and the loop's own per-epoch body (`latentsweep.trainers.train.loop._train_epoch`), at challenge dims."""
 
     def __init__(self, device: torch.device, steps: int, dims: Dims = CHALLENGE, capture: str = "none"):
         # train captions = (1 - val_ratio) of the data; the hash split is only approximately that, so pad by 20%
@@ -118,7 +118,7 @@ class TrainerEpoch:
         self.steps = task.steps_per_epoch()
         opt, schedule = build_optimizer(cfg, model, criterion, self.steps)
         amp = cfg.train.amp and device.type == "cuda"
-        # the same parts `trainers.loop._fit` builds for a run
+        # the same parts `latentsweep.trainers.train.loop._fit` builds for a run
         self.parts = StepParts(cfg, task, model, criterion, opt, schedule,
                                torch.amp.GradScaler(device.type, enabled=amp), torch.Generator().manual_seed(0),
                                self.steps, amp, BatchAugment(cfg, task.x), build_average(cfg, model),

@@ -7,14 +7,14 @@ Two measurements, each repeated --repeats times in a fresh temp state directory:
 * study: `latentsweep study run` of a study file (default studies/quickstart.toml, its epochs capped by --epochs) for
   --trials trials, in this process. Every wrapped call is timed under its caller, so the tree below the trial shows
   exclusive seconds (a part's own, its wrapped callees left out); "(rest)" rows are what no wrapped part covers.
-* refit: `trainers.loop.train` of the study's [base] config with `data.split = "all"` for --refit-epochs epochs, as
+* refit: `latentsweep.trainers.train.loop.train` of the study's [base] config with `data.split = "all"` for --refit-epochs epochs, as
   the pick's refits run it (no validation: every epoch counts as the best one).
 
     python benchmarks/trial_costs.py [--data demo|PATH|synthetic:N_IMAGES] [--trials 3] [--epochs 4] [--repeats 2]
                                      [--refit-epochs 8] [--study FILE] [--json OUT]
     python benchmarks/trial_costs.py --smoke    # tests: tiny synthetic data (100 images, 32 -> 48) in a temp dir
 
-`synthetic:N` writes N images x 5 captions at challenge dims (1024 -> 1536, trainers/synthetic.py) into the temp dir.
+`synthetic:N` writes N images x 5 captions at challenge dims (1024 -> 1536, trainers/data/synthetic.py) into the temp dir.
 """
 from __future__ import annotations
 
@@ -80,11 +80,11 @@ def patched(timers: Timers, targets: list[tuple[object, str, str]]):
 def targets() -> list[tuple[object, str, str]]:
     """What is timed: the worker's per-trial calls, the trial's start/close, the loop's parts, the stores' calls."""
     import optuna
-    import trainers.loop as loop
-    import trainers.records as records
-    from search.study import objective, runner, worker
-    from search.tracking.mlflow import MlflowTracker
-    from trainers.tasks import TASKS
+    import latentsweep.trainers.train.loop as loop
+    import latentsweep.trainers.train.records as records
+    from latentsweep.search.study import objective, runner, worker
+    from latentsweep.search.tracking.mlflow import MlflowTracker
+    from latentsweep.trainers.train.tasks import TASKS
 
     out = [
         (worker, "claim_trial", "claim_trial"), (worker, "close_dead_runs", "close_dead_runs"),
@@ -120,7 +120,7 @@ def timed_deepcopy(timers: Timers):
     import copy
     import types
 
-    import trainers.loop as loop
+    import latentsweep.trainers.train.loop as loop
 
     if not hasattr(loop, "copy") or hasattr(loop, "_copy_state"):  # the newer code: _copy_state is timed
         yield
@@ -145,7 +145,7 @@ def study_file_for(source: Path, epochs: int | None, out: Path) -> Path:
 
 
 def run_study(study: Path, data: str, trials: int, work: Path, timers: Timers, tracking: str | None) -> float:
-    from search.cli.main import main as cli
+    from latentsweep.search.cli.main import main as cli
 
     args = ["study", "run", str(study), "--state-dir", str(work / "state"), "--n-trials", str(trials), "--quiet",
             "--data", data, *(["--tracking-uri", tracking] if tracking else [])]
@@ -158,10 +158,10 @@ def run_study(study: Path, data: str, trials: int, work: Path, timers: Timers, t
 
 
 def run_refit(study: Path, data: str, epochs: int, work: Path, timers: Timers) -> float:
-    from search.study.studyfile import load_study_file
-    from trainers.config import with_values
-    from trainers.data import load_train
-    import trainers.loop as loop
+    from latentsweep.search.study.studyfile import load_study_file
+    from latentsweep.trainers.config.tree import with_values
+    from latentsweep.trainers.data.sets import load_train
+    import latentsweep.trainers.train.loop as loop
 
     cfg = with_values(load_study_file(study).base, {"data.split": "all", "train.stop_after": epochs,
                                                     "train.epochs": epochs, "data.path": data})
@@ -196,11 +196,11 @@ def table(results: list[dict], per: str) -> list[str]:
 def measure(args, work_root: Path) -> dict:
     data = args.data
     if data == "demo":
-        from trainers.demo import default_train_path
+        from latentsweep.trainers.data.demo import default_train_path
 
         data = str(default_train_path())
     elif data.startswith("synthetic:"):
-        from trainers.synthetic import write_synthetic
+        from latentsweep.trainers.data.synthetic import write_synthetic
 
         data = str(write_synthetic(work_root / "data", int(data.split(":", 1)[1]), dim_text=1024,
                                    dim_image=1536)[0])
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         args.epochs = None
     with tempfile.TemporaryDirectory(prefix="trial-costs-") as tmp:
         if args.smoke:
-            from trainers.synthetic import write_synthetic
+            from latentsweep.trainers.data.synthetic import write_synthetic
 
             args.data = str(write_synthetic(Path(tmp) / "data", 100, dim_text=32, dim_image=48)[0])
             args.trials, args.epochs, args.repeats, args.refit_epochs = 1, 2, 1, 2

@@ -25,7 +25,7 @@ import numpy as np
 from one_budget import holdout  # this script's directory is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "search"]
+CLI = [sys.executable, "-m", "latentsweep"]
 RESAMPLES = 10_000  # bootstrap resamples of the holdouts
 
 
@@ -47,7 +47,7 @@ def first_study(study: Path, train: Path, seconds: int, state: Path, n_trials: i
 
 def one_run(study: Path, files: tuple[Path, Path, Path], budget: int, warm_from: Path | None, work: Path) -> float:
     """One `run --time budget` in a fresh state directory, warm from `warm_from` (None: cold); its test MRR."""
-    from trainers.submission import score_submission
+    from latentsweep.trainers.eval.submission import score_submission
 
     train, test, answers = files
     out = work / "submission.csv"
@@ -96,8 +96,8 @@ def smoke() -> int:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import SPENT_S, tiny_study_file
-    from search.process import TEST_SPENT_ENV
-    from trainers.synthetic import write_synthetic
+    from latentsweep.search.process import TEST_SPENT_ENV
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     os.environ[TEST_SPENT_ENV] = str(SPENT_S)  # each 60-s run starts back-dated: 50 s to wait, not 60 (tests only)
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.work is None:
         p.error("--work is required (or --smoke)")
     sys.path.insert(0, str(ROOT))
-    from trainers.demo import default_train_path
+    from latentsweep.trainers.data.demo import default_train_path
 
     holdouts = {f"holdout-{s}": holdout(default_train_path(), s, args.work / f"data-{s}") for s in args.seeds}
     rows = measure(args.study, holdouts, args.first, args.budgets, args.work)

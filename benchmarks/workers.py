@@ -48,8 +48,8 @@ PG_ADMIN = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 
 
 def data_path(tmp: Path, smoke: bool = False) -> Path:
-    from trainers.demo import default_train_path
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.demo import default_train_path
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     if smoke:
         return write_synthetic(tmp / "syn", 100, dim_text=32, dim_image=48)[0]
@@ -87,12 +87,12 @@ def run_layout(storage: str, workers: int, threads: int, args, tmp: Path, data: 
     """Create a fresh study, run it with `workers` spawned processes of `threads` threads each, read the timings."""
     import optuna
 
-    from search.process import quiet_optuna
-    from search.study.runner import worker_main
-    from search.study.storage import StorageSettings
-    from search.study.worker import RunSpec, dispose_study, load_or_create
-    from search.study.studyfile import load_study_file
-    from search.tracking import make_tracker
+    from latentsweep.search.process import quiet_optuna
+    from latentsweep.search.study.runner import worker_main
+    from latentsweep.search.study.storage import StorageSettings
+    from latentsweep.search.study.worker import RunSpec, dispose_study, load_or_create
+    from latentsweep.search.study.studyfile import load_study_file
+    from latentsweep.search.tracking import make_tracker
 
     quiet_optuna()
     name = f"bench_{'pg' if storage.startswith('postgresql') else 'sqlite'}_{workers}x{threads}"

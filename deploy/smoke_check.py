@@ -15,7 +15,7 @@ from collections import Counter
 import optuna
 from mlflow import MlflowClient
 
-from search.tracking.base import STATUS_OF_STATE  # the image has latentsweep installed
+from latentsweep.search.tracking.base import STATUS_OF_STATE  # the image has latentsweep installed
 
 # Terminal MLflow status per Optuna state, as the tracker sets it (a reaped trial's run ends FAILED).
 RUN_STATUS = {**STATUS_OF_STATE, "FAIL": "FAILED"}

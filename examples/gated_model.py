@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainers.geometry import ridge_fit
-from trainers.knobs import knob
-from trainers.models import MLP, register_model
+from latentsweep.trainers.models.geometry import ridge_fit
+from latentsweep.trainers.config.knobs import knob
+from latentsweep.trainers.models.zoo import MLP, register_model
 
 
 @dataclass(frozen=True)

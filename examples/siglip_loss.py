@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from trainers.knobs import knob
-from trainers.losses.base import Loss, register_loss, same_image, unit
+from latentsweep.trainers.config.knobs import knob
+from latentsweep.trainers.losses.base import Loss, register_loss, same_image, unit
 
 
 @dataclass(frozen=True)

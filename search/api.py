@@ -13,26 +13,26 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from search.checks import check_count, check_outputs, check_registry_name, check_seconds, check_type
-from search.pick.candidates import test_path_for
-from search.pick.onebudget import OneBudgetResult, check_pick_inputs, parse_duration, run_one_budget
-from search.pick.options import PickOptions, parse_budget
-from search.pick.outputs import PickResult
-from search.progress import honours_progress
-from search.pick.picker import run_pick
-from search.stores import default_protected, resolve_stores, state_dir as resolve_state_dir
-from search.study.preflight import no_new_empty_state_dir, preflight
-from search.study.devices import check_population
-from search.study.presets import presets as _presets
-from search.study.report import load_existing_study, study_table
-from search.study.runner import run_study as _run_study
-from search.study.spec import build_spec
-from search.study.studyfile import load_study_file
-from search.study.worker import dispose_study
-from trainers.data import load_test, load_test_shared
-from trainers.demo import default_test_path
-from trainers.errors import LatentsweepError
-from trainers.submission import write_submission
+from latentsweep.search.checks import check_count, check_outputs, check_registry_name, check_seconds, check_type
+from latentsweep.search.pick.candidates import test_path_for
+from latentsweep.search.pick.onebudget import OneBudgetResult, check_pick_inputs, parse_duration, run_one_budget
+from latentsweep.search.pick.options import PickOptions, parse_budget
+from latentsweep.search.pick.outputs import PickResult
+from latentsweep.search.progress import honours_progress
+from latentsweep.search.pick.picker import run_pick
+from latentsweep.search.stores import default_protected, resolve_stores, state_dir as resolve_state_dir
+from latentsweep.search.study.preflight import no_new_empty_state_dir, preflight
+from latentsweep.search.study.devices import check_population
+from latentsweep.search.study.presets import presets as _presets
+from latentsweep.search.study.report import load_existing_study, study_table
+from latentsweep.search.study.runner import run_study as _run_study
+from latentsweep.search.study.spec import build_spec
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.search.study.worker import dispose_study
+from latentsweep.trainers.data.sets import load_test, load_test_shared
+from latentsweep.trainers.data.demo import default_test_path
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.eval.submission import write_submission
 
 __all__ = ["pick_ensemble", "load_ensemble", "predict", "presets", "run", "run_study", "trials", "write_submission"]
 
@@ -78,7 +78,7 @@ def run(study: str | Path, time: str | float, *, data: str | None = None, test: 
     returns the job's result (.summary of the study, .pick: the pick's result or None, .answer: the submission in
     place); the ensemble is registered under `register` (default: the study's name); `population` as in
     run_study."""
-    started = _time.monotonic()  # the deadline's clock (trainers.deadline)
+    started = _time.monotonic()  # the deadline's clock (latentsweep.trainers.core.deadline)
     check_population("population", population)
     _check_common(study, workers, progress, data=data, test=test, state_dir=state_dir)
     check_type("time", time, str, int, float)
@@ -140,7 +140,7 @@ def _check_paths(**paths) -> None:
 def load_ensemble(picked: PickResult | str, tracking_uri: str | None = None, state_dir: str | None = None):
     """The picked ensemble as its MLflow pyfunc model (`.predict(caption_embeddings)` -> image-space [N, Di]):
     from a pick's result, or a model URI (models:/…) in the state directory's store or `tracking_uri`."""
-    from search.tracking.mlflow import load_pyfunc  # imports MLflow: only when an ensemble is loaded
+    from latentsweep.search.tracking.mlflow import load_pyfunc  # imports MLflow: only when an ensemble is loaded
 
     if isinstance(picked, PickResult):
         return load_pyfunc(picked.model_uri, picked.tracking_uri)

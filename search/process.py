@@ -17,7 +17,7 @@ from typing import Iterator
 # MLflow's first use of a SQLite store logs one INFO line per schema migration through these loggers.
 MIGRATION_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration", "alembic")
 # MLflow's SQL store also logs every database error with its traceback (at ERROR) before raising it: the error is
-# classified and said in one line by search.failures' callers, so that logger only speaks when it is critical.
+# classified and said in one line by latentsweep.search.failures' callers, so that logger only speaks when it is critical.
 STORE_ERROR_LOGGER = "mlflow.store.db.utils"
 ENV_DEFAULTS = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # the REST client's "View run ... at: URL" on every run end
@@ -143,7 +143,7 @@ def interrupt_on(*signals: int | None) -> Iterator[None]:
 
 
 def spawned_child(target, *args) -> None:
-    """The entry of a child process a launcher spawned with STOP_SIGNALS blocked (search.study.runner): the
+    """The entry of a child process a launcher spawned with STOP_SIGNALS blocked (latentsweep.search.study.runner): the
     terminal's Ctrl-C reaches the whole process group, but the launcher stops its children itself (SIGTERM), so a
     child ignores SIGINT until its own work installs a handler, and a SIGTERM or SIGHUP during its start-up (imports)
     ends it without a traceback."""

@@ -1,4 +1,4 @@
-"""Where search points the progress channel (trainers/progress.py, whose `say` every line goes through): stderr in
+"""Where search points the progress channel (trainers/core/progress.py, whose `say` every line goes through): stderr in
 the CLI and the workers it spawns (above any tqdm bar), nothing for an API call with progress=False (its libraries
 quiet too); and the one user-error line, which is said on stderr quiet or not (an error is not progress). Progress
 bars follow the commands' own `progress`/`--quiet` switches."""
@@ -12,7 +12,7 @@ import sys
 import warnings
 from typing import Iterator
 
-from trainers.progress import progress_to, set_progress_sink
+from latentsweep.trainers.core.progress import progress_to, set_progress_sink
 
 
 def stderr_sink(line: str) -> None:
@@ -26,7 +26,7 @@ def stderr_sink(line: str) -> None:
 # LATENTSWEEP_PROGRESS=off starts a process silent: the API's progress=False sets it for its call, so the worker
 # processes a study spawns (`workers=K`) are silent too.
 PROGRESS_ENV = "LATENTSWEEP_PROGRESS"
-if os.environ.get(PROGRESS_ENV) != "off":  # `import search` (every CLI start, worker and API user) says on stderr
+if os.environ.get(PROGRESS_ENV) != "off":  # `import latentsweep` (every CLI start, worker and API user) says on stderr
     set_progress_sink(stderr_sink)
 
 
@@ -39,7 +39,7 @@ def report_error(exc: BaseException) -> int | None:
     """A command's or a spawned worker's failure as its one error line: returns the exit code (1: another worker's
     bug, whose traceback is in that worker's output; 2: a user error, a full disk, a store down), or None for a bug
     of ours or an interrupt, which the caller raises on (its traceback kept)."""
-    from search.failures import StudyHalted, one_line  # imported here: it loads torch, which --version must not
+    from latentsweep.search.failures import StudyHalted, one_line  # imported here: it loads torch, which --version must not
 
     halted = isinstance(exc, StudyHalted)
     line = str(exc) if halted else one_line(exc)
@@ -50,7 +50,7 @@ def report_error(exc: BaseException) -> int | None:
 
 
 OPTUNA_LOGGER = "optuna"
-# The warnings search.process.quiet_optuna silences in the CLI's process, by message (Optuna's ExperimentalWarning
+# The warnings latentsweep.search.process.quiet_optuna silences in the CLI's process, by message (Optuna's ExperimentalWarning
 # class is not imported here: --version must not load Optuna).
 OPTUNA_WARNINGS = (r".* is experimental", "Heartbeat of storage is supposed to be used with Study.optimize")
 
@@ -58,9 +58,9 @@ OPTUNA_WARNINGS = (r".* is experimental", "Heartbeat of storage is supposed to b
 @contextlib.contextmanager
 def quiet_libraries() -> Iterator[None]:
     """For the block: MLflow's migration lines and artifact bars off, as the CLI sets them for its whole process
-    (search.process.quiet_mlflow), and the processes it spawns silent (PROGRESS_ENV); then all restored (a
+    (latentsweep.search.process.quiet_mlflow), and the processes it spawns silent (PROGRESS_ENV); then all restored (a
     notebook's own settings are its own)."""
-    from search.process import ENV_DEFAULTS, MIGRATION_LOGGERS, STORE_ERROR_LOGGER
+    from latentsweep.search.process import ENV_DEFAULTS, MIGRATION_LOGGERS, STORE_ERROR_LOGGER
 
     quiet_env = {**ENV_DEFAULTS, PROGRESS_ENV: "off"}
     env = {key: os.environ.get(key) for key in quiet_env}

@@ -8,8 +8,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from search.tracking.paths import ARTIFACTS, default_artifact_root, relocate_mlflow
-from trainers.errors import LatentsweepError
+from latentsweep.search.tracking.paths import ARTIFACTS, default_artifact_root, relocate_mlflow
+from latentsweep.trainers.core.errors import LatentsweepError
 
 ENV_VAR = "LATENTSWEEP_STATE_DIR"
 DEFAULT_DIR = "mlruns"
@@ -94,7 +94,7 @@ def check_artifact_root(root: str) -> None:
 
 
 # What a state directory holds that no output may replace: the stores (with SQLite's journal files beside them), the
-# trials' folders (config, metrics and best.pt of every trial: STATE/studies, search.study.worker.study_dir) and the
+# trials' folders (config, metrics and best.pt of every trial: STATE/studies, latentsweep.search.study.worker.study_dir) and the
 # artifacts. Not STATE/picks and STATE/train: the default outputs of `pick` and `train` go there.
 STATE_FILES = {"optuna.db": "the Optuna storage", "mlflow.db": "the MLflow tracking store"}
 STATE_DIRS = {"studies": "the trials' folders (checkpoints)", ARTIFACTS: "the MLflow artifacts"}

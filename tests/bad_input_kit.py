@@ -10,8 +10,8 @@ import numpy as np
 import optuna
 import pytest
 
-from search.cli.main import main
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 CORPUS = Path(__file__).parent / "corpus"
 NAME = "badinput"  # the study name of the fixture study and of every corpus study file

@@ -15,11 +15,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import SPENT_S, main_spent, tiny_study_file
-from search.cli.main import main
-from trainers import metrics
-from trainers.data import load_test
-from trainers.submission import check_submission
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.eval import metrics
+from latentsweep.trainers.data.sets import load_test
+from latentsweep.trainers.eval.submission import check_submission
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 # The issue's promise: within --time + 5%, plus 10 s at the smallest budgets (start-up and a submission's write).
@@ -89,7 +89,7 @@ def test_bad_pick_inputs_fail_before_any_trial_is_stored(world, tmp_path, capsys
 def test_a_back_dated_start_only_moves_the_cli_clock_back(monkeypatch):
     """$LATENTSWEEP_TEST_SPENT_S (tests only) starts the CLI's clock that many seconds earlier; anything but a number
     of seconds >= 0 changes nothing (it can only shorten a job, never lengthen one)."""
-    from search.process import TEST_SPENT_ENV, process_started
+    from latentsweep.search.process import TEST_SPENT_ENV, process_started
 
     monkeypatch.delenv(TEST_SPENT_ENV, raising=False)
     plain = process_started()
@@ -126,7 +126,7 @@ def test_a_tracking_store_failing_at_the_export_leaves_the_submission(world, tmp
 def test_zero_seconds_left_after_the_search_still_ends_with_a_submission(world, tmp_path, capsys, monkeypatch):
     """The study's end-work (its summary) is slowed past the whole budget: the search leaves 0 s. The job still
     writes the best trial's answer, skips the pick, exits 0 and says by how much and where it overran."""
-    import search.study.runner as runner_mod
+    import latentsweep.search.study.runner as runner_mod
 
     real, started = runner_mod.study_summary, time.monotonic()
 
@@ -143,7 +143,7 @@ def test_zero_seconds_left_after_the_search_still_ends_with_a_submission(world, 
     out = tmp_path / "state" / "picks" / "zero" / "submission.csv"
     assert check_submission(out, load_test(world.test), dim=32) == (100, 32)
     # the best trial's own answer was offered with 0 s left: it is the submission, or it lost to the floor on the
-    # same val images and said so (search.pick.judge: better only)
+    # same val images and said so (latentsweep.search.pick.judge: better only)
     assert "checkpoint" in captured.out.splitlines()[-2] or "not above the answer in place" in captured.out + captured.err
     assert wall <= 62.0 + SLACK_S
 
@@ -183,13 +183,13 @@ def test_slow_validation_and_closes_with_a_knn_side_trial_on_a_loaded_machine(wo
 def test_full_study_at_60_s_on_the_demo_ends_with_a_submission_within_75_s(tmp_path):
     """The issue's figure, as a user runs it: the default study at a budget shorter than one of its CPU trials."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "search", "run", str(ROOT / "studies" / "full.toml"), "--time", "60",
+    proc = subprocess.run([sys.executable, "-m", "latentsweep", "run", str(ROOT / "studies" / "full.toml"), "--time", "60",
                            "--state-dir", str(tmp_path / "state"), "--quiet"], cwd=tmp_path, capture_output=True,
                           text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     wall = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert wall <= 75.0, proc.stderr[-3000:]
-    from trainers.demo import default_test_path
+    from latentsweep.trainers.data.demo import default_test_path
 
     out = tmp_path / "state" / "picks" / "full" / "submission.csv"
     test = load_test(default_test_path())
@@ -223,7 +223,7 @@ def test_a_bug_in_our_tracker_calls_leaves_no_trial_and_no_run_running(world, tm
     study = tiny_study_file(tmp_path, "buggy", n_trials=6, epochs=2)
     state = tmp_path / "state"
     env = {**__import__("os").environ, "PYTHONPATH": f"{inject}:{ROOT}"}
-    proc = subprocess.run([sys.executable, "-m", "search", "study", "run", str(study), "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "latentsweep", "study", "run", str(study), "--workers", "2",
                            "--data", str(world.train), "--state-dir", str(state), "--quiet"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode != 0 and "injected bug" in proc.stderr
@@ -238,7 +238,7 @@ def test_a_bug_in_our_tracker_calls_leaves_no_trial_and_no_run_running(world, tm
 def test_study_run_timeout_is_a_promise_the_running_trial_stops_there(world, tmp_path):
     """`study run --timeout`: the trial running at the timeout stops at its next step and keeps its best finished
     epoch (it used to run to its end, past the timeout, like Optuna's own timeout)."""
-    from search.study.objective import DEADLINE_ATTR
+    from latentsweep.search.study.objective import DEADLINE_ATTR
 
     long = tiny_study_file(tmp_path, "timed", n_trials=5, epochs=100_000)
     state = tmp_path / "state"

@@ -1,4 +1,4 @@
-"""The Python API: re-exported lazily by `import search` (no import cost for the CLI and workers), one-line errors as
+"""The Python API: re-exported lazily by `import latentsweep` (no import cost for the CLI and workers), one-line errors as
 the CLI's; the whole flow runs in tests/test_notebook.py."""
 from __future__ import annotations
 
@@ -7,21 +7,21 @@ import sys
 
 import pytest
 
-import search
-from search import api
-from trainers.errors import LatentsweepError
+import latentsweep
+from latentsweep.search import api
+from latentsweep.trainers.core.errors import LatentsweepError
 
 
 def test_import_search_does_not_load_the_api():
-    code = "import sys, search; assert 'search.api' not in sys.modules and 'mlflow' not in sys.modules"
+    code = "import sys, latentsweep; assert 'latentsweep.search.api' not in sys.modules and 'mlflow' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
 def test_the_api_is_reexported_from_search():
-    for name in search.API:
-        assert getattr(search, name) is getattr(api, name)
+    for name in latentsweep.API:
+        assert getattr(latentsweep, name) is getattr(api, name)
     with pytest.raises(AttributeError):
-        search.no_such_function  # noqa: B018
+        latentsweep.no_such_function  # noqa: B018
 
 
 def test_presets_is_a_table_of_the_bundled_studies():

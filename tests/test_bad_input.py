@@ -12,8 +12,8 @@ import pytest
 from bad_input_kit import (
     CORPUS, NAME, NPZ_CASES, UNREACHABLE_STORAGE, UNREACHABLE_TRACKING, one_line_error, problem_lines, snapshot, study_cmd,
 )
-from search.cli.main import main
-from trainers.submission import write_submission
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.eval.submission import write_submission
 
 # ---- bad data files --------------------------------------------------------------------------------------------------
 
@@ -73,7 +73,7 @@ def test_predict_with_other_text_dim_keeps_existing_output(data, existing, tmp_p
 @pytest.fixture(scope="session")
 def submissions(tmp_path_factory, data) -> dict[str, Path]:
     """A valid submission for the good test set (dim 12) and its broken variants."""
-    from trainers.data import load_test
+    from latentsweep.trainers.data.sets import load_test
 
     out = tmp_path_factory.mktemp("submissions")
     ids = load_test(data["test"]).ids
@@ -202,7 +202,7 @@ def test_unwritable_state_dir_from_environment(existing, tmp_path, monkeypatch, 
 def test_subprocess_exit_code_and_no_traceback(argv, fragment, data, existing, tmp_path):
     fill = {"truncated": data["truncated"], "state": tmp_path / "state", "study_file": existing["study_file"]}
     argv = [a.format(**fill) for a in argv]
-    proc = subprocess.run([sys.executable, "-m", "search", *argv], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "latentsweep", *argv], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert proc.stderr.startswith("latentsweep: error: ") and fragment in proc.stderr.splitlines()[0]

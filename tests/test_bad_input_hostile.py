@@ -1,7 +1,7 @@
 """Hostile-input corpus, part 2: one table of adversarial command lines (arguments, study files, data files,
 checkpoints, submissions, paths, stores), each held to the same contract by bad_input_kit.assert_rejected: exit
 code 2, one error line (study-file checks: one line per problem), no traceback, no partial output, no change to
-the existing study or its runs. All in-process (search.cli.main.main), so the corpus stays fast."""
+the existing study or its runs. All in-process (latentsweep.search.cli.main.main), so the corpus stays fast."""
 from __future__ import annotations
 
 import os
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from bad_input_kit import GOOD_STUDY, NAME, assert_rejected, problem_lines, snapshot
-from search.cli.main import main
-from trainers.splits import split_by_hash
-from trainers.submission import write_submission
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.splits import split_by_hash
+from latentsweep.trainers.eval.submission import write_submission
 
 SECRET = "s3cr3t-pw"
 PG_WITH_PASSWORD = f"postgresql+psycopg2://user:{SECRET}@127.0.0.1:1/x"  # port 1: refused at once

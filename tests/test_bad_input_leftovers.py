@@ -13,9 +13,9 @@ import pytest
 
 from bad_input_kit import GOOD_STUDY, assert_rejected
 from test_postgres import pg_db, pg_url  # noqa: F401 - pg_db is a fixture, used by name
-from search.cli.main import main
-from search.tracking.probe import probe_tracking_store as _probe_tracking_server
-from trainers.submission import write_submission
+from latentsweep.search.cli.main import main
+from latentsweep.search.tracking.probe import probe_tracking_store as _probe_tracking_server
+from latentsweep.trainers.eval.submission import write_submission
 
 
 class _Answer(http.server.BaseHTTPRequestHandler):

@@ -15,11 +15,11 @@ import optuna
 import pytest
 
 from bad_input_kit import GOOD_STUDY, NAME, assert_rejected, problem_lines
-from search import api
-from search.cli.main import main
-from search.study.presets import presets_dir
-from search.study.side import SIDE_ATTR
-from trainers.errors import LatentsweepError
+from latentsweep.search import api
+from latentsweep.search.cli.main import main
+from latentsweep.search.study.presets import presets_dir
+from latentsweep.search.study.side import SIDE_ATTR
+from latentsweep.trainers.core.errors import LatentsweepError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,8 +154,8 @@ def test_a_plugin_that_exits_at_import_is_one_line_naming_it(body, fragment, dat
 def test_a_knob_whose_low_is_above_its_high_is_refused(data, existing, tmp_path, capsys):
     study = _plugin_study(tmp_path, """\
         from dataclasses import dataclass
-        from trainers.knobs import knob
-        from trainers.losses.base import Loss, register_loss
+        from latentsweep.trainers.config.knobs import knob
+        from latentsweep.trainers.losses.base import Loss, register_loss
 
         @dataclass(frozen=True)
         class EmptyRangeCfg:
@@ -173,9 +173,9 @@ def test_a_knob_whose_low_is_above_its_high_is_refused(data, existing, tmp_path,
 FIXABLE = """
 import torch
 from dataclasses import dataclass
-from trainers.knobs import knob
-from trainers.losses.base import Loss, register_loss
-from trainers.models import register_model
+from latentsweep.trainers.config.knobs import knob
+from latentsweep.trainers.losses.base import Loss, register_loss
+from latentsweep.trainers.models.zoo import register_model
 
 @dataclass(frozen=True)
 class Round5Cfg:
@@ -193,10 +193,10 @@ def build(cfg, ctx):
 RELOAD = f"""
 import sys
 from pathlib import Path
-from search.study.studyfile import load_study_file
-from trainers.errors import ConfigError
-from trainers.losses.base import LOSSES
-from trainers.models import MODELS
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.losses.base import LOSSES
+from latentsweep.trainers.models.zoo import MODELS
 plugin, study = Path(sys.argv[1]), Path(sys.argv[2])
 plugin.write_text({FIXABLE!r} + "raise RuntimeError('oops, a typo below the registrations')\\n")
 try:

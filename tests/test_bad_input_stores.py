@@ -13,8 +13,8 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file as study_file
-from search.cli.main import main
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 HEARTBEAT = ("--heartbeat", "1", "--grace", "2")
@@ -51,7 +51,7 @@ def trials(state: Path, name: str) -> list[str]:
 FILL = """
 import os
 from pathlib import Path
-from trainers.losses.core import InfoNCE
+from latentsweep.trainers.losses.core import InfoNCE
 
 real = InfoNCE.terms
 
@@ -78,7 +78,7 @@ def test_storage_full_during_a_trial_stops_in_one_line_and_reap_closes_every_run
     env = {**__import__("os").environ, "LATENTSWEEP_FILL": str(small_fs / "filler"),
            "PYTHONPATH": f"{hook}:{ROOT}"}
     sf = study_file(tmp_path, name, n_trials=2, epochs=2)
-    proc = subprocess.run([sys.executable, "-m", "search", "study", "run", str(sf), "--data", str(synthetic),
+    proc = subprocess.run([sys.executable, "-m", "latentsweep", "study", "run", str(sf), "--data", str(synthetic),
                            "--state-dir", str(state), "--quiet", *HEARTBEAT], capture_output=True, text=True,
                           env=env, timeout=600, cwd=ROOT)
     err = proc.stderr.strip().splitlines()
@@ -137,7 +137,7 @@ def test_a_read_only_state_directory(read_only_view, synthetic, tmp_path, capsys
 def test_two_same_name_studies_started_at_once_share_one_budget(synthetic, tmp_path):
     state, name = tmp_path / "state", "twins"
     sf = study_file(tmp_path, name, n_trials=3, epochs=1)
-    cmd = [sys.executable, "-m", "search", "study", "run", str(sf), "--data", str(synthetic), "--state-dir",
+    cmd = [sys.executable, "-m", "latentsweep", "study", "run", str(sf), "--data", str(synthetic), "--state-dir",
            str(state), "--quiet"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for _ in range(2)]

@@ -1,12 +1,12 @@
-"""search.failures.best_effort: our bug raised with its traceback, any other failure one line and the caller goes on."""
+"""latentsweep.search.failures.best_effort: our bug raised with its traceback, any other failure one line and the caller goes on."""
 from __future__ import annotations
 
 import traceback
 
 import pytest
 
-from search.failures import Kind, StoreFailed, best_effort
-from trainers.progress import progress_to
+from latentsweep.search.failures import Kind, StoreFailed, best_effort
+from latentsweep.trainers.core.progress import progress_to
 
 
 def _said(block) -> tuple[list[str], object]:

@@ -12,16 +12,16 @@ import optuna
 import pytest
 
 from conftest import tiny_study_file
-from search.cli.main import main
-from search.pick.judge import Standing, make_judge
-from search.pick.onebudget import _gate
-from search.pick.safe import Keeper, SafeAnswer, best_trial, local_checkpoint, ridge_answer
-from search.study.studyfile import load_study_file
-from trainers.checkpoint import load_model
-from trainers.closed_form import fit_ridge, moments, solve
-from trainers.data import load_test, load_train
-from trainers.splits import captions_of
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.search.pick.judge import Standing, make_judge
+from latentsweep.search.pick.onebudget import _gate
+from latentsweep.search.pick.safe import Keeper, SafeAnswer, best_trial, local_checkpoint, ridge_answer
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.trainers.train.checkpoint import load_model
+from latentsweep.trainers.models.closed_form import fit_ridge, moments, solve
+from latentsweep.trainers.data.sets import load_test, load_train
+from latentsweep.trainers.data.splits import captions_of
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_the_floor_is_scored_fit_without_the_val_images(world):
     fair = world.judge.score_floor(world.data, seen.alpha)
     unfair = world.judge.score(seen.predict(world.judge.text))
     assert 0.0 < fair < unfair
-    # the floor's fast in-gallery MRR is the trials' own protocol (trainers.metrics.evaluate_leaderboard)
+    # the floor's fast in-gallery MRR is the trials' own protocol (latentsweep.trainers.eval.metrics.evaluate_leaderboard)
     alone = solve(moments(world.data, captions_of(world.data.cap2img, world.judge.train_images)), seen.alpha)
     assert world.judge.score(alone.predict(world.judge.text)) == pytest.approx(fair, abs=1e-6)
 

@@ -7,13 +7,13 @@ import optuna
 import pytest
 
 from conftest import tiny_study_file
-from search.study.branches import probe_values
-from search.cli.main import main
-from search.study.space import parse_space, sample
-from search.study.studyfile import load_study_file
-from trainers.config import Config, flatten
-from trainers.errors import ConfigError
-from trainers.synthetic import write_synthetic
+from latentsweep.search.study.branches import probe_values
+from latentsweep.search.cli.main import main
+from latentsweep.search.study.space import parse_space, sample
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.trainers.config.tree import Config, flatten
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 BASE = flatten(Config())
 

@@ -1,4 +1,4 @@
-"""Tests of issue 33: no host sync or per-step host work in a training step, and train.capture (trainers/capture.py)
+"""Tests of issue 33: no host sync or per-step host work in a training step, and train.capture (trainers/train/capture.py)
 computing what the eager step does, with its eager fallbacks recorded."""
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ import dataclasses
 import pytest
 import torch
 
-from trainers.capture import StepForward
-from trainers.checkpoint import CenteredModel
-from trainers.config import Config, with_values
-from trainers.data import load_train
-from trainers.errors import ConfigError
-from trainers.deadline import Deadline
-from trainers.loop import StepParts, _train_epoch, seed_everything, train
-from trainers.losses import Criterion
-from trainers.models import build_model
-from trainers.optim import build_optimizer
-from trainers.regularise import BatchAugment, build_average
-from trainers.synthetic import write_synthetic
-from trainers.tasks import TASKS
+from latentsweep.trainers.train.capture import StepForward
+from latentsweep.trainers.train.checkpoint import CenteredModel
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.data.sets import load_train
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.core.deadline import Deadline
+from latentsweep.trainers.train.loop import StepParts, _train_epoch, seed_everything, train
+from latentsweep.trainers.losses import Criterion
+from latentsweep.trainers.models.zoo import build_model
+from latentsweep.trainers.train.optim import build_optimizer
+from latentsweep.trainers.train.regularise import BatchAugment, build_average
+from latentsweep.trainers.data.synthetic import write_synthetic
+from latentsweep.trainers.train.tasks import TASKS
 
 SMALL = {"model.hidden": "64", "train.batch_size": 64, "train.epochs": 2, "data.val_ratio": 0.2,
          "eval.gallery_size": 20, "train.seed": 0, "train.device": "cpu"}

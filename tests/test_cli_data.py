@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from search.cli.main import main
-from trainers.data_writer import write_train_npz
-from trainers.synthetic import make_synthetic, write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.writer import write_train_npz
+from latentsweep.trainers.data.synthetic import make_synthetic, write_synthetic
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests of `latentsweep train` and `latentsweep predict` through search.cli.main.main, on tiny synthetic data."""
+"""Tests of `latentsweep train` and `latentsweep predict` through latentsweep.search.cli.main.main, on tiny synthetic data."""
 from __future__ import annotations
 
 import contextlib
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from search.cli.main import main
-from trainers.checkpoint import load_model
-from trainers.config import from_dict
-from trainers.data import load_test
-from trainers.submission import check_submission, read_submission
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.train.checkpoint import load_model
+from latentsweep.trainers.config.tree import from_dict
+from latentsweep.trainers.data.sets import load_test
+from latentsweep.trainers.eval.submission import check_submission, read_submission
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 QUICKSTART = str(Path(__file__).resolve().parents[1] / "studies" / "quickstart.toml")
 

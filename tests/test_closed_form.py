@@ -1,12 +1,12 @@
-"""The closed-form answer (trainers.closed_form) against a naive float64 ridge, and the one-budget job's floor."""
+"""The closed-form answer (latentsweep.trainers.models.closed_form) against a naive float64 ridge, and the one-budget job's floor."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from trainers.closed_form import ALPHAS, fit_ridge, moments, solve
-from trainers.data import load_train
-from trainers.synthetic import write_synthetic
+from latentsweep.trainers.models.closed_form import ALPHAS, fit_ridge, moments, solve
+from latentsweep.trainers.data.sets import load_train
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import tomllib
 
 import pytest
 
-from trainers.config import (Config, check_key, coerce, dump_toml, flatten, from_dict, load_toml, parse_overrides,
+from latentsweep.trainers.config.tree import (Config, check_key, coerce, dump_toml, flatten, from_dict, load_toml, parse_overrides,
                              to_dict, upgrade_tree, valid_keys, with_values)
-from trainers.errors import ConfigError
+from latentsweep.trainers.core.errors import ConfigError
 
 
 def non_default() -> Config:

@@ -8,14 +8,14 @@ import sqlite3
 import optuna
 import pytest
 
-from search.pick.candidates import load_candidates, top_trials
-from search.study.budget import TrialCost, refit_costs
-from search.study.contract import (
+from latentsweep.search.pick.candidates import load_candidates, top_trials
+from latentsweep.search.study.budget import TrialCost, refit_costs
+from latentsweep.search.study.contract import (
     OBJECTIVE_ATTR, PARENT_ATTR, SIDE_ATTR, TIMING_ATTR, DamagedStudy, StudyRecord, TrialOutputs, TrialRecord,
 )
-from trainers.cost import Timing
-from trainers.errors import LatentsweepError
-from trainers.progress import progress_to
+from latentsweep.trainers.train.cost import Timing
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.core.progress import progress_to
 
 
 def test_round_trip_through_a_stored_trial():

@@ -1,4 +1,4 @@
-"""What a job costs (trainers.cost), the deadline of a training run, and the search/pick split of a one-budget run."""
+"""What a job costs (latentsweep.trainers.train.cost), the deadline of a training run, and the search/pick split of a one-budget run."""
 from __future__ import annotations
 
 import time
@@ -8,18 +8,18 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
-from search.pick.onebudget import parse_duration
-from search.pick.plan import PICK_FIXED_S
-from search.study.budget import (
+from latentsweep.search.pick.onebudget import parse_duration
+from latentsweep.search.pick.plan import PICK_FIXED_S
+from latentsweep.search.study.budget import (
     RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, SAFE_FACTOR, JobBudget, PickCost,
 )
-from search.study.contract import TIMING_ATTR
+from latentsweep.search.study.contract import TIMING_ATTR
 from test_loop import data, small_cfg  # noqa: F401 - the module's data fixture, by name
-from trainers import metrics
-from trainers.cost import Timing, mean_epoch
-from trainers.deadline import Deadline
-from trainers.errors import LatentsweepError
-from trainers.loop import DeadlineReached, train
+from latentsweep.trainers.eval import metrics
+from latentsweep.trainers.train.cost import Timing, mean_epoch
+from latentsweep.trainers.core.deadline import Deadline
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.train.loop import DeadlineReached, train
 
 
 def test_estimate_scales_training_by_captions_and_by_images_only_for_a_per_image_loss():
@@ -111,7 +111,7 @@ def _study_with(refit_seconds: list[float], images: int = 100, eval_s: float = 0
     return study
 
 
-PICK = PickCost(PICK_FIXED_S, pool=10)  # the pool of `pick --top 5` with val selection (search.pick.options)
+PICK = PickCost(PICK_FIXED_S, pool=10)  # the pool of `pick --top 5` with val selection (latentsweep.search.pick.options)
 
 
 def test_the_pick_reserve_follows_the_measured_costs_within_its_bounds():

@@ -1,5 +1,5 @@
-"""Tests of trainers.data (challenge npz reading, validation), trainers.data_writer, trainers.splits (image-level
-splits) and trainers.synthetic."""
+"""Tests of latentsweep.trainers.data.sets (challenge npz reading, validation), latentsweep.trainers.data.writer, latentsweep.trainers.data.splits (image-level
+splits) and latentsweep.trainers.data.synthetic."""
 import hashlib
 import tracemalloc
 
@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import scipy.sparse
 
-from trainers import data as D
-from trainers import npz as N
-from trainers.data import check_text_dim, load_answers, load_test, load_train
-from trainers.data_writer import write_train_npz
-from trainers.errors import ConfigError, DataError
-from trainers.splits import captions_of, kfold_by_image, split_by_hash
-from trainers.synthetic import make_synthetic, write_synthetic
+from latentsweep.trainers.data import sets as D
+from latentsweep.trainers.data import npz as N
+from latentsweep.trainers.data.sets import check_text_dim, load_answers, load_test, load_train
+from latentsweep.trainers.data.writer import write_train_npz
+from latentsweep.trainers.core.errors import ConfigError, DataError
+from latentsweep.trainers.data.splits import captions_of, kfold_by_image, split_by_hash
+from latentsweep.trainers.data.synthetic import make_synthetic, write_synthetic
 
 NI, CPI, DT, DI = 40, 5, 6, 8
 

@@ -1,4 +1,4 @@
-"""trainers.data.load_train_shared: one read of a train file per process while its bytes stay the same; a study run
+"""latentsweep.trainers.data.sets.load_train_shared: one read of a train file per process while its bytes stay the same; a study run
 reads its file once (its pre-flight check and its trials share the read)."""
 from __future__ import annotations
 
@@ -7,26 +7,26 @@ import shutil
 import numpy as np
 import pytest
 
-import trainers.data
+import latentsweep.trainers.data.sets
 from conftest import tiny_study_file
-from search.cli.main import main
-from trainers.data import load_train_shared
-from trainers.errors import DataError
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.sets import load_train_shared
+from latentsweep.trainers.core.errors import DataError
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 
 @pytest.fixture
 def reads(monkeypatch, tmp_path) -> list[str]:
-    """Every real read of a train file (trainers.data.load_train) by path, from here on (an empty data cache: a file
+    """Every real read of a train file (latentsweep.trainers.data.sets.load_train) by path, from here on (an empty data cache: a file
     of the same bytes mapped by an earlier test is not read)."""
-    seen, real = [], trainers.data.load_train
-    monkeypatch.setenv(trainers.data.CACHE_ENV, str(tmp_path / "data-cache"))
+    seen, real = [], latentsweep.trainers.data.sets.load_train
+    monkeypatch.setenv(latentsweep.trainers.data.sets.CACHE_ENV, str(tmp_path / "data-cache"))
 
     def counted(path, **kwargs):
         seen.append(str(path))
         return real(path, **kwargs)
 
-    monkeypatch.setattr(trainers.data, "load_train", counted)
+    monkeypatch.setattr(latentsweep.trainers.data.sets, "load_train", counted)
     return seen
 
 
@@ -38,7 +38,7 @@ def test_the_same_bytes_are_read_once_and_new_bytes_again(tmp_path, reads):
     shutil.copyfile(b, a)  # same path, other bytes
     second = load_train_shared(a)
     assert second is not first and reads == [str(a), str(a)]
-    assert np.array_equal(second.text, trainers.data.load_train(b).text)
+    assert np.array_equal(second.text, latentsweep.trainers.data.sets.load_train(b).text)
     a.unlink()
     with pytest.raises(DataError):  # a file gone since is said as load_train says it, not served from memory
         load_train_shared(a)

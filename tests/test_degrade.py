@@ -17,9 +17,9 @@ import optuna
 import pytest
 
 from conftest import tiny_study_file
-from trainers.data import load_test
-from trainers.submission import check_submission
-from trainers.synthetic import write_synthetic
+from latentsweep.trainers.data.sets import load_test
+from latentsweep.trainers.eval.submission import check_submission
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 PG = dict(host="127.0.0.1", port=5432, user="postgres", dbname="postgres", connect_timeout=5)
@@ -72,7 +72,7 @@ def test_a_store_dropped_mid_search_ends_the_search_not_the_job(world, tmp_path,
     url = f"postgresql+psycopg2://postgres@127.0.0.1:5432/{pg_db}"
     study = tiny_study_file(tmp_path, "outage", n_trials=200, epochs=3)
     state = tmp_path / "state"
-    cmd = [sys.executable, "-m", "search", "run", str(study), "--time", "180", "--storage", url, "--data",
+    cmd = [sys.executable, "-m", "latentsweep", "run", str(study), "--time", "180", "--storage", url, "--data",
            str(world.train), "--test", str(world.test), "--state-dir", str(state), "--quiet"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -104,11 +104,11 @@ def test_a_pick_job_stops_at_the_deadline_or_is_dropped_with_its_seconds(world, 
     """The pick's jobs run on the job's one deadline: a refit whose deadline has passed is dropped (no checkpoint,
     its seconds said); one cut by the deadline after its first epoch keeps what finished and is not stamped done (the
     next pick trains it again whole); one with time to spare is stamped done."""
-    from search.pick.jobs import DONE_FILE, Job, run_job
-    from search.study.studyfile import load_study_file
-    from trainers.config import with_values
-    from trainers.data import load_train
-    from trainers.deadline import Deadline
+    from latentsweep.search.pick.jobs import DONE_FILE, Job, run_job
+    from latentsweep.search.study.studyfile import load_study_file
+    from latentsweep.trainers.config.tree import with_values
+    from latentsweep.trainers.data.sets import load_train
+    from latentsweep.trainers.core.deadline import Deadline
 
     data = load_train(world.train)
     base = load_study_file(tiny_study_file(tmp_path, "jobs", epochs=1)).base

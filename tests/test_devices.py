@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from trainers.devices import check_device, machine_gpu, resolve_device
-from trainers.errors import LatentsweepError
+from latentsweep.trainers.core.devices import check_device, machine_gpu, resolve_device
+from latentsweep.trainers.core.errors import LatentsweepError
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ SHARED_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total
 
 
 def test_a_gpu_filled_by_other_processes_is_the_machines_fault():
-    from search.failures import Kind, classify
+    from latentsweep.search.failures import Kind, classify
     failure = classify(torch.OutOfMemoryError(SHARED_OOM))
     assert failure.kind is Kind.MACHINE and failure.retried and not failure.counts
     assert "\n" not in str(failure.user_error(3)) and "retried" in str(failure.user_error(3))
@@ -82,23 +82,23 @@ def test_a_gpu_filled_by_other_processes_is_the_machines_fault():
     "CUDA",  # no sizes to read
 ])
 def test_an_oversized_config_stays_a_memory_failure(message):
-    from search.failures import Kind, classify
+    from latentsweep.search.failures import Kind, classify
     assert classify(torch.OutOfMemoryError(message)).kind is Kind.MEMORY
 
 
 @pytest.mark.skipif(not hasattr(torch, "AcceleratorError"), reason="this torch has no AcceleratorError")
 def test_an_accelerator_error_is_retried():
-    from search.failures import Kind, classify, one_line
+    from latentsweep.search.failures import Kind, classify, one_line
     exc = torch.AcceleratorError("CUDA error: unspecified launch failure\nCUDA kernel errors might be reported later")
     failure = classify(exc)
     assert failure.kind is Kind.MACHINE and failure.retried and not failure.counts and not failure.goes_on
     assert one_line(exc) == "AcceleratorError: CUDA error: unspecified launch failure"
 
 
-# GPU slots of local workers (search.study.devices), on a fake list of GPUs.
+# GPU slots of local workers (latentsweep.search.study.devices), on a fake list of GPUs.
 
 def test_slots_fill_every_gpu_before_doubling_up():
-    from search.study.devices import assign_slots
+    from latentsweep.search.study.devices import assign_slots
     assert assign_slots(("0", "1"), 2, 4) == ["0", "1", "0", "1"]
     assert assign_slots(("0", "1"), 2, 3) == ["0", "1", "0"]
     assert assign_slots(("5",), 3, 3) == ["5", "5", "5"]
@@ -106,7 +106,7 @@ def test_slots_fill_every_gpu_before_doubling_up():
 
 
 def test_more_workers_than_slots_is_one_line():
-    from search.study.devices import assign_slots
+    from latentsweep.search.study.devices import assign_slots
     with pytest.raises(LatentsweepError, match=r"--workers 5 is more than 2 GPU\(s\) x --per-gpu 2 = 4 slots"):
         assign_slots(("0", "1"), 2, 5)
 
@@ -119,7 +119,7 @@ def two_gpus(monkeypatch):
 
 
 def test_workers_auto_is_every_gpu_slot(two_gpus):
-    from search.study.devices import WorkerPlan, plan_workers
+    from latentsweep.search.study.devices import WorkerPlan, plan_workers
     assert plan_workers("auto", "all", 2) == WorkerPlan(4, ("0", "1"), 2)
     assert plan_workers("auto", None, None) == WorkerPlan(2, ("0", "1"), 1)  # auto on a GPU machine: all of them
     assert plan_workers(1, "1", None) == WorkerPlan(1, ("1",), 1)
@@ -127,7 +127,7 @@ def test_workers_auto_is_every_gpu_slot(two_gpus):
 
 
 def test_gpus_are_named_through_the_parents_own_pin(two_gpus, monkeypatch):
-    from search.study.devices import plan_workers
+    from latentsweep.search.study.devices import plan_workers
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")  # this process sees GPUs 4 and 6 as its 0 and 1
     assert plan_workers("auto", "all", 1).gpus == ("4", "6")
     assert plan_workers(1, "1", 1).gpus == ("6",)
@@ -143,14 +143,14 @@ def test_gpus_are_named_through_the_parents_own_pin(two_gpus, monkeypatch):
     (0, None, None, "--workers must be >= 1"),
 ])
 def test_bad_gpu_options_are_one_line(two_gpus, workers, gpus, per_gpu, said):
-    from search.study.devices import plan_workers
+    from latentsweep.search.study.devices import plan_workers
     with pytest.raises(LatentsweepError, match=said) as err:
         plan_workers(workers, gpus, per_gpu)
     assert "\n" not in str(err.value)
 
 
 def test_a_cpu_machine_is_unchanged(monkeypatch):
-    from search.study.devices import CPU_THREADS_PER_WORKER, WorkerPlan, plan_workers
+    from latentsweep.search.study.devices import CPU_THREADS_PER_WORKER, WorkerPlan, plan_workers
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert plan_workers(2, None, None) == WorkerPlan(2)
     assert plan_workers("auto", None, None) == WorkerPlan(max(1, (os.cpu_count() or 1) // CPU_THREADS_PER_WORKER))
@@ -162,9 +162,9 @@ def test_a_cpu_machine_is_unchanged(monkeypatch):
 
 def test_each_spawned_worker_gets_its_own_slot(monkeypatch, tmp_path):
     """_run_spawned hands worker i the i-th slot, and worker_main pins it before the worker runs."""
-    import search.study.runner as runner
-    from search.study.storage import StorageSettings
-    from search.study.worker import RunSpec
+    import latentsweep.search.study.runner as runner
+    from latentsweep.search.study.storage import StorageSettings
+    from latentsweep.search.study.worker import RunSpec
 
     started = []
 
@@ -203,7 +203,7 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
     import contextlib
     import io
 
-    from search.cli.main import main
+    from latentsweep.search.cli.main import main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
@@ -255,7 +255,7 @@ def test_each_trial_records_its_device(tmp_path):
     import optuna
 
     from conftest import tiny_study_file
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.synthetic import write_synthetic
     train, _, _ = write_synthetic(tmp_path / "syn", 120, dim_text=16, dim_image=24, n_test=20)
     state = tmp_path / "state"
     sf = tiny_study_file(tmp_path, "recorded", n_trials=1, epochs=1)
@@ -273,7 +273,7 @@ def test_each_trial_records_its_device(tmp_path):
 def test_workers_on_one_machine_claim_distinct_slots(tmp_path):
     """`worker --gpus 0,1 --per-gpu 2` four times (compose replicas sharing the state volume): every slot once, in
     assign_slots' order; a fifth worker is refused in one line; a worker's exit frees its slot."""
-    from search.study import devices
+    from latentsweep.search.study import devices
     try:
         got = [devices.claim_slot(("0", "1"), 2, tmp_path / "gpu-slots") for _ in range(4)]
         assert got == ["0", "1", "0", "1"]

@@ -15,13 +15,13 @@ from mlflow import MlflowClient
 
 import fault_kit
 from conftest import tiny_study_file as study_file
-from search.cli.main import main
-from search.failures import Kind, classify
-from search.tracking.mlflow import MlflowTracker
-from trainers.errors import ConfigError
-from trainers.loop import TrainingDiverged
-from trainers.progress import progress_to
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.search.failures import Kind, classify
+from latentsweep.search.tracking.mlflow import MlflowTracker
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.train.loop import TrainingDiverged
+from latentsweep.trainers.core.progress import progress_to
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,7 +154,7 @@ CPU_ALLOCATION = "DefaultCPUAllocator: can't allocate memory"
 
 def fail_in_loss(monkeypatch, errors: list) -> None:
     """The loss raises the next of `errors` (an exception, or a callable that raises a real one), then trains."""
-    from trainers.losses.core import InfoNCE
+    from latentsweep.trainers.losses.core import InfoNCE
 
     real = InfoNCE.terms
 
@@ -211,7 +211,7 @@ def test_a_bug_in_the_tracker_stops_two_workers_loudly(synthetic, tmp_path):
     state, name = tmp_path / "state", "trackerbug"
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     sf = study_file(tmp_path, name, n_trials=4, epochs=1)
-    proc = subprocess.run([sys.executable, "-m", "search", "study", "run", str(sf), "--data", str(synthetic),
+    proc = subprocess.run([sys.executable, "-m", "latentsweep", "study", "run", str(sf), "--data", str(synthetic),
                            "--state-dir", str(state), "--workers", "2", "--quiet", "--tracking-uri", tracking],
                           capture_output=True, text=True, timeout=600, env=fault_kit.hook_env(tmp_path, "epoch:bug:*"),
                           cwd=ROOT)
@@ -226,9 +226,9 @@ def test_a_bug_in_the_tracker_stops_two_workers_loudly(synthetic, tmp_path):
 
 def test_train_and_pick_jobs_say_a_memory_failure_in_one_line_and_raise_a_bug(synthetic, tmp_path, monkeypatch,
                                                                               capsys):
-    from search.pick.jobs import Job, run_job
-    from trainers.config import Config, with_values
-    from trainers.data import load_train
+    from latentsweep.search.pick.jobs import Job, run_job
+    from latentsweep.trainers.config.tree import Config, with_values
+    from latentsweep.trainers.data.sets import load_train
 
     sf = study_file(tmp_path, "onejob", epochs=1)
     fail_in_loss(monkeypatch, [lambda: torch.empty(1 << 50)])

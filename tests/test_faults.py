@@ -12,11 +12,11 @@ from pathlib import Path
 import optuna
 import pytest
 
-from search.cli.main import main
-from search.process import quiet_optuna
-from search.study.storage import StorageSettings, dispose, open_storage
-from search.study.worker import reap
-from search.tracking.memory import InMemoryTracker
+from latentsweep.search.cli.main import main
+from latentsweep.search.process import quiet_optuna
+from latentsweep.search.study.storage import StorageSettings, dispose, open_storage
+from latentsweep.search.study.worker import reap
+from latentsweep.search.tracking.memory import InMemoryTracker
 from test_postgres import (  # noqa: F401 - fixtures are used by name
     assert_clean, cli_args, parent_run, pg_db, pg_url, spawn_worker, study_file, synthetic, trial_runs, tracking,
 )

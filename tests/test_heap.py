@@ -1,4 +1,4 @@
-"""trainers.heap.release_free_heap hands freed heap pages back to the OS (glibc), which glibc alone keeps resident."""
+"""latentsweep.trainers.core.heap.release_free_heap hands freed heap pages back to the OS (glibc), which glibc alone keeps resident."""
 from __future__ import annotations
 
 import os
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 # Run in a fresh interpreter: the heap state of the test process (its earlier tests) must not decide the outcome.
 PROBE = """
 import ctypes, os
-from trainers.heap import release_free_heap
+from latentsweep.trainers.core.heap import release_free_heap
 page = os.sysconf("SC_PAGE_SIZE")
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
 libc = ctypes.CDLL(None)

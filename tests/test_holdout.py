@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from search.cli.main import main
-from trainers.data import load_answers, load_test, load_train
-from trainers.metrics import GALLERY_SIZE
-from trainers.submission import score_submission, write_submission
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.sets import load_answers, load_test, load_train
+from latentsweep.trainers.eval.metrics import GALLERY_SIZE
+from latentsweep.trainers.eval.submission import score_submission, write_submission
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_a_perfect_submission_scores_one_and_a_shuffled_one_does_not(source, tmp
 
 
 def test_holdouts_depend_on_the_seed_not_on_the_file_order(source):
-    from trainers.holdout import held_out_images
+    from latentsweep.trainers.data.holdout import held_out_images
 
     data, _ = source
     a = held_out_images(data.image_names, 0.2, 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bad_input_kit import GOOD_STUDY, NAME, assert_rejected
-from search.cli.main import main
+from latentsweep.search.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +99,7 @@ def _damage(state: Path) -> None:
 
     import optuna
 
-    from search.study.owners import OWNER_ATTR, worker_id
+    from latentsweep.search.study.owners import OWNER_ATTR, worker_id
 
     with sqlite3.connect(state / "optuna.db") as conn:
         (trial,) = conn.execute("SELECT trial_id FROM trials WHERE number = 0").fetchone()
@@ -144,7 +144,7 @@ def test_a_damaged_study_is_read_with_warnings_not_a_traceback(damaged, data, tm
 
 
 def test_a_timing_of_the_wrong_type_reads_as_none():
-    from trainers.cost import Timing
+    from latentsweep.trainers.train.cost import Timing
 
     good = {"setup_s": 1.0, "train_s": 2.0, "eval_s": 0.5, "captions": 10, "images": 4, "per_image": False}
     assert Timing.from_attrs(good) is not None
@@ -158,7 +158,7 @@ def test_a_timing_of_the_wrong_type_reads_as_none():
 @pytest.mark.parametrize("device", ["cuda:0", "CUDA", "mps", "meta", "cpu:1", ""])
 def test_a_bad_train_device_is_refused_before_anything_is_stored(device, data, existing, tmp_path, monkeypatch,
                                                                   capsys):
-    monkeypatch.setattr("search.study.preflight.cuda_count", lambda: 0)  # a CPU machine, also on a GPU runner
+    monkeypatch.setattr("latentsweep.search.study.preflight.cuda_count", lambda: 0)  # a CPU machine, also on a GPU runner
     study = tmp_path / "dev.toml"
     study.write_text(GOOD_STUDY.replace("batch_size = 64", f'batch_size = 64\ndevice = "{device}"'))
     state = tmp_path / "state"
@@ -194,8 +194,8 @@ def test_an_environment_error_names_the_variable(case, data, existing, tmp_path,
                                            (lambda: None, "must take one argument"),
                                            (lambda a, b: None, "must take one argument")])
 def test_a_sink_that_cannot_take_a_line_is_refused_up_front(sink, fragment):
-    from trainers.progress import progress_to, say
-    from trainers.errors import LatentsweepError
+    from latentsweep.trainers.core.progress import progress_to, say
+    from latentsweep.trainers.core.errors import LatentsweepError
 
     with pytest.raises(LatentsweepError, match=fragment):
         with progress_to(sink):
@@ -203,7 +203,7 @@ def test_a_sink_that_cannot_take_a_line_is_refused_up_front(sink, fragment):
 
 
 def test_a_sink_that_raises_is_ignored_with_one_warning(capsys):
-    from trainers.progress import progress_to, say
+    from latentsweep.trainers.core.progress import progress_to, say
 
     def broken(line):
         raise RuntimeError("sink down")
@@ -218,7 +218,7 @@ def test_a_sink_that_raises_is_ignored_with_one_warning(capsys):
 def test_progress_false_says_nothing_not_even_optunas_warnings(data, tmp_path, capfd):
     import warnings
 
-    from search import api
+    from latentsweep.search import api
 
     study = tmp_path / "quiet.toml"
     study.write_text(GOOD_STUDY.replace(f'name = "{NAME}"', 'name = "quiet"'))
@@ -252,7 +252,7 @@ def test_a_test_file_with_nan_or_integer_embeddings_is_refused_before_anything_i
 
 @pytest.mark.slow  # a one-trial study and a pick: 15-30 s on 2 loaded cores
 def test_a_ten_image_train_file_is_one_line_not_a_traceback(tmp_path, capsys):
-    from trainers.synthetic import write_synthetic
+    from latentsweep.trainers.data.synthetic import write_synthetic
 
     train, test, _ = write_synthetic(tmp_path / "ten", 10, dim_text=24, dim_image=32, n_test=20)
     study = tmp_path / "ten.toml"
@@ -271,7 +271,7 @@ def test_a_ten_image_train_file_is_one_line_not_a_traceback(tmp_path, capsys):
 def test_an_earlier_jobs_submission_is_kept_aside_with_its_manifest(tmp_path, capsys):
     """`run` moves an earlier job's submission, manifest and report aside before its floor is written: a run stopped
     at any moment never leaves a submission beside another job's manifest."""
-    from search.cli.run import keep_earlier
+    from latentsweep.search.cli.run import keep_earlier
 
     out = tmp_path / "sub.csv"
     files = {out: "earlier csv", tmp_path / "sub.manifest.json": "{}", tmp_path / "sub.report.csv": "report"}

@@ -1,6 +1,6 @@
 """A Ctrl-C whose KeyboardInterrupt Python drops (raised inside a finalizer: "Exception ignored in ...") still stops
-a study: search.process remembers the signal and the runner asks between epochs and before each claim. A Ctrl-C that
-lands inside a store write leaves no SQLite lock behind once search.failures.release_interrupted ran."""
+a study: latentsweep.search.process remembers the signal and the runner asks between epochs and before each claim. A Ctrl-C that
+lands inside a store write leaves no SQLite lock behind once latentsweep.search.failures.release_interrupted ran."""
 from __future__ import annotations
 
 import gc
@@ -16,8 +16,8 @@ import pytest
 import sqlalchemy as sa
 import sqlalchemy.orm
 
-from search.failures import release_interrupted
-from search.process import interrupt_on, raise_if_interrupted
+from latentsweep.search.failures import release_interrupted
+from latentsweep.search.process import interrupt_on, raise_if_interrupted
 
 
 class SignalledWhileCollected:

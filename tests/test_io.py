@@ -1,4 +1,4 @@
-"""trainers.io.atomic_write and atomic_path: all or nothing, and the permissions a plain `open` would give."""
+"""latentsweep.trainers.core.io.atomic_write and atomic_path: all or nothing, and the permissions a plain `open` would give."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from trainers.io import atomic_path, atomic_write
+from latentsweep.trainers.core.io import atomic_path, atomic_write
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -16,13 +16,13 @@ import optuna
 import pytest
 
 from conftest import default_sigint, tiny_study_file
-from search.cli.main import build_parser
-from search.cli.study import make_spec
-from search.study.owners import OWNER_ATTR, worker_id
-from search.study.studyfile import load_study_file
-from search.study.worker import claim_trial, dispose_study, load_or_create, reap
-from search.tracking import make_tracker
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import build_parser
+from latentsweep.search.cli.study import make_spec
+from latentsweep.search.study.owners import OWNER_ATTR, worker_id
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.search.study.worker import claim_trial, dispose_study, load_or_create, reap
+from latentsweep.search.tracking import make_tracker
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,7 +169,7 @@ def _running(state: Path) -> tuple[list, list]:
 
 
 def _check_out(out: Path, test, floor_seen: bool) -> None:
-    from trainers.submission import check_submission
+    from latentsweep.trainers.eval.submission import check_submission
 
     if out.exists():
         check_submission(out, test)  # complete and valid, never half-written
@@ -184,7 +184,7 @@ def _check_out(out: Path, test, floor_seen: bool) -> None:
 def test_run_killed_at_every_phase_resumes_and_answers(world, tmp_path, moments):
     import psutil  # noqa: F401 - the job's processes are read with it
 
-    from trainers.data import load_test
+    from latentsweep.trainers.data.sets import load_test
 
     _, train, test_path = world
     test = load_test(test_path)
@@ -192,7 +192,7 @@ def test_run_killed_at_every_phase_resumes_and_answers(world, tmp_path, moments)
     state, out, tmp = tmp_path / "state", tmp_path / "out" / "submission.csv", tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
-    base = [sys.executable, "-m", "search"]
+    base = [sys.executable, "-m", "latentsweep"]
     # Two trials first, so the search of every run below is short and the pick has candidates.
     subprocess.run([*base, "study", "run", str(sf), "--data", str(train), "--state-dir", str(state), "--quiet",
                     "--n-trials", "2"], check=True, env=env, capture_output=True, timeout=300)

@@ -1,4 +1,4 @@
-"""The knn model (trainers/knn.py) against naive oracles, its temperature choice, and its path through the loop, the
+"""The knn model (trainers/models/knn.py) against naive oracles, its temperature choice, and its path through the loop, the
 checkpoint and the pick's refits."""
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from search.pick.candidates import Candidate, best_of_each_kind, top_trials
-from search.pick.jobs import refit_jobs, refit_queue
-from trainers import knn
-from trainers.checkpoint import load_model
-from trainers.config import Config, with_values
-from trainers.data import load_train
-from trainers.errors import ConfigError
-from trainers.loop import train
-from trainers.model_context import FitSet, ModelContext
-from trainers.models import build_model
-from trainers.synthetic import write_synthetic
-from trainers.tasks import predict
-from trainers.validate import validate
+from latentsweep.search.pick.candidates import Candidate, best_of_each_kind, top_trials
+from latentsweep.search.pick.jobs import refit_jobs, refit_queue
+from latentsweep.trainers.models import knn
+from latentsweep.trainers.train.checkpoint import load_model
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.data.sets import load_train
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.train.loop import train
+from latentsweep.trainers.models.model_context import FitSet, ModelContext
+from latentsweep.trainers.models.zoo import build_model
+from latentsweep.trainers.data.synthetic import write_synthetic
+from latentsweep.trainers.train.tasks import predict
+from latentsweep.trainers.config.validate import validate
 
 DIN, DOUT = 8, 6
 
@@ -167,8 +167,8 @@ def test_the_loop_validates_it_once_without_a_loss_and_saves_it(data, tmp_path):
 
 
 def _val_captions(cfg: Config, data) -> int:
-    from trainers.splits import captions_of
-    from trainers.tasks import split_images
+    from latentsweep.trainers.data.splits import captions_of
+    from latentsweep.trainers.train.tasks import split_images
 
     return len(captions_of(data.cap2img, split_images(cfg, data)[1]))
 
@@ -229,7 +229,7 @@ def test_top_trials_add_the_best_of_each_other_kind_from_a_real_study():
 def test_a_saved_knn_exports_for_any_batch_and_predicts_as_loaded(data, tmp_path):
     """The pick's MLflow export (torch.export with a dynamic batch) of a knn checkpoint that carries kept
     predictions: the program predicts every batch size as the loaded model does (it once failed on the memo)."""
-    from search.pick.pyfunc_model import export_member
+    from latentsweep.search.pick.pyfunc_model import export_member
 
     cfg = with_values(Config(), {"model.kind": "knn", "eval.gallery_size": 20, "train.device": "cpu"})
     train(cfg, data, out_dir=tmp_path)

@@ -10,26 +10,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("search", "trainers")
+PACKAGES = ("search", "trainers")  # folders of the checkout, importable as latentsweep.<folder>
 MAX_LINES = 400
 # A function a reader holds in one screen (issue 41): longer ones are split along a seam.
 MAX_FUNCTION_LINES = 80
 # A package may import only packages on its own level or below (never one above): cli -> pick -> study -> the bottom.
 LAYERS = {"api": 3, "cli": 3, "pick": 2, "ui": 2, "study": 1, "failures": 0, "tracking": 0, "stores": 0, "process": 0,
           "redact": 0, "demodata": 3, "progress": 0, "checks": 0}
-ENTRY = {"search", "search.__main__"}  # the package itself and `python -m search` sit above every layer
-TRAINERS_NEVER = ("search", "optuna", "mlflow")
+ENTRY = {"latentsweep", "latentsweep.__main__", "latentsweep.search"}  # the API, `python -m latentsweep` and the package
+# itself sit above every layer
+TRAINERS_NEVER = ("latentsweep.search", "latentsweep", "optuna", "mlflow")
 # All MLflow access goes through the tracker (and its probe, which asks MLflow's own HTTP client); the standalone pyfunc
 # module is shipped into the model and loads there.
-MLFLOW_MODULES = {"search.tracking.mlflow", "search.tracking.probe", "search.pick.pyfunc_standalone"}
+MLFLOW_MODULES = {"latentsweep.search.tracking.mlflow", "latentsweep.search.tracking.probe", "latentsweep.search.pick.pyfunc_standalone"}
 
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(parts if parts[0] == "latentsweep" else ("latentsweep", *parts))
 
 
-MODULES = {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+MODULES = {module_name(p): p for pkg in (*PACKAGES, "latentsweep") for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
 def imported_names(name: str) -> set[str]:
@@ -61,11 +63,11 @@ GRAPH = {name: internal_imports(name) for name in MODULES}
 
 def layer(name: str) -> int | None:
     parts = name.split(".")
-    if parts[0] == "trainers":
-        return -1
     if name in ENTRY:
         return None
-    return LAYERS[parts[1]]
+    if parts[1] == "trainers":
+        return -1
+    return LAYERS[parts[2]]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -108,11 +110,11 @@ def test_every_search_module_has_a_layer():
 
 
 def test_no_import_cycles_in_search():
-    assert [c for c in cycles(GRAPH) if c[0].startswith("search")] == []
+    assert [c for c in cycles(GRAPH) if c[0].startswith("latentsweep.search")] == []
 
 
 def test_no_import_cycles_in_trainers():
-    assert [c for c in cycles(GRAPH) if c[0].startswith("trainers")] == []
+    assert [c for c in cycles(GRAPH) if c[0].startswith("latentsweep.trainers")] == []
 
 
 def test_cycle_finder_sees_a_cycle():
@@ -125,9 +127,10 @@ def test_lower_packages_never_import_higher_ones():
     assert upward == []
 
 
-@pytest.mark.parametrize("name", [n for n in MODULES if n.startswith("trainers")])
+@pytest.mark.parametrize("name", [n for n in MODULES if n.startswith("latentsweep.trainers")])
 def test_trainers_never_import_search_optuna_or_mlflow(name):
-    bad = sorted(n for n in imported_names(name) if n.split(".")[0] in TRAINERS_NEVER)
+    bad = sorted(n for n in imported_names(name)
+                 if n.split(".")[0] in TRAINERS_NEVER[2:] or n == "latentsweep" or n.startswith(TRAINERS_NEVER[0]))
     assert bad == []
 
 
@@ -167,7 +170,7 @@ CLI_MAX_LINES = 150
 CLI_NEVER = {"psutil", "subprocess"}
 
 
-@pytest.mark.parametrize("name", [n for n in MODULES if n.startswith("search.cli.")])
+@pytest.mark.parametrize("name", [n for n in MODULES if n.startswith("latentsweep.search.cli.")])
 def test_cli_modules_only_parse_call_and_print(name):
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= CLI_MAX_LINES, f"{MODULES[name].relative_to(ROOT)}: {lines} lines"
@@ -188,7 +191,7 @@ def leaf_commands(parser, path=()):
 
 def test_every_command_handler_is_named_after_its_command():
     # The rule: `latentsweep study run` -> cmd_study_run, `latentsweep data build-demo` -> cmd_data_build_demo.
-    from search.cli.main import build_parser
+    from latentsweep.search.cli.main import build_parser
 
     names = {" ".join(path): parser.get_default("func").__name__ for path, parser in leaf_commands(build_parser())}
     assert {c: n for c, n in names.items() if n != "cmd_" + c.replace(" ", "_").replace("-", "_")} == {}
@@ -200,16 +203,16 @@ def test_each_command_builds_from_its_own_module_only():
     import argparse
     import importlib
 
-    from search.cli.main import COMMAND_MODULES, MODULE_OF
+    from latentsweep.search.cli.main import COMMAND_MODULES, MODULE_OF
 
     owner = {}
     for name in COMMAND_MODULES:
         sub = argparse.ArgumentParser().add_subparsers()
-        importlib.import_module(f"search.cli.{name}").add_parser(sub)
+        importlib.import_module(f"latentsweep.search.cli.{name}").add_parser(sub)
         owner.update({command: name for command in sub.choices})
     assert MODULE_OF == owner
-    code = ("import sys; from search.cli.main import build_parser; build_parser('train'); "
-            "print(sorted(m for m in ('mlflow', 'pandas', 'search.pick', 'search.cli.study') if m in sys.modules))")
+    code = ("import sys; from latentsweep.search.cli.main import build_parser; build_parser('train'); "
+            "print(sorted(m for m in ('mlflow', 'pandas', 'latentsweep.search.pick', 'latentsweep.search.cli.study') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip() == "[]"
 
@@ -218,7 +221,7 @@ def test_process_settings_do_not_import_matplotlib_and_figures_still_draw_headle
     """configure_process sets the backend through MPLBACKEND when matplotlib is not loaded yet (`train` never loads
     it: 28 MB of RSS); the first figure drawn later still uses Agg, with no display."""
     code = ("import os, sys; os.environ.pop('MPLBACKEND', None); os.environ.pop('DISPLAY', None); "
-            "from search.cli.main import build_parser; from search.process import configure_process; "
+            "from latentsweep.search.cli.main import build_parser; from latentsweep.search.process import configure_process; "
             "build_parser('train'); configure_process(); print('matplotlib' in sys.modules); "
             "import matplotlib.pyplot as plt; print(plt.get_backend())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
@@ -229,7 +232,7 @@ def test_light_parser_help_lines_match_the_commands_own_parsers():
     """`latentsweep --help` lists COMMAND_HELP without importing the command modules: the lines must be theirs."""
     import argparse
 
-    from search.cli.main import COMMAND_HELP, build_parser
+    from latentsweep.search.cli.main import COMMAND_HELP, build_parser
 
     def helps(parser):
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -242,7 +245,7 @@ def test_light_parser_help_lines_match_the_commands_own_parsers():
 def test_version_and_help_import_no_heavy_library(argv):
     """--version, --help, no command and an unknown command answer from the light parser: neither torch nor Optuna
     nor MLflow nor SQLAlchemy is imported (each costs seconds at start-up; docs/design.md, "Start-up")."""
-    code = ("import sys; from search.cli.main import main\n"
+    code = ("import sys; from latentsweep.search.cli.main import main\n"
             f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in ('torch', 'optuna', 'mlflow', 'sqlalchemy', 'requests', 'pandas') "
             "if m in sys.modules), file=sys.stderr)")
@@ -251,9 +254,9 @@ def test_version_and_help_import_no_heavy_library(argv):
 
 
 def test_the_failure_classification_imports_no_heavy_library_until_it_meets_one():
-    """search.failures names library errors by module and looks them up in the libraries already imported: an error
+    """latentsweep.search.failures names library errors by module and looks them up in the libraries already imported: an error
     of a library's class exists only once that library is loaded. Classifying a plain error imports nothing more."""
-    code = ("import sys; from search.failures import classify; classify(OSError(28, 'No space left on device')); "
+    code = ("import sys; from latentsweep.search.failures import classify; classify(OSError(28, 'No space left on device')); "
             "print(sorted(m for m in ('torch', 'requests', 'sqlalchemy', 'optuna', 'mlflow') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip() == "[]"

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from trainers import metrics
-from trainers.checkpoint import CenteredModel, load_model
-from trainers.config import Config, with_values
-from trainers.data import load_train
-from trainers.errors import ConfigError
-from trainers.loop import EpochReport, TrainingDiverged, seed_everything, train
-from trainers.losses import Criterion
-from trainers.models import build_model
-from trainers.synthetic import write_synthetic
-from trainers.tasks import TASKS, predict
-from trainers.validate import validate
+from latentsweep.trainers.eval import metrics
+from latentsweep.trainers.train.checkpoint import CenteredModel, load_model
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.data.sets import load_train
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.train.loop import EpochReport, TrainingDiverged, seed_everything, train
+from latentsweep.trainers.losses import Criterion
+from latentsweep.trainers.models.zoo import build_model
+from latentsweep.trainers.data.synthetic import write_synthetic
+from latentsweep.trainers.train.tasks import TASKS, predict
+from latentsweep.trainers.config.validate import validate
 
 EPOCHS = 3
 SMALL = {"model.hidden": "64", "train.batch_size": 64, "train.epochs": EPOCHS, "data.val_ratio": 0.2,
@@ -157,7 +157,7 @@ def test_best_checkpoint_and_metrics_csv(run, data):
 
 @pytest.mark.parametrize("every_s", [0.0, 1e9])  # a write per improved epoch, or one when the run ends
 def test_best_checkpoint_is_the_best_epoch_however_often_it_is_written(data, tmp_path, monkeypatch, every_s):
-    import trainers.loop as loop
+    import latentsweep.trainers.train.loop as loop
 
     monkeypatch.setattr(loop, "CHECKPOINT_EVERY_S", every_s)
     writes = []

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainers.config import Config, with_values
-from trainers.losses import Criterion
-from trainers.losses.base import same_image, unit
-from trainers.losses.core import _vse_hinge
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.losses import Criterion
+from latentsweep.trainers.losses.base import same_image, unit
+from latentsweep.trainers.losses.core import _vse_hinge
 
 IMG = torch.tensor([0, 0, 1, 2, 2, 3, 4, 5])  # captions of the same image are not negatives of each other
 LOSS_MIX = {"loss.triplet.weight": 1.0, "loss.multipos_infonce.weight": 0.5, "loss.cosine.weight": 0.2,
@@ -77,7 +77,7 @@ def test_half_precision_pred_is_still_normalised_in_float32():
 
 
 def test_l2_normalize_matches_f_normalize_in_value_and_gradient():
-    from trainers.translator import l2_normalize
+    from latentsweep.trainers.models.translator import l2_normalize
 
     x = torch.randn(64, 48, requires_grad=True)
     g = torch.randn(64, 48)

@@ -1,4 +1,4 @@
-"""Tests for trainers.losses (every registered loss), the Temperature, the queue loss's buffers, the Criterion and the
+"""Tests for latentsweep.trainers.losses (every registered loss), the Temperature, the queue loss's buffers, the Criterion and the
 multi-label triplet."""
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainers.checkpoint import CenteredModel, atomic_torch_save, checkpoint_payload, load_model
-from trainers.config import Config, LossCfg, with_values
-from trainers.errors import ConfigError
-from trainers.losses import LOSSES, Criterion, EpochContext, Temperature
-from trainers.losses.multilabel import MultiLabelTriplet, draw_fixed_positives, negative_mask, positive_mask
-from trainers.losses.queue import QueueInfoNCE
-from trainers.models import ModelContext, build_model
-from trainers.validate import validate_losses as validate
+from latentsweep.trainers.train.checkpoint import CenteredModel, atomic_torch_save, checkpoint_payload, load_model
+from latentsweep.trainers.config.tree import Config, LossCfg, with_values
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.losses import LOSSES, Criterion, EpochContext, Temperature
+from latentsweep.trainers.losses.multilabel import MultiLabelTriplet, draw_fixed_positives, negative_mask, positive_mask
+from latentsweep.trainers.losses.queue import QueueInfoNCE
+from latentsweep.trainers.models.zoo import ModelContext, build_model
+from latentsweep.trainers.config.validate import validate_losses as validate
 
 DIN, D, K, L = 8, 6, 3, 4
 IMG = torch.tensor([0, 0, 1, 2, 2, 3])  # two images with two captions each

@@ -1,11 +1,11 @@
-"""Tests of trainers.metrics: ranks against a naive oracle, summaries, and the global / leaderboard protocols."""
+"""Tests of latentsweep.trainers.eval.metrics: ranks against a naive oracle, summaries, and the global / leaderboard protocols."""
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from trainers import metrics as M
+from latentsweep.trainers.eval import metrics as M
 
 
 def oracle_ranks(queries, gallery, target):
@@ -255,7 +255,7 @@ def _naive_label_retrieval(emb, labels, k):
 
 @pytest.mark.parametrize("chunk", [1, 3, 64])
 def test_label_retrieval_matches_naive_oracle(chunk):
-    from trainers.metrics import label_retrieval
+    from latentsweep.trainers.eval.metrics import label_retrieval
 
     rng = np.random.default_rng(3)
     emb = rng.normal(size=(40, 6)).astype(np.float32)

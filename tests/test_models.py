@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainers.config import Config, with_values
-from trainers.errors import ConfigError
-from trainers.geometry import procrustes_fit, ridge_fit
-from trainers.models import MODELS, UNTRAINED_KINDS, ModelContext, build_model
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.models.geometry import procrustes_fit, ridge_fit
+from latentsweep.trainers.models.zoo import MODELS, UNTRAINED_KINDS, ModelContext, build_model
 
 DIN, DOUT, N = 16, 24, 96
 TRAINED = [k for k in MODELS.names() if k not in UNTRAINED_KINDS]  # the knn model has its own tests (test_knn.py)

@@ -11,9 +11,9 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-from trainers.data import load_test  # noqa: E402
-from trainers.demo import default_test_path  # noqa: E402
-from trainers.submission import check_submission  # noqa: E402
+from latentsweep.trainers.data.sets import load_test  # noqa: E402
+from latentsweep.trainers.data.demo import default_test_path  # noqa: E402
+from latentsweep.trainers.eval.submission import check_submission  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "challenge.ipynb"
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainers.config import Config, with_values
-from trainers.optim import OPTIMIZERS, SCHEDULERS, build_optimizer, param_groups
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.train.optim import OPTIMIZERS, SCHEDULERS, build_optimizer, param_groups
 
 # Schedulers with a curve test below; a newly registered one must get its own.
 CURVE_TESTED = {"cosine", "constant", "step", "plateau"}
@@ -70,7 +70,7 @@ def test_optimizers_take_their_settings(name, cls):
 
 
 def test_unknown_names_suggest_closest():
-    from trainers.errors import ConfigError
+    from latentsweep.trainers.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="did you mean 'adamw'"):
         build_optimizer(with_values(Config(), {"optim.name": "adamww"}), TwoGroups(), None, 1)

@@ -13,15 +13,15 @@ import torch
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file as study_file
-from search.cli.main import main
-from trainers.errors import ConfigError
-from trainers.loop import TrainingDiverged
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.train.loop import TrainingDiverged
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 # Imported by every Python process that has it on its path, spawned workers included: a regression in a loss.
 BROKEN_LOSS = """
-from trainers.losses.core import InfoNCE
+from latentsweep.trainers.losses.core import InfoNCE
 
 def terms(self, out, batch, temperature):
     raise TypeError("injected bug in a loss")
@@ -53,7 +53,7 @@ def test_a_bug_in_a_loss_stops_every_worker_after_one_trial_each(synthetic, tmp_
     state = tmp_path / "state"
     sf = study_file(tmp_path, "buggy", n_trials=8)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
-    proc = subprocess.run([sys.executable, "-m", "search", "study", "run", str(sf), "--data", str(synthetic),
+    proc = subprocess.run([sys.executable, "-m", "latentsweep", "study", "run", str(sf), "--data", str(synthetic),
                            "--state-dir", str(state), "--workers", "2", "--quiet"],
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode != 0
@@ -73,9 +73,9 @@ def test_a_bug_in_a_loss_stops_every_worker_after_one_trial_each(synthetic, tmp_
 
 
 def test_configuration_failures_are_fail_trials_and_the_study_goes_on(synthetic, tmp_path, monkeypatch, capsys):
-    import search.study.objective
+    import latentsweep.search.study.objective
 
-    real, calls = search.study.objective.train, []
+    real, calls = latentsweep.search.study.objective.train, []
     failures = [ConfigError("loss.queue.size must divide the batch size"),
                 TrainingDiverged("loss is not finite at epoch 1"), torch.OutOfMemoryError("CUDA out of memory")]
 
@@ -85,7 +85,7 @@ def test_configuration_failures_are_fail_trials_and_the_study_goes_on(synthetic,
             raise failures[len(calls) - 1]
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(search.study.objective, "train", train)
+    monkeypatch.setattr(latentsweep.search.study.objective, "train", train)
     state = tmp_path / "state"
     sf = study_file(tmp_path, "configfail", n_trials=4, epochs=1)
     assert main(["study", "run", str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet"]) == 0
@@ -99,8 +99,8 @@ def test_configuration_failures_are_fail_trials_and_the_study_goes_on(synthetic,
 
 
 def test_a_missing_tracked_checkpoint_is_skipped_with_the_reason(tmp_path, capsys):
-    from search.pick.candidates import fetch_checkpoint
-    from search.tracking import make_tracker
+    from latentsweep.search.pick.candidates import fetch_checkpoint
+    from latentsweep.search.tracking import make_tracker
 
     tracker = make_tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts"))
     tracker.ensure_study("nockpt", {})

@@ -9,10 +9,10 @@ import types
 
 import pytest
 
-import search.pick.jobs as jobs_mod
+import latentsweep.search.pick.jobs as jobs_mod
 from conftest import tiny_study_file
-from search.cli.main import main
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 JOB_S = 3.0  # what each pick job takes here, far more than the tiny trials' measured seconds predict
 BUDGET_S = 16.0
@@ -73,7 +73,7 @@ def test_the_one_budget_run_keeps_its_time_and_stops_the_running_trial(world, sl
     it; the whole run ends within the budget plus one job."""
     import optuna
 
-    from search.study.objective import DEADLINE_ATTR
+    from latentsweep.search.study.objective import DEADLINE_ATTR
 
     long = tiny_study_file(tmp_path, "long", n_trials=50, epochs=4000)
     total = 60.0

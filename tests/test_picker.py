@@ -14,16 +14,16 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from search.pick import candidates, ensemble
-from search.cli.main import main
-from trainers.config import Config, with_values
-from trainers.data import load_test, load_train
-from trainers.data_writer import write_test_npz
-from trainers.errors import LatentsweepError
-from trainers.metrics import evaluate_leaderboard
-from trainers.submission import check_submission, read_submission
-from trainers.synthetic import write_synthetic
-from trainers.tasks import split_images
+from latentsweep.search.pick import candidates, ensemble
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.data.sets import load_test, load_train
+from latentsweep.trainers.data.writer import write_test_npz
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.eval.metrics import evaluate_leaderboard
+from latentsweep.trainers.eval.submission import check_submission, read_submission
+from latentsweep.trainers.data.synthetic import write_synthetic
+from latentsweep.trainers.train.tasks import split_images
 
 STUDY = "tiny"
 TINY_STUDY = f"""
@@ -118,7 +118,7 @@ def test_mean_and_weighted_weights():
 
 
 def test_missing_checkpoint_is_skipped_with_a_warning_naming_the_trial(tmp_path, capsys):
-    from search.tracking import make_tracker
+    from latentsweep.search.tracking import make_tracker
 
     tracker = make_tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts"))
     tracker.open_experiment("s")
@@ -187,7 +187,7 @@ def test_pick_writes_a_valid_submission_manifest_and_report(world, greedy_pick):
     assert set(report["role"]) == {"member", "best_single", "mean", "ensemble", "submission_model"}
     made = report[report["role"] == "submission_model"]
     assert set(made["origin"]) == {"local"} and made["weight"].sum() == pytest.approx(1.0)  # --no-refit
-    assert not list(out.parent.glob(".*"))  # no staging left behind (trainers.io.atomic_path: hidden, beside)
+    assert not list(out.parent.glob(".*"))  # no staging left behind (latentsweep.trainers.core.io.atomic_path: hidden, beside)
 
 
 @pytest.mark.slow
@@ -300,7 +300,7 @@ def oof_pick(world):
 
 @pytest.mark.slow
 def test_default_pick_refits_chosen_members_on_every_image_with_seeds(world, oof_pick):
-    from trainers.checkpoint import load_model
+    from latentsweep.trainers.train.checkpoint import load_model
 
     out, manifest = oof_pick
     assert manifest["selection"] == "oof" and manifest["folds"] == 3
@@ -369,7 +369,7 @@ def test_rerun_reuses_finished_jobs_and_budget_drops_are_reported(world, oof_pic
 
 @pytest.mark.slow
 def test_default_budget_is_derived_from_the_study_printed_and_applied(world, oof_pick, capsys):
-    from search.pick.plan import default_budget, study_wall_seconds
+    from latentsweep.search.pick.plan import default_budget, study_wall_seconds
 
     out = world.root / "auto" / "submission.csv"
     assert main(["pick", STUDY, "--state-dir", str(world.state), "--top", "3", "--folds", "3", "--out", str(out),
@@ -408,7 +408,7 @@ def test_top_trials_rank_pruned_trials_by_their_best_reported_value():
 
 
 def test_an_ensemble_gain_not_above_its_standard_error_is_not_used():
-    from search.pick.oof import OofSelection
+    from latentsweep.search.pick.oof import OofSelection
 
     def selection(gains):
         gains = np.array(gains)
@@ -420,7 +420,7 @@ def test_an_ensemble_gain_not_above_its_standard_error_is_not_used():
     assert selection([0.003, -0.001, 0.008]).gain_is_real
     noise = selection([0.004, -0.004, 0.003])  # +0.0010, standard error 0.0025: noise
     assert not noise.gain_is_real and noise.gain_se == pytest.approx(np.std([0.004, -0.004, 0.003], ddof=1) / 3 ** 0.5)
-    from search.pick.selection import submitted_weights
+    from latentsweep.search.pick.selection import submitted_weights
 
     weights, notes = submitted_weights(noise, ["trial-1", "trial-2"], "one-se")
     assert weights.tolist() == [1.0, 0.0] and "best single member, trial-1" in notes[0]  # the fallback, forced

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from search.study import storage
-from trainers.errors import LatentsweepError
+from latentsweep.search.study import storage
+from latentsweep.trainers.core.errors import LatentsweepError
 
 
 def test_the_storage_lock_says_the_platform_without_fcntl(tmp_path, monkeypatch):

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from search.study.studyfile import load_study_file
-from trainers.errors import ConfigError
-from trainers.synthetic import write_synthetic
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -84,8 +84,8 @@ def test_a_syntax_error_names_the_plugin_file_and_line(tmp_path):
 def test_a_knob_clashing_with_a_built_in_is_refused_at_its_line(tmp_path):
     message = one_line_error(broken(tmp_path, """\
         from dataclasses import dataclass
-        from trainers.knobs import knob
-        from trainers.models import register_model
+        from latentsweep.trainers.config.knobs import knob
+        from latentsweep.trainers.models.zoo import register_model
 
         @dataclass(frozen=True)
         class HiddenCfg:
@@ -100,7 +100,7 @@ def test_a_knob_clashing_with_a_built_in_is_refused_at_its_line(tmp_path):
 
 def test_a_loss_named_like_a_built_in_one_is_refused(tmp_path):
     message = one_line_error(broken(tmp_path, """\
-        from trainers.losses.base import Loss, register_loss
+        from latentsweep.trainers.losses.base import Loss, register_loss
 
         @register_loss("infonce")
         class Mine(Loss):
@@ -112,7 +112,7 @@ def test_a_loss_named_like_a_built_in_one_is_refused(tmp_path):
 def test_a_config_section_without_defaults_is_refused(tmp_path):
     message = one_line_error(broken(tmp_path, """\
         from dataclasses import dataclass
-        from trainers.losses.base import Loss, register_loss
+        from latentsweep.trainers.losses.base import Loss, register_loss
 
         @dataclass(frozen=True)
         class MineCfg:
@@ -143,7 +143,7 @@ SERVE = """
 import sys, numpy as np
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("search", "trainers") or name.startswith("latentsweep_plugin"):
+        if name.split(".")[0] == "latentsweep" or name.startswith("latentsweep_plugin"):
             raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 import mlflow.pyfunc
@@ -153,7 +153,7 @@ model = mlflow.pyfunc.load_model(sys.argv[2])
 test = np.load(sys.argv[3])
 pred = model.predict(test["captions/embeddings"])
 print(pred.shape, float(np.abs(np.linalg.norm(pred, axis=1) - 1).max()))
-assert not any(m.split(".")[0] in ("search", "trainers") for m in sys.modules)
+assert not any(m.split(".")[0] == "latentsweep" for m in sys.modules)
 """
 
 
@@ -168,9 +168,9 @@ def test_both_examples_are_searched_refit_picked_and_served_without_latentsweep(
     path = study_file(tmp_path, "plugged", ["siglip_loss.py", "gated_model.py"], kind="gated", loss="siglip",
                       space=space, n_trials=3)
     state = tmp_path / "state"
-    run(["-m", "search", "study", "run", str(path), "--data", str(train), "--state-dir", str(state), "--quiet"],
+    run(["-m", "latentsweep", "study", "run", str(path), "--data", str(train), "--state-dir", str(state), "--quiet"],
         tmp_path)
-    run(["-m", "search", "pick", "plugged", "--state-dir", str(state), "--top", "2", "--folds", "2",
+    run(["-m", "latentsweep", "pick", "plugged", "--state-dir", str(state), "--top", "2", "--folds", "2",
                 "--seeds", "1", "--budget", "none", "--test", str(test), "--quiet"], tmp_path)
     manifest = json.loads((state / "picks" / "plugged" / "submission.manifest.json").read_text())
     client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
@@ -190,7 +190,7 @@ def test_both_examples_are_searched_refit_picked_and_served_without_latentsweep(
 
     # the same study, its plugin edited: a worker refuses it before any trial
     (tmp_path / "gated_model.py").write_text((tmp_path / "gated_model.py").read_text() + "\n# edited\n")
-    proc = subprocess.run([sys.executable, "-m", "search", "worker", str(path), "--data", str(train),
+    proc = subprocess.run([sys.executable, "-m", "latentsweep", "worker", str(path), "--data", str(train),
                            "--state-dir", str(state), "--n-trials", "4"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and "gated_model.py differ from the ones the study was created with" in proc.stderr
@@ -200,7 +200,7 @@ def test_a_misspelt_plugin_knob_names_the_closest_one(tmp_path):
     (tmp_path / "siglip_loss.py").write_bytes((EXAMPLES / "siglip_loss.py").read_bytes())
     space = '"loss.siglip.scal" = { type = "float", low = 3.0, high = 30.0 }'
     path = study_file(tmp_path, "typo", ["siglip_loss.py"], loss="siglip", space=space)
-    proc = subprocess.run([sys.executable, "-m", "search", "study", "create", str(path), "--state-dir",
+    proc = subprocess.run([sys.executable, "-m", "latentsweep", "study", "create", str(path), "--state-dir",
                            str(tmp_path / "state")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "loss.siglip.scal" in proc.stderr and "did you mean 'loss.siglip.scale'" in proc.stderr

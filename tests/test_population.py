@@ -1,5 +1,5 @@
-"""Population trials (trainers.population): K members trained in one stacked step compute what each computes alone
-with trainers.loop.train (same seed, CPU, float tolerance): histories, best epoch, pruning point, best.pt; a failing
+"""Population trials (latentsweep.trainers.train.population): K members trained in one stacked step compute what each computes alone
+with latentsweep.trainers.train.loop.train (same seed, CPU, float tolerance): histories, best epoch, pruning point, best.pt; a failing
 member fails alone; joiners; done once per member; unstackable configs alone."""
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainers.config import Config, from_dict, with_values
-from trainers.data import load_train
-from trainers.deadline import Deadline
-from trainers.loop import TrainingDiverged, train
-from trainers.population import Member, population_size, stack_key, train_population
-from trainers.run import DeadlineReached, TrainResult
-from trainers.synthetic import write_synthetic
+from latentsweep.trainers.config.tree import Config, from_dict, with_values
+from latentsweep.trainers.data.sets import load_train
+from latentsweep.trainers.core.deadline import Deadline
+from latentsweep.trainers.train.loop import TrainingDiverged, train
+from latentsweep.trainers.train.population import Member, population_size, stack_key, train_population
+from latentsweep.trainers.train.run import DeadlineReached, TrainResult
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 3
@@ -268,7 +268,7 @@ def test_a_deadline_passing_mid_epoch_stops_that_member_as_alone(data, tmp_path)
 
 def test_population_size_on_cuda_follows_measured_memory_and_step_time(data, monkeypatch):
     """The CUDA branch with the card faked: K doubles while the summed rate gains, and the memory caps it."""
-    import trainers.population as population
+    import latentsweep.trainers.train.population as population
 
     base = recipe("full", **{"model.hidden": "32"})
     gib = 2**30

@@ -1,4 +1,4 @@
-"""A worker's population (search.study.population): each member its own Optuna trial and MLflow run, told on its own;
+"""A worker's population (latentsweep.search.study.population): each member its own Optuna trial and MLflow run, told on its own;
 a failing member fails alone; join fills the budget exactly; the defaults a machine gets (CPU: unchanged; CUDA: every
 GPU). Real Optuna on SQLite, real MLflow on SQLite, the trainers' own population step."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from mlflow import MlflowClient
 
 from conftest import default_sigint, tiny_study_file
-from search.cli.main import main
-from trainers.errors import LatentsweepError
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 POP = "latentsweep.population"
 
@@ -72,7 +72,7 @@ def test_each_member_is_its_own_trial_and_run_and_join_fills_the_budget_exactly(
         assert [m.step for m in client.get_metric_history(r.info.run_id, "val/mrr")] == list(range(epochs))
         assert t.state.name == "PRUNED" or epochs == 2
     assert len({by_name[f"trial-{t.number}"].info.run_id for t in got}) == 3
-    from search.study.report import study_table
+    from latentsweep.search.study.report import study_table
     table = study_table(optuna.load_study(study_name="pop3", storage=f"sqlite:///{state / 'optuna.db'}"))
     assert set(table["population"]) == {2} and set(table["device"]) == {"cpu"}  # what `study status` shows
     assert_nothing_running(state, "pop3")
@@ -145,7 +145,7 @@ def test_configs_that_cannot_share_a_step_train_in_their_own_groups(state, synth
 
 def test_a_bug_in_the_shared_step_fails_its_members_as_a_bug_alone_would(state, synthetic, tmp_path, monkeypatch,
                                                                           capsys):
-    import search.study.population as population
+    import latentsweep.search.study.population as population
 
     def broken(members, data, **kwargs):  # the stacked step raising our own bug before any member ended
         raise RuntimeError("a bug in the stacked step")
@@ -164,8 +164,8 @@ def test_a_bug_in_the_shared_step_fails_its_members_as_a_bug_alone_would(state, 
 
 
 def test_population_one_and_a_cpu_default_are_the_one_trial_worker(state, synthetic, tmp_path, monkeypatch, capsys):
-    import search.study.population as population
-    from search.study.devices import WorkerPlan, plan_workers
+    import latentsweep.search.study.population as population
+    from latentsweep.search.study.devices import WorkerPlan, plan_workers
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert plan_workers(None, None, None) == WorkerPlan(1)  # no option on a CPU machine: one worker, as before
@@ -182,7 +182,7 @@ def test_population_one_and_a_cpu_default_are_the_one_trial_worker(state, synthe
 
 
 def test_the_machine_decides_workers_gpus_and_population():
-    from search.study.devices import machine_defaults
+    from latentsweep.search.study.devices import machine_defaults
     assert machine_defaults(0, None, None, None) == (1, None, "auto")  # CPU: one worker; auto is 1 there
     assert machine_defaults(4, None, None, None) == ("auto", "all", "auto")  # CUDA: every GPU, one worker each
     assert machine_defaults(4, 1, None, None, 1) == (1, None, 1)  # --workers 1 --population 1: the old behaviour
@@ -192,7 +192,7 @@ def test_the_machine_decides_workers_gpus_and_population():
 
 
 def test_a_cuda_machine_uses_every_gpu_and_says_so_in_one_line(monkeypatch):
-    from search.study.devices import WorkerPlan, describe_plan, plan_workers
+    from latentsweep.search.study.devices import WorkerPlan, describe_plan, plan_workers
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -205,10 +205,10 @@ def test_a_cuda_machine_uses_every_gpu_and_says_so_in_one_line(monkeypatch):
 
 
 def test_population_auto_is_one_on_a_cpu(synthetic):
-    from search.study.population import population_size
-    from search.study.studyfile import load_study_file
-    from search.study.worker import RunSpec
-    from trainers.data import load_train
+    from latentsweep.search.study.population import population_size
+    from latentsweep.search.study.studyfile import load_study_file
+    from latentsweep.search.study.worker import RunSpec
+    from latentsweep.trainers.data.sets import load_train
 
     sf = load_study_file("quickstart")
     spec = RunSpec("quick", "q", None, "", None, ".", str(synthetic), 1, None)
@@ -226,13 +226,13 @@ def test_a_bad_population_is_one_line(state, synthetic, tmp_path, capsys, value,
 
 
 def test_the_api_takes_a_population(tmp_path):
-    from search.api import run_study
+    from latentsweep.search.api import run_study
     with pytest.raises(LatentsweepError, match="population must be a whole number >= 1 or auto, got -1"):
         run_study("quickstart", population=-1, state_dir=str(tmp_path / "s"))
 
 
 def start(sf: Path, state: Path, synthetic: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "search", "study", "run", str(sf), "--data", str(synthetic),
+    return subprocess.Popen([sys.executable, "-m", "latentsweep", "study", "run", str(sf), "--data", str(synthetic),
                              "--state-dir", str(state), "--quiet", "--no-warm-start", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
 

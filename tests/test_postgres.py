@@ -18,8 +18,8 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file as study_file
-from search.cli.main import main
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 PG_HOST, PG_PORT, PG_USER, PG_ADMIN_DB = "127.0.0.1", 5432, "postgres", "test"
 PASSWORD = "s3cret"  # trust auth ignores it; it must still never be shown
@@ -91,7 +91,7 @@ def cli_args(sf: Path, storage: str, tracking: str, data: Path, state: Path, *ex
 
 def spawn_worker(args: list[str]) -> subprocess.Popen:
     """`latentsweep worker ARGS` as a separate process (as on another machine), output captured."""
-    return subprocess.Popen([sys.executable, "-m", "search", "worker", *args],
+    return subprocess.Popen([sys.executable, "-m", "latentsweep", "worker", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

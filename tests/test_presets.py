@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import setuptools
 
-from search.cli.main import main
-from search.study.presets import init_preset, preset_names, presets_dir, resolve_study_path
-from search.study.studyfile import load_study_file
-from trainers.errors import ConfigError
+from latentsweep.search.cli.main import main
+from latentsweep.search.study.presets import init_preset, preset_names, presets_dir, resolve_study_path
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.trainers.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,8 @@ def test_init_into_a_directory_keeps_the_name(tmp_path):
 def test_the_package_list_holds_every_package_and_the_presets():
     """pyproject lists its packages (the presets are mapped in from studies/): a new package must be listed too."""
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = setuptools.find_packages(str(ROOT), include=["trainers*", "search*"])
-    assert sorted(tool["packages"]) == sorted(found + ["search.studies"])
-    assert tool["package-dir"] == {"search.studies": "studies"}
-    assert tool["package-data"]["search.studies"] == ["*.toml"]
+    found = [f"latentsweep.{name}" for name in setuptools.find_packages(str(ROOT), include=["trainers*", "search*"])]
+    assert sorted(tool["packages"]) == sorted(["latentsweep", *found, "latentsweep.search.studies"])
+    assert tool["package-dir"] == {"latentsweep.search": "search", "latentsweep.trainers": "trainers",
+                                   "latentsweep.search.studies": "studies"}
+    assert tool["package-data"]["latentsweep.search.studies"] == ["*.toml"]

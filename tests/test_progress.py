@@ -1,4 +1,4 @@
-"""One progress channel (trainers/progress.py's `say`, pointed by search/progress.py): the CLI says its lines on
+"""One progress channel (trainers/core/progress.py's `say`, pointed by search/progress.py): the CLI says its lines on
 stderr, the Python API says nothing with progress=False and hands every line to a sink of the caller's with
 set_progress_sink; library code never prints or logs, so a notebook that configured logging sees each line once."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import search
+import latentsweep
 from conftest import tiny_study_file
-from trainers.progress import progress_to, say, set_progress_sink
+from latentsweep.trainers.core.progress import progress_to, say, set_progress_sink
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,12 +28,12 @@ QUEUE = """"loss.queue_infonce.weight" = { type = "categorical", choices = [1.0]
 NOTEBOOK = """
 import logging, sys
 logging.basicConfig(level=logging.INFO)
-import search
+import latentsweep
 train, test, state, loud, quiet = sys.argv[1:]
-search.run_study(loud, data=train, state_dir=state)
+latentsweep.run_study(loud, data=train, state_dir=state)
 print("--- progress off ---", file=sys.stderr, flush=True)
-search.run_study(quiet, data=train, state_dir=state, progress=False)
-search.pick_ensemble("quiet", state_dir=state, progress=False, top=2, refit=False, data=train, test=test,
+latentsweep.run_study(quiet, data=train, state_dir=state, progress=False)
+latentsweep.pick_ensemble("quiet", state_dir=state, progress=False, top=2, refit=False, data=train, test=test,
                      out=state + "/submission.csv")
 """
 # A record of one of our loggers under logging.basicConfig's format, LEVEL:NAME:message (after a bar's \r, too)
@@ -75,7 +75,7 @@ def test_a_sink_receives_the_lines_and_none_silences_them(capfd):
 
 
 def test_the_default_sink_is_stderr_and_the_api_exports_the_switch(capfd):
-    assert search.set_progress_sink is set_progress_sink
+    assert latentsweep.set_progress_sink is set_progress_sink
     say("latentsweep: hello")
     assert capfd.readouterr() == ("", "latentsweep: hello\n")
 
@@ -91,9 +91,9 @@ def _restore_sink():
 def test_a_silent_call_starts_its_child_processes_silent():
     """progress=False reaches the workers a study spawns through the environment they inherit (a child that imports
     search gets the stderr sink unless that environment says off)."""
-    from search.progress import PROGRESS_ENV, quiet_libraries
+    from latentsweep.search.progress import PROGRESS_ENV, quiet_libraries
 
-    code = "import search; from trainers.progress import say; say('a line a spawned worker would say')"
+    code = "import latentsweep; from latentsweep.trainers.core.progress import say; say('a line a spawned worker would say')"
     loud = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     with quiet_libraries():
         child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -102,9 +102,9 @@ def test_a_silent_call_starts_its_child_processes_silent():
 
 
 def test_the_cli_and_a_spawned_worker_say_an_error_in_one_line_from_one_place(capfd):
-    from search.progress import report_error
-    from search.failures import StudyHalted
-    from trainers.errors import ConfigError
+    from latentsweep.search.progress import report_error
+    from latentsweep.search.failures import StudyHalted
+    from latentsweep.trainers.core.errors import ConfigError
 
     with progress_to(None):  # an error is not progress: said with progress off too
         assert report_error(ConfigError("bad knob")) == 2
@@ -115,8 +115,8 @@ def test_the_cli_and_a_spawned_worker_say_an_error_in_one_line_from_one_place(ca
 
 
 # Where our code may write to stdout or stderr itself: a command's own output (search/cli/), the stderr sink and the one
-# error line (search/progress.py), and the channel's word about a failing sink (trainers/progress.py).
-MAY_PRINT = ("search/cli/", "search/progress.py", "trainers/progress.py")
+# error line (search/progress.py), and the channel's word about a failing sink (trainers/core/progress.py).
+MAY_PRINT = ("search/cli/", "search/progress.py", "trainers/core/progress.py")
 LOG_CALLS = {"debug", "info", "warning", "error", "exception", "critical", "log"}
 OURS = ("latentsweep", "search", "trainers")
 

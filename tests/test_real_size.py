@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainers.closed_form import ALPHAS, fit_ridge, held_out_mrr, moments, solve
-from trainers.data import load_train
-from trainers.metrics import evaluate_leaderboard
-from trainers.synthetic import write_synthetic
+from latentsweep.trainers.models.closed_form import ALPHAS, fit_ridge, held_out_mrr, moments, solve
+from latentsweep.trainers.data.sets import load_train
+from latentsweep.trainers.eval.metrics import evaluate_leaderboard
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_the_chosen_strength_has_the_best_held_out_score(small):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A fresh data cache and no train set held by this process (as in a newly spawned worker)."""
-    from trainers import data as data_mod
+    from latentsweep.trainers.data import sets as data_mod
 
     monkeypatch.setenv(data_mod.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(data_mod, "_last_read", [])
@@ -84,11 +84,11 @@ def test_the_cache_off_parses_every_time(small, cache, monkeypatch):
 
 
 def test_a_knn_model_that_would_not_finish_is_not_started(small, tmp_path):
-    from trainers.config import Config, with_values
-    from trainers.deadline import Deadline
-    from trainers.knn import build_seconds
-    from trainers.loop import train
-    from trainers.run import DeadlineReached
+    from latentsweep.trainers.config.tree import Config, with_values
+    from latentsweep.trainers.core.deadline import Deadline
+    from latentsweep.trainers.models.knn import build_seconds
+    from latentsweep.trainers.train.loop import train
+    from latentsweep.trainers.train.run import DeadlineReached
 
     data = load_train(small)
     cfg = with_values(Config(), {"model.kind": "knn", "data.val_ratio": 0.25})
@@ -102,11 +102,11 @@ def test_a_knn_model_that_would_not_finish_is_not_started(small, tmp_path):
 
 
 def test_a_knn_checkpoint_carries_its_val_predictions(small, tmp_path):
-    from trainers.checkpoint import load_model
-    from trainers.config import Config, with_values
-    from trainers.loop import train
-    from trainers.tasks import predict, split_images
-    from trainers.splits import captions_of
+    from latentsweep.trainers.train.checkpoint import load_model
+    from latentsweep.trainers.config.tree import Config, with_values
+    from latentsweep.trainers.train.loop import train
+    from latentsweep.trainers.train.tasks import predict, split_images
+    from latentsweep.trainers.data.splits import captions_of
 
     data = load_train(small)
     cfg = with_values(Config(), {"model.kind": "knn", "data.val_ratio": 0.25})

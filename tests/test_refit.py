@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from search.pick import ensemble, jobs, oof
-from search.pick import plan as plan_mod
-from trainers.config import Config, with_values
-from trainers.data import load_train
-from trainers.errors import ConfigError
-from trainers.loop import train
-from trainers.metrics import evaluate_leaderboard
-from trainers.splits import captions_of, fold_assignment
-from trainers.synthetic import write_synthetic
+from latentsweep.search.pick import ensemble, jobs, oof
+from latentsweep.search.pick import plan as plan_mod
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.data.sets import load_train
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.train.loop import train
+from latentsweep.trainers.eval.metrics import evaluate_leaderboard
+from latentsweep.trainers.data.splits import captions_of, fold_assignment
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests of trainers.regularise (mixup, input noise, EMA/SWA), InfoNCE label smoothing and their use by the loop."""
+"""Tests of latentsweep.trainers.train.regularise (mixup, input noise, EMA/SWA), InfoNCE label smoothing and their use by the loop."""
 from __future__ import annotations
 
 import math
@@ -9,16 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainers.checkpoint import load_model
-from trainers.config import Config, with_values
-from trainers.data import load_train
-from trainers.errors import ConfigError
-from trainers.loop import train
-from trainers.losses import LOSSES, Temperature
-from trainers.regularise import EMA, SWA, BatchAugment, build_average
-from trainers.synthetic import write_synthetic
-from trainers.tasks import TASKS, predict
-from trainers.validate import validate
+from latentsweep.trainers.train.checkpoint import load_model
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.data.sets import load_train
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.train.loop import train
+from latentsweep.trainers.losses import LOSSES, Temperature
+from latentsweep.trainers.train.regularise import EMA, SWA, BatchAugment, build_average
+from latentsweep.trainers.data.synthetic import write_synthetic
+from latentsweep.trainers.train.tasks import TASKS, predict
+from latentsweep.trainers.config.validate import validate
 
 B, DT, DI = 12, 5, 7
 SMALL = {"model.hidden": "32", "train.batch_size": 32, "train.epochs": 2, "data.val_ratio": 0.2,

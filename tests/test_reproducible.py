@@ -12,18 +12,18 @@ import optuna
 import pytest
 import torch
 
-from search.cli.main import main
-from search.pick import safe
-from search.pick.judge import Standing, make_judge
-from search.pick.safe import Keeper, SafeAnswer
-from search.study.contract import TrialOutputs
-from search.study.studyfile import load_study_file
-from search.tracking.paths import resolve_in_state
-from trainers.checkpoint import CenteredModel, atomic_torch_save, checkpoint_payload, load_model
-from trainers.config import Config, with_values
-from trainers.data import load_test, load_train
-from trainers.models import ModelContext, build_model
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.search.pick import safe
+from latentsweep.search.pick.judge import Standing, make_judge
+from latentsweep.search.pick.safe import Keeper, SafeAnswer
+from latentsweep.search.study.contract import TrialOutputs
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.search.tracking.paths import resolve_in_state
+from latentsweep.trainers.train.checkpoint import CenteredModel, atomic_torch_save, checkpoint_payload, load_model
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.data.sets import load_test, load_train
+from latentsweep.trainers.models.zoo import ModelContext, build_model
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 # The trained model draws from torch's global generator at every step (CPU dropout), and its first layers are drawn
 # right after the trial's seeding: a build beside it at any moment of the trial changes its value.

@@ -1,11 +1,11 @@
-"""The one ridge solver (trainers/ridge.py) against the textbook ridge, and its callers against it."""
+"""The one ridge solver (trainers/models/ridge.py) against the textbook ridge, and its callers against it."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from trainers.geometry import ridge_fit
-from trainers.ridge import ALPHAS, Moments, ridge_weights, solve
+from latentsweep.trainers.models.geometry import ridge_fit
+from latentsweep.trainers.models.ridge import ALPHAS, Moments, ridge_weights, solve
 
 
 def _data(n=200, dx=6, dy=4, seed=0):

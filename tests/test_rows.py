@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from trainers.config import Config, with_values
-from trainers.data import load_train
-from trainers.models import ModelContext, build_model
-from trainers.regularise import BatchAugment
-from trainers.rows import STAT_COLUMNS, Rows, column_stat
-from trainers.synthetic import write_synthetic
-from trainers.tasks import TASKS
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.data.sets import load_train
+from latentsweep.trainers.models.zoo import ModelContext, build_model
+from latentsweep.trainers.train.regularise import BatchAugment
+from latentsweep.trainers.data.rows import STAT_COLUMNS, Rows, column_stat
+from latentsweep.trainers.data.synthetic import write_synthetic
+from latentsweep.trainers.train.tasks import TASKS
 
 SMALL = {"model.hidden": "32", "train.batch_size": 32, "data.val_ratio": 0.2, "train.seed": 0, "train.device": "cpu",
          "data.center_text": True}
@@ -114,8 +114,8 @@ def test_targets_are_normalised_per_batch_unless_the_all_images_loss_reads_them_
 def test_validation_ranks_predictions_block_by_block(tmp_path):
     """evaluate() asks the model for one metrics block of val captions at a time (never all of them at once) and
     gets the same metrics as ranking the held predictions."""
-    from trainers import metrics
-    from trainers.tasks import predict
+    from latentsweep.trainers.eval import metrics
+    from latentsweep.trainers.train.tasks import predict
 
     path, _, _ = write_synthetic(tmp_path, 600, dim_text=30, dim_image=20)
     task = TASKS.get("translate")(with_values(Config(), SMALL), load_train(path), torch.device("cpu"))

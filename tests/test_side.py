@@ -11,13 +11,13 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file
-from search.cli.main import main
-from search.pick.candidates import best_of_each_kind, top_trials
-from search.study.report import study_table
-from search.study.contract import SIDE_ATTR, read_side as side_values
-from search.study.studyfile import load_study_file
-from trainers.errors import ConfigError
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.search.pick.candidates import best_of_each_kind, top_trials
+from latentsweep.search.study.report import study_table
+from latentsweep.search.study.contract import SIDE_ATTR, read_side as side_values
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 KIND = '"model.kind" = { type = "categorical", choices = ["mlp", "residual_mlp"] }\n'
 SIDE = '\n[[side]]\nmodel = { kind = "knn" }\n'

@@ -4,10 +4,10 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from search.study.space import Param, active_values, flatten_space, parse_space, sample
-from search.study.studyfile import load_study_file
-from trainers.config import Config, flatten
-from trainers.errors import ConfigError
+from latentsweep.search.study.space import Param, active_values, flatten_space, parse_space, sample
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.trainers.config.tree import Config, flatten
+from latentsweep.trainers.core.errors import ConfigError
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

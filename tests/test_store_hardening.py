@@ -11,10 +11,10 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file as study_file
-from search.ui import servers
-from search.cli.main import main
-from search.study.storage import StorageSettings, dispose, open_storage
-from trainers.synthetic import write_synthetic
+from latentsweep.search.ui import servers
+from latentsweep.search.cli.main import main
+from latentsweep.search.study.storage import StorageSettings, dispose, open_storage
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 PASSWORD = "pa55-w0rd"
 
@@ -43,7 +43,7 @@ def test_first_time_schema_creation_survives_a_race(tmp_path):
 
 
 def test_read_only_url_creates_nothing(tmp_path):
-    from search.stores import read_only_storage
+    from latentsweep.search.stores import read_only_storage
 
     with pytest.raises(Exception, match="no Optuna storage"):
         read_only_storage(tmp_path / "missing")

@@ -15,8 +15,8 @@ from mlflow import MlflowClient
 
 from conftest import default_sigint
 from conftest import tiny_study_file as study_file
-from search.cli.main import main
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 
 
@@ -192,7 +192,7 @@ def test_status_table_lists_trials_and_varying_knobs(tmp_path, state, synthetic,
 @pytest.mark.slow
 def test_ctrl_c_fails_trial_kills_run_and_resume_retries_it(tmp_path, state, synthetic):
     sf = study_file(tmp_path, "interrupt", n_trials=2, epochs=400)
-    cmd = [sys.executable, "-m", "search", "study", "run", str(sf), "--data", str(synthetic),
+    cmd = [sys.executable, "-m", "latentsweep", "study", "run", str(sf), "--data", str(synthetic),
            "--state-dir", str(state), "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     # Wait until the first trial's MLflow run has logged an epoch (seconds on a quiet machine; minutes when the

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from search.cli.main import main
-from search.study.studyfile import load_study_file
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 STUDIES = sorted((Path(__file__).resolve().parents[1] / "studies").glob("*.toml"))
 

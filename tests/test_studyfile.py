@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from search.study.studyfile import load_study_file
-from trainers.config import flatten, with_values
-from trainers.errors import ConfigError
-from trainers.validate import validate
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.trainers.config.tree import flatten, with_values
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.config.validate import validate
 
 STUDIES = sorted((Path(__file__).resolve().parents[1] / "studies").glob("*.toml"))
 

@@ -1,4 +1,4 @@
-"""Tests of trainers.submission and `latentsweep submission check|score`: format, atomicity, checks and scoring."""
+"""Tests of latentsweep.trainers.eval.submission and `latentsweep submission check|score`: format, atomicity, checks and scoring."""
 import json
 import os
 import re
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from search.cli.main import main
-from trainers.data import load_test
-from trainers.errors import DataError
-from trainers.metrics import leaderboard_from_ordered
-from trainers.submission import check_submission, read_submission, score_submission, write_submission
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.sets import load_test
+from latentsweep.trainers.core.errors import DataError
+from latentsweep.trainers.eval.metrics import leaderboard_from_ordered
+from latentsweep.trainers.eval.submission import check_submission, read_submission, score_submission, write_submission
 
 N, DT, DI = 250, 8, 12
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainers.config import Config, with_values
-from trainers.errors import ConfigError
-from trainers.losses import LOSSES, Criterion, Temperature
-from trainers.validate import validate
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.losses import LOSSES, Criterion, Temperature
+from latentsweep.trainers.config.validate import validate
 
 D, K = 6, 3
 IMG = torch.tensor([0, 1, 2, 3, 4, 5])  # one caption per image: no same-image pairs, as the notebook's batches

@@ -17,11 +17,11 @@ PACKAGES = ("trainers", "search")
 NEWER_APIS = {
     "torch.export.Dim.DYNAMIC": ("2.6", "search/pick/pyfunc_model.py"),  # pytorch#137029, after the 2.5 branch cut
     "torch.OutOfMemoryError": ("2.5", "search/failures.py"),  # top level since 2.5 (was torch.cuda's)
-    "torch.amp.GradScaler": ("2.3", "trainers/run.py"),  # device-generic scaler (torch.cuda.amp's before)
+    "torch.amp.GradScaler": ("2.3", "trainers/train/run.py"),  # device-generic scaler (torch.cuda.amp's before)
 }
 # Keyword features that an attribute check cannot see; each has a behaviour test below.
 NEWER_FEATURES = {
-    "Adam/AdamW(fused=True) on CPU": ("2.4", "trainers/optim.py"),
+    "Adam/AdamW(fused=True) on CPU": ("2.4", "trainers/train/optim.py"),
 }
 
 
@@ -123,8 +123,8 @@ def test_pyproject_torch_floor_is_the_newest_api_the_code_needs():
 
 
 def test_fused_adam_steps_on_cpu():
-    """trainers/optim.py passes fused=True for CPU float params (CPU fused kernels: torch 2.4)."""
-    from trainers.optim import _fused
+    """trainers/train/optim.py passes fused=True for CPU float params (CPU fused kernels: torch 2.4)."""
+    from latentsweep.trainers.train.optim import _fused
 
     w = torch.nn.Parameter(torch.ones(3))
     groups = [{"params": [w]}]

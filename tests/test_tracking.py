@@ -8,13 +8,13 @@ import numpy as np
 import optuna
 import pytest
 
-from search.tracking import make_tracker, plots
-from search.study.report import study_summary
-from search.redact import redact_url, redact_values
-from search.tracking.base import PARAM_VALUE_MAX
-from search.tracking.memory import InMemoryTracker
-from search.tracking.mlflow import MlflowTracker
-from trainers.errors import LatentsweepError
+from latentsweep.search.tracking import make_tracker, plots
+from latentsweep.search.study.report import study_summary
+from latentsweep.search.redact import redact_url, redact_values
+from latentsweep.search.tracking.base import PARAM_VALUE_MAX
+from latentsweep.search.tracking.memory import InMemoryTracker
+from latentsweep.search.tracking.mlflow import MlflowTracker
+from latentsweep.trainers.core.errors import LatentsweepError
 
 SECRET = "s3cr3t-pw"
 PG_URL = f"postgresql+psycopg2://alice:{SECRET}@db.example:5432/optuna"
@@ -78,7 +78,7 @@ def test_redact_values_masks_urls_and_secret_keys():
 
 def test_make_tracker_memory_and_derived_artifact_root(tmp_path):
     assert isinstance(make_tracker("memory"), InMemoryTracker)
-    from search.tracking.paths import default_artifact_root
+    from latentsweep.search.tracking.paths import default_artifact_root
 
     assert default_artifact_root(f"sqlite:///{tmp_path}/m.db") == (tmp_path / "artifacts").as_uri()
     assert default_artifact_root("http://localhost:5000") is None
@@ -171,7 +171,7 @@ def test_log_round_trips_through_metric_history(tracker, batch_limits):
 
 
 def test_log_raises_what_the_store_raises(tracker, batch_limits):
-    # The tracker decides nothing about failures: search.failures classifies what it raises (tests/test_failures.py).
+    # The tracker decides nothing about failures: latentsweep.search.failures classifies what it raises (tests/test_failures.py).
     from mlflow.exceptions import MlflowException
 
     tracker.ensure_study("flaky study", {})

@@ -17,9 +17,9 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file
-from search.cli.main import main
-from trainers.submission import read_submission
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.eval.submission import read_submission
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = "e2e"
@@ -29,7 +29,7 @@ TRIALS = 3
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """The CLI in a subprocess with stdout and stderr redirected to files (not a terminal), as in CI or nohup."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "search", *args], cwd=cwd, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "latentsweep", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600)
 
 
@@ -111,12 +111,12 @@ STANDALONE = textwrap.dedent("""
     import importlib.abc, json, sys
     class NoProject(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name.split(".")[0] in ("search", "trainers"):
+            if name.split(".")[0] == "latentsweep":
                 raise ModuleNotFoundError(f"No module named '{name}' (blocked: latentsweep is not installed)")
             return None
     sys.meta_path.insert(0, NoProject())
     try:
-        import search  # noqa: F401
+        import latentsweep  # noqa: F401
         raise SystemExit("latentsweep is importable: the check would prove nothing")
     except ModuleNotFoundError:
         pass
@@ -124,7 +124,7 @@ STANDALONE = textwrap.dedent("""
     x = np.load(sys.argv[2])
     model = mlflow.pyfunc.load_model(sys.argv[1])
     outs = [model.predict(x.astype(np.float32)), model.predict(x.astype(np.float64)), model.predict(x.tolist())]
-    assert not any(m.split(".")[0] in ("search", "trainers") for m in sys.modules)
+    assert not any(m.split(".")[0] == "latentsweep" for m in sys.modules)
     np.save(sys.argv[3], np.stack(outs))
 """)
 
@@ -143,7 +143,7 @@ def standalone_predict(tmp_path: Path, model_uri: str, x: np.ndarray, tracking_u
 
 
 def test_model_loads_and_predicts_without_latentsweep(world, tmp_path):
-    from trainers.data import load_test
+    from latentsweep.trainers.data.sets import load_test
 
     test = load_test(world.test)
     ids, vectors = read_submission(world.out)
@@ -154,7 +154,7 @@ def test_model_loads_and_predicts_without_latentsweep(world, tmp_path):
 
 
 def test_copied_then_moved_state_dir_keeps_commands_and_ui_working(world, tmp_path):
-    from search.ui import servers
+    from latentsweep.search.ui import servers
 
     copy = tmp_path / "copy"
     shutil.copytree(world.state, copy)
@@ -177,7 +177,7 @@ def test_copied_then_moved_state_dir_keeps_commands_and_ui_working(world, tmp_pa
         manifest = json.loads(out.with_name("again.manifest.json").read_text())
         assert {m["origin"] for m in manifest["members"]} == {"local"}  # Optuna's relative checkpoint paths
         assert all(str(moved) in m["checkpoint"] for m in manifest["members"])
-        from trainers.data import load_test
+        from latentsweep.trainers.data.sets import load_test
 
         x = load_test(world.test).embeddings[:5]
         assert standalone_predict(tmp_path, "models:/e2e-ensemble/1", x, tracking).shape == (3, 5, 32)

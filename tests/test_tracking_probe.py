@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from search.tracking.probe import probe_tracking_store
-from search.ui.servers import start_ui
+from latentsweep.search.tracking.probe import probe_tracking_store
+from latentsweep.search.ui.servers import start_ui
 from test_bad_input_leftovers import serve  # noqa: F401 - a fixture, used by name
-from trainers.errors import LatentsweepError
+from latentsweep.trainers.core.errors import LatentsweepError
 
 DEAD = {  # a URI per scheme that cannot be used, and the fragment of its one-line error
     "http": ("http://127.0.0.1:9", "MLflow tracking server http://127.0.0.1:9 is not reachable: "),

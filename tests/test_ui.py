@@ -1,4 +1,4 @@
-"""Tests of search.ui.servers and `latentsweep ui`: real MLflow and optuna-dashboard servers on free ports, shutdown."""
+"""Tests of latentsweep.search.ui.servers and `latentsweep ui`: real MLflow and optuna-dashboard servers on free ports, shutdown."""
 import os
 import signal
 import socket
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from conftest import default_sigint
-from search.ui import servers
-from search.cli import ui as cmd_ui
-from search.cli.main import main
+from latentsweep.search.ui import servers
+from latentsweep.search.cli import ui as cmd_ui
+from latentsweep.search.cli.main import main
 from test_bad_input_leftovers import serve  # noqa: F401 - a fixture, used by name
-from trainers.errors import LatentsweepError
+from latentsweep.trainers.core.errors import LatentsweepError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,7 +97,7 @@ def test_ui_command_on_empty_state_prints_urls_hint_and_stops_on_ctrl_c(tmp_path
     dashboard_port = servers.free_port()
     state = tmp_path / "state"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "search", "ui", "--state-dir", str(state), "--dashboard-port", str(dashboard_port),
+        [sys.executable, "-m", "latentsweep", "ui", "--state-dir", str(state), "--dashboard-port", str(dashboard_port),
          "--tracking-uri", remote + "/"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     lines = []

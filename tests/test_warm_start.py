@@ -12,11 +12,11 @@ from mlflow import MlflowClient
 from optuna.distributions import FloatDistribution
 
 from conftest import tiny_study_file
-from search.cli.main import main
-from search.study.report import study_table
-from search.study.studyfile import load_study_file
-from search.study.warm import IDENTITY_ATTR, PORTFOLIO, WARM_ATTR, identity, portfolio
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.search.study.report import study_table
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.search.study.warm import IDENTITY_ATTR, PORTFOLIO, WARM_ATTR, identity, portfolio
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, WEIGHT, MARGIN = "optim.lr", "loss.triplet.weight", "loss.triplet.margin"
@@ -137,7 +137,7 @@ def test_warm_from_another_state_directory(tmp_path, data):
 
 def test_the_portfolio_ships_in_the_wheel_and_fits_the_full_study():
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert any(fnmatch.fnmatch(PORTFOLIO.name, pattern) for pattern in package_data["search.study"])
+    assert any(fnmatch.fnmatch(PORTFOLIO.name, pattern) for pattern in package_data["latentsweep.search.study"])
     configs = portfolio()
     assert configs, f"{PORTFOLIO} holds no configuration"
     space = {p.name: p for p in load_study_file(ROOT / "studies" / "full.toml").space}

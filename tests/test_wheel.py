@@ -53,7 +53,7 @@ def test_the_wheel_runs_a_preset_pick_and_a_plugin_from_an_empty_directory(tmp_p
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    where = run([venv / "bin" / "python", "-c", "import search; print(search.__file__)"], empty, env)
+    where = run([venv / "bin" / "python", "-c", "import latentsweep; print(latentsweep.__file__)"], empty, env)
     assert where.stdout.strip().startswith(str(venv))  # the installed package, not this checkout
     cli = venv / "bin" / "latentsweep"
     listed = run([cli, "study", "presets"], empty, env).stdout

@@ -10,8 +10,8 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import tiny_study_file as study_file
-from search.cli.main import main
-from trainers.synthetic import write_synthetic
+from latentsweep.search.cli.main import main
+from latentsweep.trainers.data.synthetic import write_synthetic
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +46,12 @@ def assert_nothing_running(state: Path, name: str) -> None:
 
 
 def test_full_disk_before_training_fails_and_retries_the_trial(state, synthetic, tmp_path, monkeypatch, capsys):
-    import search.study.objective
+    import latentsweep.search.study.objective
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device", "config.toml")
 
-    monkeypatch.setattr(search.study.objective, "dump_toml", full)
+    monkeypatch.setattr(latentsweep.search.study.objective, "dump_toml", full)
     sf = study_file(tmp_path, "fulldisk", n_trials=2)
     assert run(sf, state, synthetic) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -63,12 +63,12 @@ def test_full_disk_before_training_fails_and_retries_the_trial(state, synthetic,
 
 
 def test_error_after_the_run_started_closes_the_run(state, synthetic, tmp_path, monkeypatch, capsys):
-    import search.study.objective
+    import latentsweep.search.study.objective
 
     def dies(*args, **kwargs):
         raise SystemExit(3)  # not an Exception: passes the trial's own `except Exception`
 
-    monkeypatch.setattr(search.study.objective, "train", dies)
+    monkeypatch.setattr(latentsweep.search.study.objective, "train", dies)
     sf = study_file(tmp_path, "sysexit", n_trials=2)
     with pytest.raises(SystemExit):
         run(sf, state, synthetic)
@@ -78,10 +78,10 @@ def test_error_after_the_run_started_closes_the_run(state, synthetic, tmp_path, 
 
 
 def test_interrupt_between_claim_and_run_fails_the_claimed_trial(state, synthetic, tmp_path, monkeypatch, capsys):
-    import search.study.worker
+    import latentsweep.search.study.worker
 
     calls = []
-    real = search.study.worker.close_dead_runs
+    real = latentsweep.search.study.worker.close_dead_runs
 
     def interrupted(*args, **kwargs):  # the first call is the start-up reap, the second follows the first claim
         calls.append(1)
@@ -89,7 +89,7 @@ def test_interrupt_between_claim_and_run_fails_the_claimed_trial(state, syntheti
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(search.study.worker, "close_dead_runs", interrupted)
+    monkeypatch.setattr(latentsweep.search.study.worker, "close_dead_runs", interrupted)
     sf = study_file(tmp_path, "claimint", n_trials=2)
     assert run(sf, state, synthetic) == 130
     assert [t.state.name for t in trials(state, "claimint")] == ["FAIL", "WAITING"]
@@ -97,11 +97,11 @@ def test_interrupt_between_claim_and_run_fails_the_claimed_trial(state, syntheti
 
 
 def test_dead_workers_trials_are_reaped_by_owner_at_once(state, synthetic, tmp_path):
-    from search.cli.main import build_parser
-    from search.cli.study import make_spec
-    from search.study.studyfile import load_study_file
-    from search.study.worker import claim_trial, dispose_study, load_or_create, reap_owner, worker_id
-    from search.tracking import make_tracker
+    from latentsweep.search.cli.main import build_parser
+    from latentsweep.search.cli.study import make_spec
+    from latentsweep.search.study.studyfile import load_study_file
+    from latentsweep.search.study.worker import claim_trial, dispose_study, load_or_create, reap_owner, worker_id
+    from latentsweep.search.tracking import make_tracker
 
     sf = study_file(tmp_path, "owner", n_trials=2)
     args = build_parser().parse_args(["study", "run", str(sf), "--data", str(synthetic), "--state-dir", str(state)])
@@ -148,12 +148,12 @@ def test_interrupt_between_trials_of_a_lone_worker_still_closes_the_parent_run(s
                                                                                  monkeypatch, capsys):
     """A Ctrl-C landing in a store call between trials (here: while a connection holds MLflow's write lock) must not
     keep that lock through the worker's exit, where the last worker out closes the study's parent run."""
-    import search.study.worker
+    import latentsweep.search.study.worker
 
     sf = study_file(tmp_path, "idleint", n_trials=2)
     base = [str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet"]
     assert main(["study", "create", *base]) == 0
-    real = search.study.worker.check_halted
+    real = latentsweep.search.study.worker.check_halted
     calls = []
 
     def interrupted_in_a_write(study):  # the second check follows trial 0
@@ -164,6 +164,6 @@ def test_interrupt_between_trials_of_a_lone_worker_still_closes_the_parent_run(s
             raise KeyboardInterrupt
         return real(study)
 
-    monkeypatch.setattr(search.study.worker, "check_halted", interrupted_in_a_write)
+    monkeypatch.setattr(latentsweep.search.study.worker, "check_halted", interrupted_in_a_write)
     assert main(["worker", *base]) == 130
     assert runs(state, "idleint") == {"study-idleint": "FINISHED", "trial-0": "FINISHED"}, capsys.readouterr().err

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
-from search.checks import check_new_files, check_outputs, check_seed
-from search.cli.demo import add_parser as add_build_demo
-from trainers.data import describe_npz, load_answers, load_test, load_train
-from search.stores import default_protected
-from trainers.holdout import HOLDOUT_FILES, write_holdout
+from latentsweep.search.checks import check_new_files, check_outputs, check_seed
+from latentsweep.search.cli.demo import add_parser as add_build_demo
+from latentsweep.trainers.data.sets import describe_npz, load_answers, load_test, load_train
+from latentsweep.search.stores import default_protected
+from latentsweep.trainers.data.holdout import HOLDOUT_FILES, write_holdout
 
 # Rows per step when computing norms, so no full-size temporary is made (einsum needs none, slicing keeps it small).
 NORM_CHUNK = 8192

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from search.demodata import build as demo
-from trainers.demo import DEMO_DIR
-from trainers.errors import LatentsweepError
+from latentsweep.search.demodata import build as demo
+from latentsweep.trainers.data.demo import DEMO_DIR
+from latentsweep.trainers.core.errors import LatentsweepError
 
 
 def add_parser(data_subparsers) -> argparse.ArgumentParser:

@@ -9,10 +9,10 @@ import time
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
-from search.process import STOP_SIGNALS, configure_process, exit_code, interrupt_on, process_started
-from search.progress import print_error, report_error
+from latentsweep.search.process import STOP_SIGNALS, configure_process, exit_code, interrupt_on, process_started
+from latentsweep.search.progress import print_error, report_error
 
-# Each module of search.cli named here exposes add_parser(subparsers); the handler it sets as `func` returns an exit
+# Each module of latentsweep.search.cli named here exposes add_parser(subparsers); the handler it sets as `func` returns an exit
 # code and is named after its command: `latentsweep study run` -> cmd_study_run (tests/test_layout.py checks it).
 COMMAND_MODULES = ("data", "submission", "train", "study", "pick", "run", "ui")
 # The module of each top-level command (tests/test_layout.py checks it against the parsers): a command imports only its
@@ -69,7 +69,7 @@ def build_parser(command: str | None = None, light: bool = False) -> argparse.Ar
             sub.add_parser(name, help=text)
         return parser
     for name in [MODULE_OF[command]] if command in MODULE_OF else COMMAND_MODULES:
-        importlib.import_module(f"search.cli.{name}").add_parser(sub)
+        importlib.import_module(f"latentsweep.search.cli.{name}").add_parser(sub)
     return parser
 
 
@@ -114,7 +114,7 @@ def _main(argv: list[str], started: float) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         raise
-    except Exception as exc:  # classified once (search.failures): a bug keeps its traceback, the rest is one line
+    except Exception as exc:  # classified once (latentsweep.search.failures): a bug keeps its traceback, the rest is one line
         code = report_error(exc)
         if code is None:
             raise

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 
-from search.pick.ensemble import METHODS
-from search.pick.options import FALLBACKS, SELECTIONS, parse_budget
-from search.pick.picker import PickOptions, run_pick
-from search.pick.selection import WHERE, spread_text
-from search.stores import add_state_arg, safe_name
-from search.study.progress import is_terminal
+from latentsweep.search.pick.ensemble import METHODS
+from latentsweep.search.pick.options import FALLBACKS, SELECTIONS, parse_budget
+from latentsweep.search.pick.picker import PickOptions, run_pick
+from latentsweep.search.pick.selection import WHERE, spread_text
+from latentsweep.search.stores import add_state_arg, safe_name
+from latentsweep.search.study.progress import is_terminal
 
 
 def add_parser(sub) -> None:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from search.checks import check_outputs
-from search.stores import default_protected
-from search.study.presets import init_preset, presets, presets_dir
+from latentsweep.search.checks import check_outputs
+from latentsweep.search.stores import default_protected
+from latentsweep.search.study.presets import init_preset, presets, presets_dir
 
 
 def add_actions(ssub) -> None:

@@ -8,19 +8,19 @@ import sys
 import time
 from pathlib import Path
 
-from search.cli.pick import print_result
-from search.cli.study import add_worker_args, make_spec, say_plan, warm_args, worker_plan
-from search.cli.study_inspect import liveness_args, stores_args
-from search.checks import check_outputs
-from search.pick.candidates import test_path_for
-from search.pick.options import out_path, pick_files, pick_outputs
-from search.pick.onebudget import check_pick_inputs, parse_duration, run_one_budget
-from search.pick.picker import PickOptions
-from search.stores import protected_paths, safe_name
-from search.study.preflight import no_new_empty_state_dir, preflight
-from search.redact import redact_url
-from trainers.data import load_test_shared
-from trainers.progress import say
+from latentsweep.search.cli.pick import print_result
+from latentsweep.search.cli.study import add_worker_args, make_spec, say_plan, warm_args, worker_plan
+from latentsweep.search.cli.study_inspect import liveness_args, stores_args
+from latentsweep.search.checks import check_outputs
+from latentsweep.search.pick.candidates import test_path_for
+from latentsweep.search.pick.options import out_path, pick_files, pick_outputs
+from latentsweep.search.pick.onebudget import check_pick_inputs, parse_duration, run_one_budget
+from latentsweep.search.pick.picker import PickOptions
+from latentsweep.search.stores import protected_paths, safe_name
+from latentsweep.search.study.preflight import no_new_empty_state_dir, preflight
+from latentsweep.search.redact import redact_url
+from latentsweep.trainers.data.sets import load_test_shared
+from latentsweep.trainers.core.progress import say
 
 
 def add_parser(sub) -> None:
@@ -70,7 +70,7 @@ def keep_earlier(out: Path) -> None:
 
 
 def cmd_run(args) -> int:
-    started = getattr(args, "started", None) or time.monotonic()  # set by search.cli.main at its start
+    started = getattr(args, "started", None) or time.monotonic()  # set by latentsweep.search.cli.main at its start
     total = parse_duration(args.time)
     plan = worker_plan(args)  # --workers/--gpus/--per-gpu, checked against this machine before anything is stored
     args.timeout = None  # the budget is the bound

@@ -1,5 +1,5 @@
 """`latentsweep study run|create` and `latentsweep worker`: launching and joining studies from a study file (`list`,
-`status` and `reap`, which address a study by name, are in search.cli.study_inspect)."""
+`status` and `reap`, which address a study by name, are in latentsweep.search.cli.study_inspect)."""
 from __future__ import annotations
 
 import json
@@ -7,18 +7,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from search.cli import presets, study_inspect
-from search.cli.study_inspect import liveness_args, stores_args
-from search.study.devices import (
+from latentsweep.search.cli import presets, study_inspect
+from latentsweep.search.cli.study_inspect import liveness_args, stores_args
+from latentsweep.search.study.devices import (
     AUTO, GPUS_ENV, PER_GPU_ENV, WorkerPlan, claim_slot, describe_plan, pin_process, plan_workers_env, workers_arg,
 )
-from search.study.preflight import no_new_empty_state_dir, preflight
-from search.study.progress import is_terminal
-from search.study.runner import close_parent_if_idle, run_study, run_worker
-from search.study.spec import build_spec
-from search.redact import redact_url
-from search.study.studyfile import load_study_file
-from search.study.worker import dispose_study, load_or_create, open_tracker
+from latentsweep.search.study.preflight import no_new_empty_state_dir, preflight
+from latentsweep.search.study.progress import is_terminal
+from latentsweep.search.study.runner import close_parent_if_idle, run_study, run_worker
+from latentsweep.search.study.spec import build_spec
+from latentsweep.search.redact import redact_url
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.search.study.worker import dispose_study, load_or_create, open_tracker
 
 
 def _common(p) -> None:
@@ -65,7 +65,7 @@ def add_worker_args(p) -> None:
 
 
 def warm_args(p) -> None:
-    """--no-warm-start and --warm-from (search.study.warm): what a new study tries first."""
+    """--no-warm-start and --warm-from (latentsweep.search.study.warm): what a new study tries first."""
     p.add_argument("--no-warm-start", dest="warm_start", action="store_false", default=None,
                    help="a new study does not first try the best configurations of earlier studies on the same data "
                         "(nor the bundled portfolio when there are none)")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from search.stores import add_state_arg, resolve_stores, safe_name, state_dir
-from search.study.preflight import StoreSpec, check_liveness, check_stores
-from search.study.report import load_existing_study, studies_table, study_header, study_table
-from search.study.runner import reap_study
-from search.redact import redact_url
-from search.study.storage import StorageSettings
-from search.study.studyfile import load_study_file
-from search.study.worker import dispose_study
+from latentsweep.search.stores import add_state_arg, resolve_stores, safe_name, state_dir
+from latentsweep.search.study.preflight import StoreSpec, check_liveness, check_stores
+from latentsweep.search.study.report import load_existing_study, studies_table, study_header, study_table
+from latentsweep.search.study.runner import reap_study
+from latentsweep.search.redact import redact_url
+from latentsweep.search.study.storage import StorageSettings
+from latentsweep.search.study.studyfile import load_study_file
+from latentsweep.search.study.worker import dispose_study
 
 
 def add_actions(ssub) -> None:

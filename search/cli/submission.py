@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 
-from trainers.data import load_test
-from trainers.metrics import GALLERY_SIZE, METRIC_KEYS
-from trainers.submission import check_submission, score_submission
+from latentsweep.trainers.data.sets import load_test
+from latentsweep.trainers.eval.metrics import GALLERY_SIZE, METRIC_KEYS
+from latentsweep.trainers.eval.submission import check_submission, score_submission
 
 
 def add_parser(subparsers) -> None:

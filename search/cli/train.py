@@ -8,22 +8,22 @@ from pathlib import Path
 
 import torch
 
-from search.checks import check_outputs
-from search.stores import add_state_arg, default_protected, protected_paths, state_dir
-from search.study.progress import is_terminal
-from search.study.studyfile import load_study_file, resolve_data_path
-from trainers.checkpoint import load_model
-from trainers.config import dump_toml, parse_overrides, with_values
-from trainers.data import check_text_dim, load_test, load_train
-from trainers.errors import LatentsweepError
-from trainers.io import atomic_write
-from trainers.loop import resolve_device, train
-from trainers.submission import check_submission, write_submission
-from trainers.tasks import check_split, predict
-from trainers.validate import validate
+from latentsweep.search.checks import check_outputs
+from latentsweep.search.stores import add_state_arg, default_protected, protected_paths, state_dir
+from latentsweep.search.study.progress import is_terminal
+from latentsweep.search.study.studyfile import load_study_file, resolve_data_path
+from latentsweep.trainers.train.checkpoint import load_model
+from latentsweep.trainers.config.tree import dump_toml, parse_overrides, with_values
+from latentsweep.trainers.data.sets import check_text_dim, load_test, load_train
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.core.io import atomic_write
+from latentsweep.trainers.train.loop import resolve_device, train
+from latentsweep.trainers.eval.submission import check_submission, write_submission
+from latentsweep.trainers.train.tasks import check_split, predict
+from latentsweep.trainers.config.validate import validate
 
 
-# What `train` writes in its --out directory (trainers.loop: best.pt; trainers.records: metrics.csv).
+# What `train` writes in its --out directory (latentsweep.trainers.train.loop: best.pt; latentsweep.trainers.train.records: metrics.csv).
 TRAIN_FILES = ("config.toml", "result.json", "best.pt", "metrics.csv")
 
 

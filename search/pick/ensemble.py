@@ -1,7 +1,7 @@
 """Ensemble math for `latentsweep pick`: select/report halves of the val images, combining members, selection methods.
 
 Pure numpy/torch on arrays; no Optuna, MLflow or files. Members are combined as the weighted mean of their
-L2-normalised outputs, L2-normalised again (`combine`); every score is the leaderboard MRR of `trainers.metrics`.
+L2-normalised outputs, L2-normalised again (`combine`); every score is the leaderboard MRR of `latentsweep.trainers.eval.metrics`.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from trainers.splits import captions_and_local_images
-from trainers.errors import LatentsweepError
-from trainers.metrics import GALLERY_SIZE, evaluate_leaderboard
-from trainers.tasks import predict
+from latentsweep.trainers.data.splits import captions_and_local_images
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.eval.metrics import GALLERY_SIZE, evaluate_leaderboard
+from latentsweep.trainers.train.tasks import predict
 
 # Salt of the select/report split of the val images: must differ from any data.salt so that the halves do not
 # line up with the train/val split (which hashes salt + name with the study's data.salt, "" by default).

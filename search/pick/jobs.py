@@ -1,6 +1,6 @@
 """The training jobs of `latentsweep pick` and the two stages that run them: out-of-fold models of every candidate
 (k jobs each, on k-1 image folds) and refits of the chosen members on every labelled image; each job cached on disk,
-started only while the budget (search.pick.plan) lasts.
+started only while the budget (latentsweep.search.pick.plan) lasts.
 
 A job replays one trial's configuration with `data.split = "all"` (no validation) on a set of images for the number
 of epochs the trial found best (`train.stop_after = best epoch + 1`), keeping the trial's schedule horizon
@@ -18,21 +18,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from search.checks import check_folds
-from search.failures import raise_stop
-from search.pick.candidates import Candidate, make_candidate
-from search.pick.ensemble import predict_all
-from search.pick.plan import Clock
-from trainers.checkpoint import load_model
-from trainers.config import Config, dump_toml, with_values
-from trainers.data import TrainSet
-from trainers.io import atomic_write
-from trainers.deadline import Deadline
-from trainers.loop import DeadlineReached, train
-from trainers.models import UNTRAINED_KINDS
-from trainers.progress import say
-from trainers.splits import captions_and_local_images, captions_of, fold_assignment
-from trainers.tasks import split_images
+from latentsweep.search.checks import check_folds
+from latentsweep.search.failures import raise_stop
+from latentsweep.search.pick.candidates import Candidate, make_candidate
+from latentsweep.search.pick.ensemble import predict_all
+from latentsweep.search.pick.plan import Clock
+from latentsweep.trainers.train.checkpoint import load_model
+from latentsweep.trainers.config.tree import Config, dump_toml, with_values
+from latentsweep.trainers.data.sets import TrainSet
+from latentsweep.trainers.core.io import atomic_write
+from latentsweep.trainers.core.deadline import Deadline
+from latentsweep.trainers.train.loop import DeadlineReached, train
+from latentsweep.trainers.models.zoo import UNTRAINED_KINDS
+from latentsweep.trainers.core.progress import say
+from latentsweep.trainers.data.splits import captions_and_local_images, captions_of, fold_assignment
+from latentsweep.trainers.train.tasks import split_images
 
 DONE_FILE = "done.json"  # written when a job finished; a job with the same config and data reuses its model
 # Only the best few configs get seed re-runs (--no-refit --selection halves): each re-run is a full training, and past
@@ -98,7 +98,7 @@ def make_job(name: str, member: str, cfg: Config, cand: Candidate, data: TrainSe
 def run_job(job: Job, data: TrainSet, progress: bool,
             deadline: Deadline = Deadline.never()) -> tuple[Path | None, float | None]:
     """Train (or reuse) the job: (its checkpoint, seconds spent training; None when reused). It stops at `deadline`
-    keeping its best finished epoch (trainers.loop.train), or is dropped when no epoch finished before it: (None,
+    keeping its best finished epoch (latentsweep.trainers.train.loop.train), or is dropped when no epoch finished before it: (None,
     seconds spent). The done stamp is written only after training finished every planned epoch, so a job cut by the
     deadline is trained again, whole, by the next pick."""
     part = data if job.images is None else subset(data, job.images)
@@ -115,7 +115,7 @@ def run_job(job: Job, data: TrainSet, progress: bool,
         result = train(job.cfg, part, out_dir=job.run_dir, progress=progress, deadline=lambda: deadline)
     except DeadlineReached:
         return None, time.monotonic() - start
-    except Exception as exc:  # classified once (search.failures): a bug keeps its traceback, the rest is one line
+    except Exception as exc:  # classified once (latentsweep.search.failures): a bug keeps its traceback, the rest is one line
         raise_stop(exc, f"pick job {job.name}")
     if not result.stopped_at_deadline:
         with atomic_write(job.run_dir / DONE_FILE) as fh:
@@ -125,7 +125,7 @@ def run_job(job: Job, data: TrainSet, progress: bool,
 
 def job_cost(cand: Candidate, data, captions: int, images: int, epochs: int) -> float | None:
     """Estimated seconds of `cand`'s config trained `epochs` epochs without validation on `captions` captions of
-    `images` images: from the trial's measured start-up and per-epoch seconds (trainers.cost), else from its wall time
+    `images` images: from the trial's measured start-up and per-epoch seconds (latentsweep.trainers.train.cost), else from its wall time
     per caption-epoch (trials recorded before timings: validation and logging included, so it overestimates), else
     None (nothing measured)."""
     if cand.timing is not None:

@@ -10,18 +10,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from search.pick.ensemble import combine, predict_all
-from trainers.closed_form import held_out_mrr, moments, solve
-from trainers.config import Config
-from trainers.data import TrainSet
-from trainers.metrics import GALLERY_SIZE, evaluate_leaderboard
-from trainers.splits import captions_and_local_images, captions_of
-from trainers.tasks import split_images
+from latentsweep.search.pick.ensemble import combine, predict_all
+from latentsweep.trainers.models.closed_form import held_out_mrr, moments, solve
+from latentsweep.trainers.config.tree import Config
+from latentsweep.trainers.data.sets import TrainSet
+from latentsweep.trainers.eval.metrics import GALLERY_SIZE, evaluate_leaderboard
+from latentsweep.trainers.data.splits import captions_and_local_images, captions_of
+from latentsweep.trainers.train.tasks import split_images
 
 
 @dataclass(frozen=True)
 class Judge:
-    """The study's val split (the images every trial validates on, trainers.tasks.split_images of the study's
+    """The study's val split (the images every trial validates on, latentsweep.trainers.train.tasks.split_images of the study's
     [base]) and its leaderboard protocol: a candidate trained without these images is scored here by MRR."""
     train_images: np.ndarray  # [Nt] image indices the candidates may train on
     held_images: np.ndarray  # [Nv] image indices of the val split
@@ -32,7 +32,7 @@ class Judge:
     seed: int
 
     def score(self, pred: np.ndarray) -> float:
-        """Leaderboard MRR of the val captions' predictions `pred` [Nq, Di] (trainers.metrics, as a trial's
+        """Leaderboard MRR of the val captions' predictions `pred` [Nq, Di] (latentsweep.trainers.eval.metrics, as a trial's
         val/mrr: same images, same galleries)."""
         return float(evaluate_leaderboard(pred, self.gallery, self.target, gallery_size=self.gallery_size,
                                           seed=self.seed)["mrr"])
@@ -47,7 +47,7 @@ class Judge:
         """MRR of the closed-form ridge at strength `alpha` (the floor's) fit on the train part only: the floor as a
         candidate, like with like (one pass of moments over the train part's captions, one solve); the submission's
         floor is still the one fit on every image. The strength was chosen by the floor on a split of every image,
-        val images included: one choice among trainers.closed_form.ALPHAS, not a fit."""
+        val images included: one choice among latentsweep.trainers.models.closed_form.ALPHAS, not a fit."""
         ridge = solve(moments(data, captions_of(data.cap2img, self.train_images)), alpha)
         if self.gallery_size == GALLERY_SIZE:  # the same MRR, ranked inside each gallery only (closed_form's)
             return float(held_out_mrr(ridge, self.text, self.gallery, self.target, seed=self.seed))

@@ -1,16 +1,16 @@
 """The one-budget job (`latentsweep run STUDY --time 30m`): one deadline for the search and the pick, and always a
 submission inside it. Its steps, each replacing the submission only with an answer that scores higher on the study's
-val split (search.pick.judge; the manifest says which answer won and by how much):
+val split (latentsweep.search.pick.judge; the manifest says which answer won and by how much):
   1. the pick's inputs checked (before any trial is stored);
   2. the closed-form ridge's submission, in seconds (the floor: a budget shorter than one trial still ends with it),
      scored on the val split as a ridge fit without those images;
-  3. the search, until the pick's reserve begins (search.study.budget, re-estimated after every epoch), the keeper
-     (search.pick.safe) offering each new best trial's checkpoint; a machine, store or outage failure ends the
+  3. the search, until the pick's reserve begins (latentsweep.search.study.budget, re-estimated after every epoch), the keeper
+     (latentsweep.search.pick.safe) offering each new best trial's checkpoint; a machine, store or outage failure ends the
      search, not the job;
   4. the keeper's last look;
   5. the pick (ensemble and refits) on the job's deadline with every second left; a pick that scores below the
      answer in place, fails on anything but our own bug, or has no time left leaves that answer.
-The MLflow export and registration come after the submission is in place (search.pick.outputs)."""
+The MLflow export and registration come after the submission is in place (latentsweep.search.pick.outputs)."""
 from __future__ import annotations
 
 import json
@@ -20,25 +20,25 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from search.failures import Kind, classify, first_line
-from search.pick.candidates import test_path_for
-from search.pick.options import PickOptions, check_options, check_writable, out_path, pool_size
-from search.pick.outputs import PickResult
-from search.pick.picker import pick_until
-from search.pick.plan import PICK_FIXED_S, PICK_MIN_S
-from search.pick.judge import Judge, Standing, make_judge
-from search.pick.safe import Keeper, SafeAnswer, ridge_answer
-from search.stores import safe_name
-from search.study.budget import RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, JobBudget, PickCost
-from search.study.runner import run_study
-from search.study.worker import RunSpec
-from search.tracking.probe import probe_tracking_store
-from trainers.data import check_text_dim, load_test_shared, load_train_shared
-from trainers.deadline import Deadline
-from trainers.errors import DataError, LatentsweepError
-from trainers.io import atomic_write
-from trainers.devices import resolve_device
-from trainers.progress import say
+from latentsweep.search.failures import Kind, classify, first_line
+from latentsweep.search.pick.candidates import test_path_for
+from latentsweep.search.pick.options import PickOptions, check_options, check_writable, out_path, pool_size
+from latentsweep.search.pick.outputs import PickResult
+from latentsweep.search.pick.picker import pick_until
+from latentsweep.search.pick.plan import PICK_FIXED_S, PICK_MIN_S
+from latentsweep.search.pick.judge import Judge, Standing, make_judge
+from latentsweep.search.pick.safe import Keeper, SafeAnswer, ridge_answer
+from latentsweep.search.stores import safe_name
+from latentsweep.search.study.budget import RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, JobBudget, PickCost
+from latentsweep.search.study.runner import run_study
+from latentsweep.search.study.worker import RunSpec
+from latentsweep.search.tracking.probe import probe_tracking_store
+from latentsweep.trainers.data.sets import check_text_dim, load_test_shared, load_train_shared
+from latentsweep.trainers.core.deadline import Deadline
+from latentsweep.trainers.core.errors import DataError, LatentsweepError
+from latentsweep.trainers.core.io import atomic_write
+from latentsweep.trainers.core.devices import resolve_device
+from latentsweep.trainers.core.progress import say
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 # Below this a one-budget run cannot train one trial and one refit of anything but a toy (seconds).
@@ -98,7 +98,7 @@ class OneBudgetResult:
     pick: PickResult | None
     overrun_s: float
     overrun_in: str = ""
-    answer_record: dict | None = None  # which answer won on the val split, by how much (search.pick.judge.Standing)
+    answer_record: dict | None = None  # which answer won on the val split, by how much (latentsweep.search.pick.judge.Standing)
     search_ended: str = ""  # the one line of the failure that ended the search early ('' when it ended as planned)
 
 
@@ -149,7 +149,7 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
 @dataclass(frozen=True)
 class SearchEnd:
     """Why the search ended: `kind` None when it ended as planned (its budget or its trials), else the class of the
-    failure that ended it (search.failures) with its one line and the exception."""
+    failure that ended it (latentsweep.search.failures) with its one line and the exception."""
     kind: Kind | None = None
     reason: str = ""
     exc: BaseException | None = None
@@ -163,13 +163,13 @@ def _search(spec: RunSpec, job_budget: JobBudget, workers: int, keeper: Keeper) 
         with keeper:  # the best trial's answer replaces the floor while the search runs, when it beats it
             return run_study(replace(spec, timeout=None, budget=job_budget), workers=workers, figures=False), \
                 SearchEnd()
-    except Exception as exc:  # noqa: BLE001 - classified once (search.failures)
+    except Exception as exc:  # noqa: BLE001 - classified once (latentsweep.search.failures)
         failure = classify(exc)
         return {"search_ended": failure.reason}, SearchEnd(failure.kind, failure.reason, exc)
 
 
 def _judge(spec: RunSpec, data, answer: SafeAnswer) -> tuple[Judge | None, Standing]:
-    """The val split every answer is scored on (search.pick.judge) and the floor's standing on it: the ridge fit on
+    """The val split every answer is scored on (latentsweep.search.pick.judge) and the floor's standing on it: the ridge fit on
     the split's train part, scored when the first other answer is offered. Without a judge (a study that holds
     nothing out) answers replace each other unscored."""
     standing = Standing(answer.source, None)
@@ -233,7 +233,7 @@ def _late(deadline: Deadline, step: str) -> str:
 
 
 def _gate(judge: Judge | None, standing: Standing):
-    """The pick's last check (search.pick.picker.run_pick's `gate`): its ensemble of the chosen trials' checkpoints,
+    """The pick's last check (latentsweep.search.pick.picker.run_pick's `gate`): its ensemble of the chosen trials' checkpoints,
     with the chosen weights, scored on the judge's val split; it replaces the answer in place unless it scores below
     it (a tie goes to the pick: its refits are the same configs trained on more images). Returns the manifest's
     `answer` record, or None (the pick loses, said in one line)."""
@@ -249,7 +249,7 @@ def _gate(judge: Judge | None, standing: Standing):
 
 def _try_pick(pick: PickOptions, deadline: Deadline, answer: SafeAnswer, judge: Judge | None,
               standing: Standing) -> PickResult | None:
-    """The pick inside the job's deadline; None when it loses to the answer in place (search.pick.judge) or fails on
+    """The pick inside the job's deadline; None when it loses to the answer in place (latentsweep.search.pick.judge) or fails on
     anything but our own bug or an interrupt: the answer in place stays, said in one line (and in the standings)."""
     in_place = (standing.source, standing.score)
     try:

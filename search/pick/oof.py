@@ -5,7 +5,7 @@ by image, as AutoGluon's bagging does). Greedy (Caruana) selection then runs on 
 split. The honest figure comes from nesting the selection: for every fold g, weights and the best single member are
 chosen on the other folds' images and both are scored on fold g, which that selection never saw. The spread of the
 per-fold gains says whether a gain is real. Pure numpy on arrays; scores are the leaderboard MRR of
-`trainers.metrics`.
+`latentsweep.trainers.eval.metrics`.
 """
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from typing import Callable
 
 import numpy as np
 
-from search.pick import ensemble
-from trainers.splits import captions_and_local_images
-from trainers.metrics import GALLERY_SIZE, evaluate_leaderboard
+from latentsweep.search.pick import ensemble
+from latentsweep.trainers.data.splits import captions_and_local_images
+from latentsweep.trainers.eval.metrics import GALLERY_SIZE, evaluate_leaderboard
 
 
 @dataclass(frozen=True)
 class Folds:
-    """Image folds over the whole TrainSet: fold_of[i] is image i's fold (dealt by trainers.splits.fold_assignment)."""
+    """Image folds over the whole TrainSet: fold_of[i] is image i's fold (dealt by latentsweep.trainers.data.splits.fold_assignment)."""
     fold_of: np.ndarray  # int64 [Ni]
     cap2img: np.ndarray  # int64 [Nc]
 

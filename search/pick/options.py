@@ -5,20 +5,20 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from search.checks import (
+from latentsweep.search.checks import (
     MAX_REFIT_SEEDS, check_count, check_outputs, check_registry_name, check_seconds, check_seed, check_type,
 )
-from search.pick.ensemble import METHODS
-from search.stores import protected_paths, resolve_stores, state_dir, writable_dir
-from trainers.errors import LatentsweepError
+from latentsweep.search.pick.ensemble import METHODS
+from latentsweep.search.stores import protected_paths, resolve_stores, state_dir, writable_dir
+from latentsweep.trainers.core.errors import LatentsweepError
 
 # Refit seeds per chosen member by default: averaging 3 seeds was worth about +0.015 MRR on challenge-format data.
 REFIT_SEEDS = 3
 SELECTIONS = ("val", "oof", "halves")
 # When the cross-fitted selection falls back to the best single member: "one-se" when the ensemble's nested gain is
-# not above its standard error (search.pick.oof.OofSelection.gain_is_real), "never" (the ensemble always).
+# not above its standard error (latentsweep.search.pick.oof.OofSelection.gain_is_real), "never" (the ensemble always).
 FALLBACKS = ("one-se", "never")
-AUTO = "auto"  # --budget default: derived from the study's wall time (search.pick.plan.default_budget)
+AUTO = "auto"  # --budget default: derived from the study's wall time (latentsweep.search.pick.plan.default_budget)
 # Out-of-fold selection screens this many times --top trials (ordered for diversity on the study's val split, from
 # their checkpoints: no training) before the plan keeps --top of them.
 POOL_FACTOR = 2
@@ -119,7 +119,7 @@ def check_writable(path: Path) -> None:
 
 
 def check_options(opts: PickOptions) -> None:
-    """Every option's type and range (shared checks, search.checks), before anything is read or trained."""
+    """Every option's type and range (shared checks, latentsweep.search.checks), before anything is read or trained."""
     check_count("--top", opts.top)
     check_count("--size", opts.size)
     if opts.seeds is not None:

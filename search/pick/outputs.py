@@ -18,21 +18,21 @@ import numpy as np
 import optuna
 import pandas as pd
 
-from search.failures import Kind, best_effort, first_line, kind_of, release_interrupted
-from search.pick.candidates import Candidate
-from search.pick.jobs import SubmissionModel
-from search.pick.options import Paths, PickOptions
-from search.pick.pyfunc_model import ModelCard, log_ensemble, model_name
-from search.pick.selection import WHERE, Selection, spread_text
-from search.study.contract import StudyRecord
-from search.redact import redact_url
-from search.tracking.base import NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker
-from search.tracking.source import source_tags
-from search.tracking.plots import ensemble_figure
-from trainers.data import TestSet, TrainSet
-from trainers.io import atomic_path, atomic_write
-from trainers.progress import say
-from trainers.submission import check_submission, write_submission
+from latentsweep.search.failures import Kind, best_effort, first_line, kind_of, release_interrupted
+from latentsweep.search.pick.candidates import Candidate
+from latentsweep.search.pick.jobs import SubmissionModel
+from latentsweep.search.pick.options import Paths, PickOptions
+from latentsweep.search.pick.pyfunc_model import ModelCard, log_ensemble, model_name
+from latentsweep.search.pick.selection import WHERE, Selection, spread_text
+from latentsweep.search.study.contract import StudyRecord
+from latentsweep.search.redact import redact_url
+from latentsweep.search.tracking.base import NOTE_TAG, PARENT_TAG, ROLE_TAG, STUDY_TAG, DatasetRecord, Tracker
+from latentsweep.search.tracking.source import source_tags
+from latentsweep.search.tracking.plots import ensemble_figure
+from latentsweep.trainers.data.sets import TestSet, TrainSet
+from latentsweep.trainers.core.io import atomic_path, atomic_write
+from latentsweep.trainers.core.progress import say
+from latentsweep.trainers.eval.submission import check_submission, write_submission
 
 PICK_ROLE = "pick"
 
@@ -45,7 +45,7 @@ class PickResult:
     table: pd.DataFrame
     weights: dict[str, float]  # members with weight > 0
     best_single: str
-    gain: float  # ensemble - best single, measured as search.pick.selection.WHERE says for its selection
+    gain: float  # ensemble - best single, measured as latentsweep.search.pick.selection.WHERE says for its selection
     gain_se: float  # standard error of the gain over the folds (nan for halves)
     selection: str  # "val", "oof", "halves" or "single"
     run_id: str | None  # None: the tracking failed after the files were in place (said in a warning)
@@ -57,7 +57,7 @@ class PickResult:
 @dataclass(frozen=True)
 class PickRun:
     """Everything a finished pick writes out: its options and paths, the study, the candidates kept, the selection,
-    the models of the submission (search.pick.jobs.SubmissionModel), the data and test files and the submission."""
+    the models of the submission (latentsweep.search.pick.jobs.SubmissionModel), the data and test files and the submission."""
     opts: PickOptions
     paths: Paths
     study: optuna.Study
@@ -69,7 +69,7 @@ class PickRun:
     test_pred: np.ndarray  # [N_test, Di] the submission's rows
     budget: float | None  # the seconds the pick had (None: no bound)
     answer: dict[str, Any] | None = None  # a one-budget job's standings: which answer won on the val split, by how
-    # much, against which (search.pick.judge.Standing.record); None for `latentsweep pick`
+    # much, against which (latentsweep.search.pick.judge.Standing.record); None for `latentsweep pick`
 
 
 def _make_dirs(directory: Path) -> list[Path]:
@@ -234,7 +234,7 @@ def write_outputs(tracker: Tracker, r: PickRun) -> PickResult:
 
 def _put_files(r: PickRun) -> dict[str, Any]:
     """Stage the submission (checked against the test set), report and manifest beside their places
-    (trainers.io.atomic_path), then move them into place; on a failure nothing is moved and the directories created
+    (latentsweep.trainers.core.io.atomic_path), then move them into place; on a failure nothing is moved and the directories created
     for --out are removed. Returns the manifest."""
     paths = r.paths
     created = _make_dirs(paths.out.parent)

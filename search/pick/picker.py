@@ -1,12 +1,12 @@
 """`latentsweep pick`: a study's best trials ensembled into a submission, in the order a reader follows:
-budget and candidates -> plan (search.pick.plan) -> fold jobs (search.pick.jobs) -> selection (search.pick.selection,
-out-of-fold with the nested gain in search.pick.oof) -> refits (search.pick.jobs) -> outputs (search.pick.outputs).
+budget and candidates -> plan (latentsweep.search.pick.plan) -> fold jobs (latentsweep.search.pick.jobs) -> selection (latentsweep.search.pick.selection,
+out-of-fold with the nested gain in latentsweep.search.pick.oof) -> refits (latentsweep.search.pick.jobs) -> outputs (latentsweep.search.pick.outputs).
 
 Default (`--selection oof`): every candidate config is retrained on k-1 image folds for each fold, so every labelled
 caption gets a prediction from a model that never saw its image; greedy selection runs on all of them and nested folds
 give the honest gain with its spread. The chosen members' fold models are bagged with their refits on all images,
 each replaying the epochs its trial found best. `--selection halves` keeps the older scheme: weights on one half of
-the study's val split, figures on the other. Candidates: search.pick.candidates; options: search.pick.options.
+the study's val split, figures on the other. Candidates: latentsweep.search.pick.candidates; options: latentsweep.search.pick.options.
 """
 from __future__ import annotations
 
@@ -19,26 +19,26 @@ import numpy as np
 import optuna
 import pandas as pd
 
-from search.checks import check_folds
-from search.pick import ensemble
-from search.pick import plan as plan_mod
-from search.pick.candidates import (
+from latentsweep.search.checks import check_folds
+from latentsweep.search.pick import ensemble
+from latentsweep.search.pick import plan as plan_mod
+from latentsweep.search.pick.candidates import (
     SPLIT_KEYS, Candidate, check_agreement, check_data, check_test, load_candidates, resolve_data,
 )
-from search.pick.jobs import SubmissionModel, fold_jobs, refit_jobs, refit_members, seed_candidates
-from search.pick.options import AUTO, Paths, PickOptions, check_options, pool_size, resolve_paths
-from search.pick.outputs import PickResult, PickRun, write_outputs
-from search.pick.plan import Clock
-from search.pick.selection import Selection, screen, select_halves, select_oof, select_val
-from search.study.contract import read_trials
-from search.study.report import load_existing_study
-from search.tracking.probe import probe_tracking_store
-from search.tracking import make_tracker
-from search.tracking.base import Tracker
-from trainers.data import TestSet, TrainSet, load_test_shared, load_train_shared
-from trainers.deadline import Deadline
-from trainers.loop import resolve_device
-from trainers.progress import say
+from latentsweep.search.pick.jobs import SubmissionModel, fold_jobs, refit_jobs, refit_members, seed_candidates
+from latentsweep.search.pick.options import AUTO, Paths, PickOptions, check_options, pool_size, resolve_paths
+from latentsweep.search.pick.outputs import PickResult, PickRun, write_outputs
+from latentsweep.search.pick.plan import Clock
+from latentsweep.search.pick.selection import Selection, screen, select_halves, select_oof, select_val
+from latentsweep.search.study.contract import read_trials
+from latentsweep.search.study.report import load_existing_study
+from latentsweep.search.tracking.probe import probe_tracking_store
+from latentsweep.search.tracking import make_tracker
+from latentsweep.search.tracking.base import Tracker
+from latentsweep.trainers.data.sets import TestSet, TrainSet, load_test_shared, load_train_shared
+from latentsweep.trainers.core.deadline import Deadline
+from latentsweep.trainers.train.loop import resolve_device
+from latentsweep.trainers.core.progress import say
 
 
 def choose(opts: PickOptions, pool: list[Candidate], data, paths: Paths, device,
@@ -166,7 +166,7 @@ def load_inputs(opts: PickOptions, downloads: Path, device) -> PickInputs:
 
 
 def run_pick(opts: PickOptions) -> PickResult:
-    """`latentsweep pick`: the whole pick within --budget (search.pick.plan); returns search.pick.outputs.PickResult.
+    """`latentsweep pick`: the whole pick within --budget (latentsweep.search.pick.plan); returns latentsweep.search.pick.outputs.PickResult.
     Cheap checks come before any training."""
     started = time.monotonic()
     check_options(opts)
@@ -177,7 +177,7 @@ def run_pick(opts: PickOptions) -> PickResult:
 
 
 def pick_until(opts: PickOptions, deadline: Deadline, gate=None) -> PickResult | None:
-    """The pick of a one-budget job (search.pick.onebudget): inside the job's `deadline` (opts.budget is not read),
+    """The pick of a one-budget job (latentsweep.search.pick.onebudget): inside the job's `deadline` (opts.budget is not read),
     and, with `gate(models, weights, device) -> manifest record or None`, written only when the gate lets the chosen
     ensemble replace the answer in place (None: it lost, nothing written)."""
     started = time.monotonic()

@@ -8,7 +8,7 @@ The fold models are not thrown away: a chosen member's k fold models are bagged 
 (AutoGluon predicts with its bagged fold models the same way), so the selection's compute is also submission compute.
 
 The plan shrinks along REDUCTIONS until its estimate fits the budget, keeping one refit of the best candidate (one
-model that saw every image). The budget is one trainers.deadline.Deadline (a `latentsweep run` passes its job's). Jobs
+model that saw every image). The budget is one latentsweep.trainers.core.deadline.Deadline (a `latentsweep run` passes its job's). Jobs
 run candidate by candidate; a job starts only when its estimate fits before the deadline less the export's reserve
 and stops there keeping its best finished epoch (or is dropped, its seconds said), so the export's share stays free;
 a candidate whose folds are then incomplete leaves the selection (its finished jobs are kept and reused by the next
@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from trainers.deadline import Deadline
-from trainers.progress import say
+from latentsweep.trainers.core.deadline import Deadline
+from latentsweep.trainers.core.progress import say
 
 # The default budget is this fraction of the study's wall time: a pick is a finishing step, not a second study.
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -96,7 +96,7 @@ def plan(cost_of: Callable[[int, int, int], float], top: int, folds: int, seeds:
 # - a one-budget job starts the pick only with PICK_MIN_S left (with less it would overrun the budget to replace a
 #   submission already in place);
 # - and its search reserves PICK_FIXED_S for that work (the measurement's top, with a margin), besides one validation
-#   pass per candidate of the pool (search.study.budget.PickCost).
+#   pass per candidate of the pool (latentsweep.search.study.budget.PickCost).
 EXPORT_FIXED_S, EXPORT_PER_MODEL_S = 10.0, 1.0
 SELECT_S = 10.0
 PICK_MIN_S = EXPORT_FIXED_S + SELECT_S
@@ -106,10 +106,10 @@ FACTOR_BOUNDS = (0.25, 4.0)
 
 
 class Clock:
-    """The pick's clock on the job's one deadline (trainers.deadline; Deadline.never() for an unbounded pick). A job
+    """The pick's clock on the job's one deadline (latentsweep.trainers.core.deadline; Deadline.never() for an unbounded pick). A job
     starts only when its estimate (scaled by what the jobs so far really took against their estimates) fits in what
     is left before the deadline after the export's reserve, and trains with that reserve's start as its own deadline
-    (search.pick.jobs.run_job): the export's share stays free; and one line per finished job."""
+    (latentsweep.search.pick.jobs.run_job): the export's share stays free; and one line per finished job."""
 
     def __init__(self, deadline: Deadline, started: float | None = None):
         self.deadline = deadline

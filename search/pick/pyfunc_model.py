@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from search.tracking.base import LoggedModel, ModelSpec, Tracker
-from trainers.checkpoint import load_model
+from latentsweep.search.tracking.base import LoggedModel, ModelSpec, Tracker
+from latentsweep.trainers.train.checkpoint import load_model
 
 # The same names as in search/pick/pyfunc_standalone.py (not imported: running it registers its model with MLflow).
 ARTIFACT_KEY = "ensemble"
@@ -36,7 +36,7 @@ def model_name(study: str) -> str:
 
 
 class _Pred(torch.nn.Module):
-    """A trained Translator as a plain tensor function: eval-mode "pred" output as float32 (trainers.tasks.predict)."""
+    """A trained Translator as a plain tensor function: eval-mode "pred" output as float32 (latentsweep.trainers.train.tasks.predict)."""
 
     def __init__(self, model):
         super().__init__()

@@ -2,7 +2,7 @@
 
 MLflow saves this file into the model (models-from-code) and runs it at load time, so it must stay self-contained:
 the members are torch.export programs (member-NN.pt2: caption embeddings [N, Dt] -> image-space outputs [N, Di]),
-their weights are in ensemble.json. The combination repeats search.pick.ensemble.combine (tests check they agree).
+their weights are in ensemble.json. The combination repeats latentsweep.search.pick.ensemble.combine (tests check they agree).
 """
 import json
 from pathlib import Path
@@ -14,8 +14,8 @@ from mlflow.models import set_model
 
 ARTIFACT_KEY = "ensemble"
 SPEC_FILE = "ensemble.json"
-CHUNK = 4096  # rows per forward pass, as trainers.tasks.EVAL_CHUNK: bounds memory on large inputs
-EPS = 1e-12  # as search.pick.ensemble: a zero row stays zero instead of dividing by zero
+CHUNK = 4096  # rows per forward pass, as latentsweep.trainers.train.tasks.EVAL_CHUNK: bounds memory on large inputs
+EPS = 1e-12  # as latentsweep.search.pick.ensemble: a zero row stays zero instead of dividing by zero
 
 
 def l2n(x):

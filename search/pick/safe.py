@@ -11,21 +11,21 @@ from pathlib import Path
 import numpy as np
 import optuna
 
-from search.failures import Kind, classify
-from search.pick.candidates import top_trials
-from search.pick.ensemble import predict_all
-from search.pick.judge import Judge, Standing
-from search.study.contract import DamagedStudy, TrialOutputs
-from search.study.report import load_existing_study
-from search.study.storage import dispose, storage_of
-from search.tracking.paths import resolve_in_state
-from trainers.checkpoint import load_model
-from trainers.closed_form import fit_ridge
-from trainers.data import TestSet, TrainSet, check_text_dim
-from trainers.errors import LatentsweepError
-from trainers.io import atomic_path
-from trainers.progress import say
-from trainers.submission import check_submission, write_submission
+from latentsweep.search.failures import Kind, classify
+from latentsweep.search.pick.candidates import top_trials
+from latentsweep.search.pick.ensemble import predict_all
+from latentsweep.search.pick.judge import Judge, Standing
+from latentsweep.search.study.contract import DamagedStudy, TrialOutputs
+from latentsweep.search.study.report import load_existing_study
+from latentsweep.search.study.storage import dispose, storage_of
+from latentsweep.search.tracking.paths import resolve_in_state
+from latentsweep.trainers.train.checkpoint import load_model
+from latentsweep.trainers.models.closed_form import fit_ridge
+from latentsweep.trainers.data.sets import TestSet, TrainSet, check_text_dim
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.core.io import atomic_path
+from latentsweep.trainers.core.progress import say
+from latentsweep.trainers.eval.submission import check_submission, write_submission
 
 # How often the keeper looks for a new best trial while the search runs: a demo trial takes 3-15 s on 2 cores, and a
 # look (one storage read) costs milliseconds; rewriting the answer (one checkpoint's test predictions) about a second.
@@ -43,7 +43,7 @@ class SafeAnswer:
 
 def put_submission(out: Path, test: TestSet, pred: np.ndarray) -> None:
     """Write the submission of `pred` [N_test, Di] for `test` to `out`: staged beside it, checked, then moved into
-    place in one rename (trainers.io.atomic_path), so `out` is at every moment either the previous valid submission
+    place in one rename (latentsweep.trainers.core.io.atomic_path), so `out` is at every moment either the previous valid submission
     or the new one."""
     with atomic_path(out) as staged:
         write_submission(staged, test.ids, pred)
@@ -51,7 +51,7 @@ def put_submission(out: Path, test: TestSet, pred: np.ndarray) -> None:
 
 
 def ridge_answer(data: TrainSet, test: TestSet, out: Path) -> SafeAnswer:
-    """The closed-form ridge's submission (trainers.closed_form): the job's floor, before any trial."""
+    """The closed-form ridge's submission (latentsweep.trainers.models.closed_form): the job's floor, before any trial."""
     started = time.monotonic()
     check_text_dim(test, data.text.shape[1], "the training captions have")
     ridge, _ = fit_ridge(data)
@@ -80,10 +80,10 @@ def local_checkpoint(trial: optuna.trial.FrozenTrial, root: Path, study: str | N
 class Keeper:
     """Keeps the submission at `out` the best answer while a search runs: a thread that looks at the study every
     KEEP_POLL_S and, when the best trial (or its value) changed, scores its checkpoint on the judge's val split and
-    rewrites the answer only when it beats the one in place (search.pick.judge; without a judge, any trial with a
+    rewrites the answer only when it beats the one in place (latentsweep.search.pick.judge; without a judge, any trial with a
     value replaces the floor), so a job killed mid-search still leaves its best answer. `refresh()` does one look now
     (the job's last, after the search). The keeper draws nothing from torch's global generator (its models are built
-    on the meta device, trainers.checkpoint.load_model's rng_free) and opens the study's storage once."""
+    on the meta device, latentsweep.trainers.train.checkpoint.load_model's rng_free) and opens the study's storage once."""
 
     def __init__(self, name: str, storage: str, root: Path, test: TestSet, out: Path, device, answer: SafeAnswer,
                  judge: Judge | None = None, standing: Standing | None = None):

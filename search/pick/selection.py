@@ -10,16 +10,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from search.pick import ensemble, jobs
-from search.pick import oof as oof_mod
-from search.pick.candidates import SPLIT_KEYS, Candidate
-from search.pick.ensemble import predict_all
-from search.pick.options import PickOptions
-from search.pick.plan import Clock, Plan
-from trainers.errors import DataError
-from trainers.progress import say
-from trainers.splits import captions_and_local_images, fold_assignment
-from trainers.tasks import split_images
+from latentsweep.search.pick import ensemble, jobs
+from latentsweep.search.pick import oof as oof_mod
+from latentsweep.search.pick.candidates import SPLIT_KEYS, Candidate
+from latentsweep.search.pick.ensemble import predict_all
+from latentsweep.search.pick.options import PickOptions
+from latentsweep.search.pick.plan import Clock, Plan
+from latentsweep.trainers.core.errors import DataError
+from latentsweep.trainers.core.progress import say
+from latentsweep.trainers.data.splits import captions_and_local_images, fold_assignment
+from latentsweep.trainers.train.tasks import split_images
 
 
 @dataclass

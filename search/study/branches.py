@@ -4,7 +4,7 @@ Probes are deterministic. For every entry and each of its probe values (every ch
 of a range and both sides of every condition threshold inside it), one config sets that value with the entry's
 conditions made true, and one more per value of each knob those conditions read (so `model.hidden` is probed under
 every `model.kind` that activates it). The rest of each probe is drawn from the same probe values by a seeded RNG.
-Every probed config goes through `trainers.validate.validate`, the check the trainer itself runs first.
+Every probed config goes through `latentsweep.trainers.config.validate.validate`, the check the trainer itself runs first.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import math
 import random
 from typing import Any
 
-from search.study.space import Param, config_key
-from trainers.config import Config, coerce, flatten, with_values
-from trainers.errors import LatentsweepError
-from trainers.validate import validate
+from latentsweep.search.study.space import Param, config_key
+from latentsweep.trainers.config.tree import Config, coerce, flatten, with_values
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.config.validate import validate
 
 # Retries of a probe whose forced values stayed inactive (a condition further up the chain drew the other way)
 _RETRIES = 8

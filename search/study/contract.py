@@ -14,26 +14,26 @@ from typing import Any, Mapping
 import optuna
 from optuna.study import StudyDirection
 
-from search.study.storage import storage_of
-from trainers.cost import Timing
-from trainers.errors import LatentsweepError
-from trainers.progress import say
+from latentsweep.search.study.storage import storage_of
+from latentsweep.trainers.train.cost import Timing
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.core.progress import say
 
 # ---- study attributes --------------------------------------------------------------------------------------------
 OBJECTIVE_ATTR = "objective"  # the study file's objective metric (Optuna's metric_names say the same when set)
 PARENT_ATTR = "mlflow_parent_run_id"  # the study's MLflow parent run: trials and picks nest under it
 HALT_ATTR = "latentsweep.halted"  # set when a bug stopped a worker: the others stop before claiming their next trial
 PLUGINS_ATTR = "latentsweep.plugins"  # {file name: sha256} of the study's plugin files
-IDENTITY_ATTR = "latentsweep.data"  # {fingerprint, objective, direction, split...} (search.study.warm.identity)
+IDENTITY_ATTR = "latentsweep.data"  # {fingerprint, objective, direction, split...} (latentsweep.search.study.warm.identity)
 # Study attr (the recipes are queued) and trial attr (this trial was queued, not sampled).
 ENQUEUED_ATTR = "latentsweep.enqueued"
 
 # ---- trial attributes (besides TrialOutputs' fields) -------------------------------------------------------------
-TIMING_ATTR = "timing"  # the run's measured seconds (trainers.cost.Timing as a dict): the pick's plan, the budget
-SIDE_ATTR = "latentsweep.side"  # JSON {config key: value} of a side trial (search.study.side)
+TIMING_ATTR = "timing"  # the run's measured seconds (latentsweep.trainers.train.cost.Timing as a dict): the pick's plan, the budget
+SIDE_ATTR = "latentsweep.side"  # JSON {config key: value} of a side trial (latentsweep.search.study.side)
 ERROR_ATTR = "latentsweep.error"  # set on trials that failed for good (not retried; they count in the budget)
 DEADLINE_ATTR = "latentsweep.stopped_at_deadline"  # on a trial the deadline cut short: where it stopped
-OWNER_ATTR = "latentsweep.worker"  # "host:pid" of the worker running the trial (search.study.owners)
+OWNER_ATTR = "latentsweep.worker"  # "host:pid" of the worker running the trial (latentsweep.search.study.owners)
 DEVICE_ATTR = "latentsweep.device"  # the device the trial trained on (also its MLflow tag)
 POPULATION_ATTR = "latentsweep.population"  # {id, size} of the population it trained in (also its MLflow tag)
 WARM_ATTR = "latentsweep.warm_from"  # "NAME:TRIAL" (source study) or "portfolio:INDEX" (also its MLflow tag)

@@ -12,32 +12,32 @@ import optuna
 from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import TrialState
 
-from search.failures import (
+from latentsweep.search.failures import (
     Failure, Kind, MachineFailed, StoreFailed, best_effort, classify, first_line, kind_of,
 )
-from search.study.contract import (
+from latentsweep.search.study.contract import (
     DEADLINE_ATTR, DEVICE_ATTR, ERROR_ATTR, HALT_ATTR, POPULATION_ATTR, SIDE_ATTR, TIMING_ATTR, TrialOutputs,
     read_side, read_timing, read_trials,
 )
-from search.study.space import sample
-from search.process import raise_if_interrupted
-from search.redact import redact_url
-from search.study.storage import retry_callback, storage_of, trial_id
-from search.study.studyfile import StudyFile
-from search.study.warm import warm_tags
-from search.tracking.base import (
+from latentsweep.search.study.space import sample
+from latentsweep.search.process import raise_if_interrupted
+from latentsweep.search.redact import redact_url
+from latentsweep.search.study.storage import retry_callback, storage_of, trial_id
+from latentsweep.search.study.studyfile import StudyFile
+from latentsweep.search.study.warm import warm_tags
+from latentsweep.search.tracking.base import (
     BEST_EPOCH_METRIC, NOTE_TAG, SEARCH_PARAM_PREFIX, SEARCHED_TAG, DatasetRecord, Tracker, best_metric,
 )
-from search.tracking.source import source_tags
-from search.tracking.plots import rank_histogram
-from trainers.config import Config, dump_toml, flatten, with_values
-from trainers.data import TrainSet
-from trainers.deadline import Deadline
-from trainers.errors import LatentsweepError
-from trainers.devices import machine_gpu, resolve_device
-from trainers.io import atomic_write
-from trainers.loop import DeadlineReached, EpochReport, train
-from trainers.progress import say
+from latentsweep.search.tracking.source import source_tags
+from latentsweep.search.tracking.plots import rank_histogram
+from latentsweep.trainers.config.tree import Config, dump_toml, flatten, with_values
+from latentsweep.trainers.data.sets import TrainSet
+from latentsweep.trainers.core.deadline import Deadline
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.core.devices import machine_gpu, resolve_device
+from latentsweep.trainers.core.io import atomic_write
+from latentsweep.trainers.train.loop import DeadlineReached, EpochReport, train
+from latentsweep.trainers.core.progress import say
 
 # Attempts to end a trial's MLflow run before the failure is warned about and left to the reaper (see _end).
 CLOSE_ATTEMPTS = 2
@@ -79,7 +79,7 @@ class TrialRunner:
         self.base_values = flatten(study_file.base)
         self.open_runs: dict[int, str] = {}  # trial number -> its MLflow run, from its start until it is closed
         # `study run --timeout`: from this worker's start; a one-budget run's search end is re-estimated after every
-        # epoch (search.study.budget). The sooner of the two is the search's end (trainers.deadline).
+        # epoch (latentsweep.search.study.budget). The sooner of the two is the search's end (latentsweep.trainers.core.deadline).
         self.timeout_end = Deadline.after(spec.timeout)  # Deadline.never() without a timeout
         self.search_end = self.timeout_end
         self.close_s = 0.0  # what closing this worker's last trial took (artifacts, figure, end of its run)
@@ -104,7 +104,7 @@ class TrialRunner:
     def run(self, trial: optuna.Trial) -> tuple[TrialState, float | None]:
         """COMPLETE or PRUNED; any failure (from sampling to recording the result) is raised, for fail(). In a
         one-budget run the training stops at the search's end, keeping its best finished epoch. A population
-        (search.study.population) uses the same pieces: start, the started trial's callback, finish."""
+        (latentsweep.search.study.population) uses the same pieces: start, the started trial's callback, finish."""
         started = self.start(trial)
         try:
             end = train(started.cfg, self.data, callback=started.callback, out_dir=started.out,
@@ -197,7 +197,7 @@ class TrialRunner:
     def fail(self, study: optuna.Study, trial: optuna.Trial,
              exc: BaseException) -> tuple[Failure, optuna.trial.FrozenTrial]:
         """The trial raised `exc` (anywhere from sampling to recording its result): classify it once, close its run,
-        tell Optuna FAIL once, and queue its retry or mark it counted (search.failures says which; a bug also marks
+        tell Optuna FAIL once, and queue its retry or mark it counted (latentsweep.search.failures says which; a bug also marks
         the study halted, so the other workers stop). The Optuna outcome is decided by `exc` alone: a tracker that
         cannot close the run is said in one line (`study reap` closes it later), unless that is a bug of its own."""
         failure = classify(exc)
@@ -271,12 +271,12 @@ class TrialRunner:
         trial.set_user_attr(DEVICE_ATTR, tags[DEVICE_ATTR])  # `study status` reads Optuna, not MLflow
         if retry_of is not None:
             tags["latentsweep.retry_of"] = str(retry_of)
-        if population is not None:  # which population it trained in, and its size (search.study.population)
+        if population is not None:  # which population it trained in, and its size (latentsweep.search.study.population)
             trial.set_user_attr(POPULATION_ATTR, population)
             tags.update({POPULATION_ATTR: str(population["id"]), f"{POPULATION_ATTR}_size": str(population["size"])})
         if SIDE_ATTR in trial.user_attrs:  # the stored text as it is (read_side parses it)
             tags[SIDE_ATTR] = str(trial.user_attrs[SIDE_ATTR])
-        tags.update(warm_tags(trial))  # a warm-started trial names its source study and trial (search.study.warm)
+        tags.update(warm_tags(trial))  # a warm-started trial names its source study and trial (latentsweep.search.study.warm)
         return tags
 
     def _close(self, run_id: str, out: Path, state: str, ranks=None, error: str | None = None) -> None:

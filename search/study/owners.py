@@ -1,5 +1,5 @@
 """Who runs a trial: the worker id (host with its process-ID namespace, and pid) recorded on every trial, and whether
-the process behind a recorded id is gone from this machine (search.study.worker fails such a trial at once)."""
+the process behind a recorded id is gone from this machine (latentsweep.search.study.worker fails such a trial at once)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import socket
 
 import optuna
 
-from search.study.contract import OWNER_ATTR
+from latentsweep.search.study.contract import OWNER_ATTR
 
 
 def _this_machine() -> str:

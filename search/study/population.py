@@ -1,4 +1,4 @@
-"""A worker's population: up to K claimed trials trained side by side (trainers.population), each told on its own."""
+"""A worker's population: up to K claimed trials trained side by side (latentsweep.trainers.train.population), each told on its own."""
 from __future__ import annotations
 
 import time
@@ -8,23 +8,23 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-import trainers.population as stacking
-from search.failures import release_interrupted
-from search.process import raise_if_interrupted
-from search.study import worker
-from search.study.devices import AUTO
-from search.study.objective import Started, TrialRunner
-from search.study.storage import storage_of, trial_id
-from search.study.studyfile import StudyFile
-from trainers.config import with_values
-from trainers.data import TrainSet
-from trainers.devices import resolve_device
-from trainers.population import Member, stack_key
-from trainers.progress import say
+import latentsweep.trainers.train.population as stacking
+from latentsweep.search.failures import release_interrupted
+from latentsweep.search.process import raise_if_interrupted
+from latentsweep.search.study import worker
+from latentsweep.search.study.devices import AUTO
+from latentsweep.search.study.objective import Started, TrialRunner
+from latentsweep.search.study.storage import storage_of, trial_id
+from latentsweep.search.study.studyfile import StudyFile
+from latentsweep.trainers.config.tree import with_values
+from latentsweep.trainers.data.sets import TrainSet
+from latentsweep.trainers.core.devices import resolve_device
+from latentsweep.trainers.train.population import Member, stack_key
+from latentsweep.trainers.core.progress import say
 
 
 def population_size(population: int | str, study_file: StudyFile, spec, data: TrainSet) -> int:
-    """The places of this worker's population: `--population N`, or auto: trainers.population.population_size for
+    """The places of this worker's population: `--population N`, or auto: latentsweep.trainers.train.population.population_size for
     the study's base config on the worker's device (1 on a CPU, CPU_POPULATION, measured there; on a GPU from the
     measured memory and step time of stacked members). A study's trials of other shapes train in their own groups."""
     if population != AUTO:
@@ -145,7 +145,7 @@ class Population:
                 worker.check_halted(self.study)  # as worker_loop, before each claim
                 seat = self._claim(joining=True)
             except (KeyboardInterrupt, SystemExit):
-                raise  # stops the whole population (trainers.population); run() fails what it holds
+                raise  # stops the whole population (latentsweep.trainers.train.population); run() fails what it holds
             except BaseException as exc:  # noqa: BLE001 - the group's members go on; raised once they end
                 self.stop = self.stop or exc
                 return None
@@ -166,7 +166,7 @@ class Population:
                                f"{', '.join(str(s.trial.number) for s in lost)}")
 
     def _told(self, seat: Seat, end) -> None:
-        """A member's end: finish it (COMPLETE/PRUNED) or fail it (search.failures decides), tell Optuna at once and
+        """A member's end: finish it (COMPLETE/PRUNED) or fail it (latentsweep.search.failures decides), tell Optuna at once and
         free its place. A failure that stops the worker is kept in `stop` (the others of its group go on)."""
         seat.ended = True
         self.seats.remove(seat)

@@ -6,23 +6,23 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from search.checks import check_outputs
-from search.stores import check_artifact_root, local_artifact_path, sqlite_path, state_dir
-from search.study.space import config_key
-from search.study.storage import (
+from latentsweep.search.checks import check_outputs
+from latentsweep.search.stores import check_artifact_root, local_artifact_path, sqlite_path, state_dir
+from latentsweep.search.study.space import config_key
+from latentsweep.search.study.storage import (
     StorageSettings, dispose, open_storage, redact_url, tracking_has_experiment,
 )
-from search.study.studyfile import StudyFile
-from search.study.worker import RunSpec, check_existing
-from search.tracking.base import DB_SCHEMES
-from search.tracking.paths import default_artifact_root
-from search.tracking.probe import probe_tracking_store
-from trainers.config import with_values
-from trainers.data import load_train_shared
-from trainers.errors import LatentsweepError, closest
-from trainers.devices import check_device, cuda_count
-from trainers.tasks import TASKS, check_split
-from trainers.validate import validate
+from latentsweep.search.study.studyfile import StudyFile
+from latentsweep.search.study.worker import RunSpec, check_existing
+from latentsweep.search.tracking.base import DB_SCHEMES
+from latentsweep.search.tracking.paths import default_artifact_root
+from latentsweep.search.tracking.probe import probe_tracking_store
+from latentsweep.trainers.config.tree import with_values
+from latentsweep.trainers.data.sets import load_train_shared
+from latentsweep.trainers.core.errors import LatentsweepError, closest
+from latentsweep.trainers.core.devices import check_device, cuda_count
+from latentsweep.trainers.train.tasks import TASKS, check_split
+from latentsweep.trainers.config.validate import validate
 
 @dataclass(frozen=True)
 class StoreSpec:
@@ -102,7 +102,7 @@ def check_devices(study_file: StudyFile, spec: RunSpec) -> None:
 def check_stores(spec: StoreSpec) -> None:
     """One-line errors, before anything is written to either store (no study without its MLflow parent run).
 
-    The tracking store is probed as the MLflow client would use it (search.tracking.probe), then the Optuna storage
+    The tracking store is probed as the MLflow client would use it (latentsweep.search.tracking.probe), then the Optuna storage
     is opened once.
     """
     probe_tracking_store(spec.tracking_uri)  # first: it writes nothing, while opening SQLite creates the file

@@ -9,7 +9,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from trainers.errors import ConfigError, closest
+from latentsweep.trainers.core.errors import ConfigError, closest
 
 _HERE = Path(__file__).resolve().parent
 # Installed: search/studies beside search/study; a clone (editable or PYTHONPATH): the repository's studies/.

@@ -1,11 +1,11 @@
 """A study's progress: a tqdm bar on a terminal, plain lines otherwise (one per trial; one per epoch with --verbose),
-the lines said on the progress channel (trainers.progress.say)."""
+the lines said on the progress channel (latentsweep.trainers.core.progress.say)."""
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from search.study.contract import ERROR_ATTR
+from latentsweep.search.study.contract import ERROR_ATTR
 
 
 def is_terminal() -> bool:

@@ -8,12 +8,12 @@ import optuna
 import pandas as pd
 from optuna.trial import TrialState
 
-from search.redact import redact_url
-from search.study.contract import DEVICE_ATTR, POPULATION_ATTR, StudyRecord, read_side
-from search.study.storage import StorageSettings, dispose, open_storage
-from search.study.warm import warm_column
-from search.tracking.base import SUMMARY_STEP_KEY
-from trainers.errors import LatentsweepError
+from latentsweep.search.redact import redact_url
+from latentsweep.search.study.contract import DEVICE_ATTR, POPULATION_ATTR, StudyRecord, read_side
+from latentsweep.search.study.storage import StorageSettings, dispose, open_storage
+from latentsweep.search.study.warm import warm_column
+from latentsweep.search.tracking.base import SUMMARY_STEP_KEY
+from latentsweep.trainers.core.errors import LatentsweepError
 
 FIXED = ["number", "state", "value", "duration_s"]
 
@@ -63,7 +63,7 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
 
 
 def _devices(study: optuna.Study, frame: pd.DataFrame) -> list[str]:
-    """Add the `device` column (search.study.contract.DEVICE_ATTR of each trial) when any trial recorded one, and the
+    """Add the `device` column (latentsweep.search.study.contract.DEVICE_ATTR of each trial) when any trial recorded one, and the
     `population` column (its size, POPULATION_ATTR) when any trained in one; their names in a list, or none (a study
     from before devices were recorded)."""
     devices = {t.number: t.user_attrs.get(DEVICE_ATTR) for t in study.get_trials(deepcopy=False)}
@@ -71,7 +71,7 @@ def _devices(study: optuna.Study, frame: pd.DataFrame) -> list[str]:
         return []
     frame["device"] = frame["number"].map(devices)
     sizes = {t.number: (t.user_attrs.get(POPULATION_ATTR) or {}).get("size") for t in study.get_trials(deepcopy=False)}
-    if not any(sizes.values()):  # every trial trained alone (search.study.population): no column
+    if not any(sizes.values()):  # every trial trained alone (latentsweep.search.study.population): no column
         return ["device"]
     frame["population"] = frame["number"].map(sizes)
     return ["device", "population"]

@@ -11,27 +11,27 @@ import optuna
 import torch
 from tqdm.auto import tqdm
 
-from search.failures import best_effort, release_interrupted
-from search.process import configure_process, interrupt_on, raise_if_interrupted, signals_blocked, spawned_child
-from search.progress import report_error
+from latentsweep.search.failures import best_effort, release_interrupted
+from latentsweep.search.process import configure_process, interrupt_on, raise_if_interrupted, signals_blocked, spawned_child
+from latentsweep.search.progress import report_error
 
-from search.study.budget import workers_stop
-from search.study.contract import StudyRecord
-from search.study.devices import assign_slots, pin_process
-from search.study.objective import TrialRunner
-from search.study.population import population_loop, population_size
-from search.study.progress import trial_line
-from search.study.report import load_existing_study, study_summary
-from search.study.worker import (
+from latentsweep.search.study.budget import workers_stop
+from latentsweep.search.study.contract import StudyRecord
+from latentsweep.search.study.devices import assign_slots, pin_process
+from latentsweep.search.study.objective import TrialRunner
+from latentsweep.search.study.population import population_loop, population_size
+from latentsweep.search.study.progress import trial_line
+from latentsweep.search.study.report import load_existing_study, study_summary
+from latentsweep.search.study.worker import (
     LiveTrialNumbers, RunSpec, check_halted, counted, cpu_threads, dispose_study, load_or_create, reap,
     open_tracker, reap_owner, study_dir, worker_id, worker_loop,
 )
-from search.tracking import make_tracker
-from search.tracking.base import Tracker
-from search.tracking.plots import study_figures
-from trainers.data import load_train_shared
-from trainers.errors import LatentsweepError
-from trainers.progress import say
+from latentsweep.search.tracking import make_tracker
+from latentsweep.search.tracking.base import Tracker
+from latentsweep.search.tracking.plots import study_figures
+from latentsweep.trainers.data.sets import load_train_shared
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.core.progress import say
 
 # A worker sent SIGTERM closes its trial's run and fails it for retry: store calls of about a second on 2 cores.
 STOP_GRACE_S = 10.0
@@ -66,7 +66,7 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
         reap(study, tracker)
         runner = TrialRunner(study_file, spec, data, tracker, study_dir(spec.state_dir, spec.name))
         size = population_size(spec.population, study_file, spec, data)
-        if size > 1:  # K trials side by side, each its own trial and run (search.study.population)
+        if size > 1:  # K trials side by side, each its own trial and run (latentsweep.search.study.population)
             return population_loop(study_file, spec, study, runner, size, on_trial=on_trial)
         return worker_loop(study_file, spec, study, runner, on_trial=on_trial)
     except KeyboardInterrupt as exc:  # between trials (the halted check, the search-end estimate): no trial failed it
@@ -99,7 +99,7 @@ def worker_main(spec: RunSpec) -> None:
         run_worker(spec)
     except KeyboardInterrupt:
         pass
-    except Exception as exc:  # the CLI's one error line (search.progress.report_error); a bug keeps its traceback
+    except Exception as exc:  # the CLI's one error line (latentsweep.search.progress.report_error); a bug keeps its traceback
         code = report_error(exc)
         if code is None:
             raise
@@ -253,7 +253,7 @@ def finish(study: optuna.Study, tracker: Tracker, figures: bool = True) -> dict:
 
 def reap_study(name: str, stores) -> list:
     """Fail the trials of dead workers of study `name` (they are retried) and close their MLflow runs, and the parent
-    run when no trial runs any more; returns the trial runs closed. `stores`: a search.study.preflight.StoreSpec whose
+    run when no trial runs any more; returns the trial runs closed. `stores`: a latentsweep.search.study.preflight.StoreSpec whose
     storage carries the heartbeat/grace rule."""
     study = load_existing_study(name, stores.storage.url, stores.storage.heartbeat_interval,
                                 stores.storage.grace_period)

@@ -9,8 +9,8 @@ from typing import Any
 
 import optuna
 
-from trainers.errors import closest
-from trainers.registry import Registry
+from latentsweep.trainers.core.errors import closest
+from latentsweep.trainers.config.registry import Registry
 
 SAMPLERS: Registry = Registry("sampler")
 PRUNERS: Registry = Registry("pruner")

@@ -7,7 +7,7 @@ A knob whose condition is false is not sampled: it keeps its base value and is a
 
 One knob may have several entries, one per branch, named `KEY#LABEL` (e.g. `"model.hidden#deep"` with
 `when = "model.kind == 'deep_mlp'"`): each is its own Optuna parameter (Optuna refuses a categorical whose choices
-change between trials), and their conditions must never hold together (`search.study.branches` checks it).
+change between trials), and their conditions must never hold together (`latentsweep.search.study.branches` checks it).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import optuna
 
-from trainers.config import check_key, coerce, key_hint, valid_keys
-from trainers.errors import ConfigError, closest
+from latentsweep.trainers.config.tree import check_key, coerce, key_hint, valid_keys
+from latentsweep.trainers.core.errors import ConfigError, closest
 
 OPS = {"==": operator.eq, "!=": operator.ne, ">": operator.gt, ">=": operator.ge, "<": operator.lt,
        "<=": operator.le, "in": lambda a, b: a in b}

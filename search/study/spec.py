@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from search.checks import check_seconds
-from search.stores import resolve_stores, safe_name, state_dir
-from search.study.devices import AUTO, check_population
-from search.study.preflight import check_liveness
-from search.study.storage import StorageSettings
-from search.study.studyfile import StudyFile, resolve_data_path
-from search.study.worker import RunSpec
-from trainers.errors import LatentsweepError
+from latentsweep.search.checks import check_seconds
+from latentsweep.search.stores import resolve_stores, safe_name, state_dir
+from latentsweep.search.study.devices import AUTO, check_population
+from latentsweep.search.study.preflight import check_liveness
+from latentsweep.search.study.storage import StorageSettings
+from latentsweep.search.study.studyfile import StudyFile, resolve_data_path
+from latentsweep.search.study.worker import RunSpec
+from latentsweep.trainers.core.errors import LatentsweepError
 
 HEARTBEAT_S, GRACE_S = 60, 180  # a minute between heartbeats for minute-long trials; 3 missed beats = dead
 

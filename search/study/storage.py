@@ -29,8 +29,8 @@ try:
 except ImportError:  # not a POSIX system: file_lock says so when a lock is needed
     fcntl = None
 
-from search.redact import redact_url  # one redaction rule for logs, params and tags
-from trainers.errors import LatentsweepError
+from latentsweep.search.redact import redact_url  # one redaction rule for logs, params and tags
+from latentsweep.trainers.core.errors import LatentsweepError
 
 SQLITE_TIMEOUT_S = 120  # a trial's tell() can wait behind another worker's write burst; 2 min is ample
 POOL_SIZE = 2  # per worker process: one for the trial loop, one for the heartbeat thread
@@ -116,7 +116,7 @@ class RetryAndRecord:
 
 
 def is_read_only(url: str) -> bool:
-    """A SQLite URI opened read-only (see search.stores.read_only_storage): nothing may be created or migrated."""
+    """A SQLite URI opened read-only (see latentsweep.search.stores.read_only_storage): nothing may be created or migrated."""
     return is_sqlite(url) and ("mode=ro" in url or "immutable=1" in url)
 
 

@@ -1,7 +1,7 @@
 """Study files (`studies/*.toml`): `[study]` settings, `[base]` config, `[space]` and `[[enqueue]]`, all validated at once.
 
 Every problem found is reported together, one line each, before any trial runs, including every invalid config the
-space can propose (each conditional branch is probed and validated, see `search.study.branches`).
+space can propose (each conditional branch is probed and validated, see `latentsweep.search.study.branches`).
 """
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from search.checks import check_seconds
-from search.stores import safe_name
-from search.study.branches import check_branches
-from search.study.presets import resolve_study_path
-from search.study.samplers import DEFAULT, check_settings
-from search.study.side import side_entry, unique
-from search.study.space import Param, active_values, config_key, parse_space
-from trainers.config import Config, coerce, flatten, flatten_tree, from_dict, load_toml, with_values
-from trainers.demo import default_train_path
-from trainers.errors import ConfigError, LatentsweepError, closest
-from trainers.plugins import load_plugin
+from latentsweep.search.checks import check_seconds
+from latentsweep.search.stores import safe_name
+from latentsweep.search.study.branches import check_branches
+from latentsweep.search.study.presets import resolve_study_path
+from latentsweep.search.study.samplers import DEFAULT, check_settings
+from latentsweep.search.study.side import side_entry, unique
+from latentsweep.search.study.space import Param, active_values, config_key, parse_space
+from latentsweep.trainers.config.tree import Config, coerce, flatten, flatten_tree, from_dict, load_toml, with_values
+from latentsweep.trainers.data.demo import default_train_path
+from latentsweep.trainers.core.errors import ConfigError, LatentsweepError, closest
+from latentsweep.trainers.config.plugins import load_plugin
 
 STUDY_KEYS = {"name", "objective", "direction", "sampler", "pruner", "n_trials", "timeout", "description", "plugins"}
 TOP_KEYS = {"study", "base", "space", "enqueue", "side"}

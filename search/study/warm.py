@@ -1,6 +1,6 @@
 """Warm start: a new study first tries the best configurations of earlier studies on the same data, else the portfolio.
 
-Same data means the same training file contents: the sha256 fingerprint of its bytes (trainers.data.fingerprint), which
+Same data means the same training file contents: the sha256 fingerprint of its bytes (latentsweep.trainers.data.sets.fingerprint), which
 every study records at creation (IDENTITY_ATTR), so a copied or renamed file is still the same data and an edited one
 is not. Earlier studies are looked for in the study's own storage and in each `--warm-from` source (a state directory
 or an Optuna storage URL); one is a source when its data fingerprint, objective metric and direction match. Their
@@ -28,16 +28,16 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
-from search.redact import redact_url
-from search.study.contract import ENQUEUED_ATTR, IDENTITY_ATTR, WARM_ATTR, read_side
-from search.study.space import Param, config_key
-from search.study.storage import StorageSettings, dispose, open_storage, storage_of
-from search.study.studyfile import StudyFile
-from search.stores import read_only_storage
-from trainers.config import coerce, flatten
-from trainers.data import fingerprint
-from trainers.errors import LatentsweepError
-from trainers.progress import say
+from latentsweep.search.redact import redact_url
+from latentsweep.search.study.contract import ENQUEUED_ATTR, IDENTITY_ATTR, WARM_ATTR, read_side
+from latentsweep.search.study.space import Param, config_key
+from latentsweep.search.study.storage import StorageSettings, dispose, open_storage, storage_of
+from latentsweep.search.study.studyfile import StudyFile
+from latentsweep.search.stores import read_only_storage
+from latentsweep.trainers.config.tree import coerce, flatten
+from latentsweep.trainers.data.sets import fingerprint
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.core.progress import say
 
 # At most this many configurations are taken: SageMaker's warm start takes at most 5 parent jobs, and full.toml
 # finishes about 27 trials in 5 minutes on 2 quiet cores (docs/results.md), so a 60-s `run` searches a handful.

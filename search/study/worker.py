@@ -11,34 +11,34 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from search.failures import Kind, StudyHalted, classify, release_interrupted
-from search.process import raise_if_interrupted
-from search.redact import redact_url
-from search.study.budget import JobBudget
-from search.study.contract import (
+from latentsweep.search.failures import Kind, StudyHalted, classify, release_interrupted
+from latentsweep.search.process import raise_if_interrupted
+from latentsweep.search.redact import redact_url
+from latentsweep.search.study.budget import JobBudget
+from latentsweep.search.study.contract import (
     ENQUEUED_ATTR, ERROR_ATTR, HALT_ATTR, OBJECTIVE_ATTR, OWNER_ATTR, PARENT_ATTR, PLUGINS_ATTR, TrialOutputs,
     study_attrs,
 )
-from search.study.objective import TrialRunner
-from search.study.owners import gone, worker_id
-from search.study.samplers import DEFAULT, build_pruner, build_sampler
-from search.study.side import enqueue_side
-from search.study.storage import (
+from latentsweep.search.study.objective import TrialRunner
+from latentsweep.search.study.owners import gone, worker_id
+from latentsweep.search.study.samplers import DEFAULT, build_pruner, build_sampler
+from latentsweep.search.study.side import enqueue_side
+from latentsweep.search.study.storage import (
     RetryAndRecord, StorageSettings, budget_lock, dispose, open_storage, schema_lock, storage_of, trial_id,
 )
-from search.stores import safe_name
-from search.study.studyfile import StudyFile, load_study_file
-from search.study.warm import queue_portfolio, warm_start
-from search.tracking import make_tracker
-from search.tracking.base import REAPED_TAG, Tracker
-from trainers.errors import LatentsweepError
-from trainers.plugins import parse_ref
-from trainers.progress import say
+from latentsweep.search.stores import safe_name
+from latentsweep.search.study.studyfile import StudyFile, load_study_file
+from latentsweep.search.study.warm import queue_portfolio, warm_start
+from latentsweep.search.tracking import make_tracker
+from latentsweep.search.tracking.base import REAPED_TAG, Tracker
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.config.plugins import parse_ref
+from latentsweep.trainers.core.progress import say
 
 
 # The budget counts finished trials: complete, pruned, and failed for good (ERROR_ATTR: a config that cannot train or
 # does not fit in memory, or a bug). Trials failed by the machine, a store, an interrupt or a dead worker are retried
-# instead, so they do not count (search.failures says which is which).
+# instead, so they do not count (latentsweep.search.failures says which is which).
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
 # A worker with nothing to claim while others' trials still run re-checks this often (capped by the heartbeat
 # interval): one of those trials may die and need its retry run. A few cheap queries; 5 s keeps the idle tail short.
@@ -63,16 +63,16 @@ class RunSpec:
     progress: bool = True  # tqdm bars (a terminal and no --quiet); the per-trial lines are printed regardless
     verbose: bool = False  # one line per epoch when there are no bars
     budget: JobBudget | None = None  # a one-budget run's clock: trials stop where the pick's reserve begins
-    gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; search.study.devices)
+    gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; latentsweep.search.study.devices)
     per_gpu: int = 1  # local workers per GPU
     cuda_visible: str | None = None  # the GPU this spawned worker sees (set before its first CUDA call); None: as is
-    # trials each worker trains side by side: a number, or "auto" (search.study.population.population_size: sized on
+    # trials each worker trains side by side: a number, or "auto" (latentsweep.search.study.population.population_size: sized on
     # the worker's GPU, 1 on a CPU); 1 is the one-trial worker_loop
     population: int | str = "auto"
     warm_start: bool | None = None  # at creation, queue earlier studies' best configs on the same data; None: as
-    # $LATENTSWEEP_WARM_START says, on by default (search.study.warm)
+    # $LATENTSWEEP_WARM_START says, on by default (latentsweep.search.study.warm)
     warm_from: tuple[str, ...] = ()  # more places to look for them: state directories or Optuna storage URLs
-    # `study_file` parsed (search.study.spec.build_spec sets it): read through parsed_study(), never pickled
+    # `study_file` parsed (latentsweep.search.study.spec.build_spec sets it): read through parsed_study(), never pickled
     parsed: StudyFile | None = field(default=None, repr=False, compare=False)
 
     def parsed_study(self) -> StudyFile:
@@ -142,7 +142,7 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
         portfolio_due = warm_start(study, study_file, spec.data_path, spec.warm_start, spec.warm_from)
         for values in study_file.enqueue:
             study.enqueue_trial(values, user_attrs={ENQUEUED_ATTR: True}, skip_if_exists=True)
-        if portfolio_due:  # nothing earlier on this data (search.study.warm)
+        if portfolio_due:  # nothing earlier on this data (latentsweep.search.study.warm)
             queue_portfolio(study, study_file)
         study.set_user_attr(ENQUEUED_ATTR, True)
     study.set_user_attr(OBJECTIVE_ATTR, study_file.objective)
@@ -324,7 +324,7 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
     """Claim and run trials until the budget is reached, or until a trial would not finish one epoch before the
     timeout or a one-budget run's search end (TrialRunner.next_trial_fits); returns how many this worker ran.
 
-    A trial that fails is handed to runner.fail, which classifies the error (search.failures): the worker goes on
+    A trial that fails is handed to runner.fail, which classifies the error (latentsweep.search.failures): the worker goes on
     after a config or memory failure (the trial counts), and stops otherwise, in one line for a store, the machine,
     or an interrupt (the trial is retried), with the traceback for a bug (the trial counts, the study halts).
     While the budget is full only because of running trials, the worker waits instead of exiting: a running trial
@@ -359,7 +359,7 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
 
 def fail_or_stop(study: optuna.Study, runner: TrialRunner, trial: optuna.Trial | None,
                  exc: BaseException) -> optuna.trial.FrozenTrial:
-    """The frozen failed trial when the worker goes on (search.failures.GOES_ON); otherwise raises what stops it:
+    """The frozen failed trial when the worker goes on (latentsweep.search.failures.GOES_ON); otherwise raises what stops it:
     the bug or interrupt itself, or a one-line error. An error while failing the trial is classified too."""
     frozen = None
     release_interrupted(exc)  # before failing the trial writes to the stores (a no-op unless `exc` is an interrupt)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from search.redact import redact_values
-from search.tracking.source import source_tags
-from trainers.config import flatten_tree
+from latentsweep.search.redact import redact_values
+from latentsweep.search.tracking.source import source_tags
+from latentsweep.trainers.config.tree import flatten_tree
 
 
 # MLflow 3.x limits (mlflow/utils/validation.py: MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH,

@@ -6,7 +6,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from search.tracking.base import (
+from latentsweep.search.tracking.base import (
     PARAM_VALUE_MAX,
     PARENT_TAG,
     PLOTS_DIR,
@@ -31,7 +31,7 @@ from search.tracking.base import (
     summary_entries,
     trial_tags,
 )
-from trainers.errors import LatentsweepError
+from latentsweep.trainers.core.errors import LatentsweepError
 
 
 class InMemoryTracker:

@@ -18,7 +18,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import Model, ModelSignature
 from mlflow.types import Schema, TensorSpec
 
-from search.tracking.base import (
+from latentsweep.search.tracking.base import (
     DB_SCHEMES,
     EXPERIMENT_TAGS,
     METRICS_PER_BATCH,
@@ -46,9 +46,9 @@ from search.tracking.base import (
     summary_entries,
     trial_tags,
 )
-from search.redact import redact_url
-from search.tracking.paths import artifact_location, default_artifact_root
-from trainers.errors import ConfigError, LatentsweepError
+from latentsweep.search.redact import redact_url
+from latentsweep.search.tracking.paths import artifact_location, default_artifact_root
+from latentsweep.trainers.core.errors import ConfigError, LatentsweepError
 
 def dataset_input(dataset: DatasetRecord) -> DatasetInput:
     """The DatasetInput mlflow.log_input would log for a local file (source type `local`, digest <= 36 chars)."""
@@ -145,7 +145,7 @@ class MlflowTracker:
     def log(self, run_id: str, *, metrics: dict[str, float] | None = None, step: int = 0,
             params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None) -> None:
         """Metrics at `step`, params and tags in one batched call. What it raises is classified by the caller
-        (search.failures): an outage stops the worker in one line and the trial is retried; anything else is a bug."""
+        (latentsweep.search.failures): an outage stops the worker in one line and the trial is retried; anything else is a bug."""
         now = _now_ms()
         self._log_batch(run_id, params=clean_items(params or {}, PARAM_VALUE_MAX),
                         tags=clean_items(tags or {}, TAG_VALUE_MAX),

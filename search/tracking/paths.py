@@ -6,7 +6,7 @@ resolve_uri_if_local), and runs, logged models and model versions copy it. The e
 at <state>/artifacts/<experiment>; when the directory was copied or moved, every command (and `latentsweep ui`,
 before it starts the servers) rewrites the old prefix to the directory's current one on open, so the MLflow UI, the
 client, pyfunc loading and `pick` find the artifacts where the directory now is. Optuna attributes hold paths
-relative to the state directory (search.study.objective.relative_to_state) and need nothing.
+relative to the state directory (latentsweep.search.study.objective.relative_to_state) and need nothing.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import os
 import re
 import sqlite3
 from pathlib import Path
-from trainers.progress import say
+from latentsweep.trainers.core.progress import say
 
 
 ARTIFACTS = "artifacts"
@@ -24,7 +24,7 @@ ARTIFACTS = "artifacts"
 URI_COLUMNS = (("experiments", "artifact_location"), ("runs", "artifact_uri"),
                ("logged_models", "artifact_location"), ("model_versions", "source"),
                ("model_versions", "storage_location"))
-SQLITE_TIMEOUT_S = 120  # as search.study.storage: wait behind a worker's write instead of failing
+SQLITE_TIMEOUT_S = 120  # as latentsweep.search.study.storage: wait behind a worker's write instead of failing
 
 
 def _old_roots(conn: sqlite3.Connection, here: str) -> set[str]:

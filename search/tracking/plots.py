@@ -1,5 +1,5 @@
 """Figures logged to the tracker: rank histograms of a model, the pick's ensemble and Optuna study plots (matplotlib;
-entry points choose the Agg backend, see search.process)."""
+entry points choose the Agg backend, see latentsweep.search.process)."""
 from __future__ import annotations
 
 import warnings
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from optuna.exceptions import ExperimentalWarning
 from optuna.trial import TrialState
-from trainers.progress import say
+from latentsweep.trainers.core.progress import say
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -9,8 +9,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.credentials import get_default_host_creds
 from mlflow.utils.rest_utils import http_request
 
-from search.redact import redact_url
-from trainers.errors import LatentsweepError
+from latentsweep.search.redact import redact_url
+from latentsweep.trainers.core.errors import LatentsweepError
 
 # Seconds to wait for a tracking store's first answer before calling it unreachable (MLflow's client would retry an
 # unreachable server for minutes, then end in a traceback after the study was created or the pick trained).

@@ -19,11 +19,11 @@ import psutil
 import sqlalchemy as sa
 import tomli_w
 
-from search.stores import resolve_stores
-from search.study.storage import StorageSettings, dispose, open_storage
-from search.tracking.probe import probe_tracking_store
-from trainers.errors import LatentsweepError
-from trainers.progress import say
+from latentsweep.search.stores import resolve_stores
+from latentsweep.search.study.storage import StorageSettings, dispose, open_storage
+from latentsweep.search.tracking.probe import probe_tracking_store
+from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.core.progress import say
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MLFLOW_PORT = 5000  # `mlflow server`'s own default port
@@ -121,7 +121,7 @@ class ServerProcess:
     def probe(self) -> bool:
         """True once the server we started answers its API with 200; a 403 means the Host header was refused (fatal).
         A readiness poll of our own child, not a store probe: a tracking store the user names is probed by
-        search.tracking.probe, with the MLflow client's credentials."""
+        latentsweep.search.tracking.probe, with the MLflow client's credentials."""
         try:
             with LOCAL_OPENER.open(self.url + self.probe_path, timeout=5) as resp:
                 return resp.status == 200
@@ -307,7 +307,7 @@ def start_ui(state_dir: Path, host: str = DEFAULT_HOST, mlflow_port: int = DEFAU
     """Start the MLflow UI and optuna-dashboard on the state directory's stores; return once both answer HTTP.
 
     An http(s) tracking URI is an MLflow server already running: it is probed as the MLflow client would use it
-    (search.tracking.probe) and reported, not started.
+    (latentsweep.search.tracking.probe) and reported, not started.
     On any failure, whatever was started is stopped before the one-line LatentsweepError propagates.
     """
     state_dir = Path(state_dir)

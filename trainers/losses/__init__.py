@@ -4,10 +4,10 @@ A loss is a registered `Loss` module (base.py) built from its `cfg.loss.<name>` 
 in core.py, the queue loss with its buffers in queue.py, its exact all-images limit in bank.py, the multi-label triplet in multilabel.py; the shared tau is
 temperature.py; criterion.py combines the active ones for the loop.
 """
-from trainers.losses import bank, core, multilabel, queue  # noqa: F401  (importing registers their losses into LOSSES)
-from trainers.losses.base import LOSSES, EpochContext, Loss, register_loss
-from trainers.losses.criterion import Criterion, active_losses, batch_keys
-from trainers.losses.temperature import Temperature
+from latentsweep.trainers.losses import bank, core, multilabel, queue  # noqa: F401  (importing registers their losses into LOSSES)
+from latentsweep.trainers.losses.base import LOSSES, EpochContext, Loss, register_loss
+from latentsweep.trainers.losses.criterion import Criterion, active_losses, batch_keys
+from latentsweep.trainers.losses.temperature import Temperature
 
 __all__ = ["LOSSES", "Criterion", "EpochContext", "Loss", "Temperature", "active_losses", "batch_keys",
            "register_loss"]

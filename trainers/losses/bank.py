@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from trainers.config import AllImagesInfoNCECfg
-from trainers.losses.base import Loss, masked_ce, multipos_i2c, register_loss, unit
-from trainers.losses.core import unique_images
+from latentsweep.trainers.config.tree import AllImagesInfoNCECfg
+from latentsweep.trainers.losses.base import Loss, masked_ce, multipos_i2c, register_loss, unit
+from latentsweep.trainers.losses.core import unique_images
 
 BANK_KEYS = frozenset({"bank", "bank_idx"})
 

@@ -23,8 +23,8 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
-from trainers.knobs import LossCfg, add_section
-from trainers.registry import Registry
+from latentsweep.trainers.config.knobs import LossCfg, add_section
+from latentsweep.trainers.config.registry import Registry
 
 # Fill value for masked logits: finite (not -inf) so that 0 * log_softmax stays 0 in the label-smoothing sum, and far
 # below any real logit (|cos| / tau <= 1e4 for the smallest allowed tau, 1e-4).
@@ -46,11 +46,11 @@ class Loss(nn.Module):
     """A registered loss: built from its config section as `cls(cfg_term, dim_out)`; `forward(out, batch,
     temperature)` returns named UNWEIGHTED scalar terms whose sum is the loss (the criterion weights it).
 
-    What it needs is declared, not looked up by name (trainers.validate and the tasks read these):
+    What it needs is declared, not looked up by name (latentsweep.trainers.config.validate and the tasks read these):
       task: the data.task whose batches it reads ("translate": paired image embeddings; "multilabel": labels).
       min_slots: the slots.k it needs (0: no slot head).
       batch_keys(cfg_term): extra batch entries the task must supply for that config.
-      check(cfg_term): its own check of values that only make sense together (trainers.validate calls it).
+      check(cfg_term): its own check of values that only make sense together (latentsweep.trainers.config.validate calls it).
     targets: the image-target scale, "unit" or "raw" (cfg.loss.targets; `target` reads it).
     Hooks (called by the criterion): `on_epoch_start(epoch, ctx)` before each epoch, `after_step(out, batch)` after
     each optimiser step with the real (un-augmented) batch. The base keeps `epoch` for losses with a schedule.
@@ -59,7 +59,7 @@ class Loss(nn.Module):
     name: ClassVar[str] = ""  # the registry name, = its `LossCfg` field (set by register_loss)
     task: ClassVar[str] = "translate"
     min_slots: ClassVar[int] = 0
-    cost_per_image: ClassVar[bool] = False  # a step's cost grows with the training images (trainers.cost)
+    cost_per_image: ClassVar[bool] = False  # a step's cost grows with the training images (latentsweep.trainers.train.cost)
 
     def __init__(self, cfg: Any, dim_out: int, targets: str = "unit"):
         super().__init__()
@@ -87,7 +87,7 @@ class Loss(nn.Module):
 
     @classmethod
     def capture_refusal(cls, cfg: Any) -> str | None:
-        """Why a step with this loss cannot be captured (train.capture, trainers/capture.py), e.g. Python-side state
+        """Why a step with this loss cannot be captured (train.capture, trainers/train/capture.py), e.g. Python-side state
         that changes every step; None (the default): it can."""
         return None
 
@@ -111,7 +111,7 @@ LOSSES: Registry[type[Loss]] = Registry("loss")
 
 def register_loss(name: str, config: type | None = None) -> Callable[[type[Loss]], type[Loss]]:
     """Register a Loss subclass under `name`: a `LossCfg` field name, or (a plugin's loss) a new section `loss.<name>`
-    made of `config`, a frozen dataclass of knobs with defaults that has a `weight` (trainers.knobs.knob)."""
+    made of `config`, a frozen dataclass of knobs with defaults that has a `weight` (latentsweep.trainers.config.knobs.knob)."""
 
     def deco(cls: type[Loss]) -> type[Loss]:
         if name in LOSSES:

@@ -1,6 +1,6 @@
 """The translation losses (caption embedding -> image embedding): ranking, slot, InfoNCE and alignment terms.
 
-Each is a registered `Loss` module (trainers.losses.base) built from its `cfg.loss.<name>` section; the queue loss
+Each is a registered `Loss` module (latentsweep.trainers.losses.base) built from its `cfg.loss.<name>` section; the queue loss
 lives in trainers/losses/queue.py and the multi-label triplet in trainers/losses/multilabel.py.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainers.losses.base import Loss, masked_ce, multipos_i2c, register_loss, same_image, unit, zero_like
+from latentsweep.trainers.losses.base import Loss, masked_ce, multipos_i2c, register_loss, same_image, unit, zero_like
 
 
 def _vse_hinge(sim: torch.Tensor, neg: torch.Tensor, margin: float, hardest: bool) -> tuple[torch.Tensor, ...]:

@@ -6,9 +6,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainers.config import Config
-from trainers.losses.base import LOSSES, EpochContext, known_unit, zero_like
-from trainers.losses.temperature import Temperature
+from latentsweep.trainers.config.tree import Config
+from latentsweep.trainers.losses.base import LOSSES, EpochContext, known_unit, zero_like
+from latentsweep.trainers.losses.temperature import Temperature
 
 
 def active_losses(cfg: Config) -> list[str]:

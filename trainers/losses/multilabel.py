@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from trainers.errors import ConfigError
-from trainers.losses.base import EpochContext, Loss, register_loss, unit
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.losses.base import EpochContext, Loss, register_loss, unit
 
 
 # Negative modes whose negative the task supplies per anchor as batch["neg_x"] (the loss reads out["neg_pred"]).

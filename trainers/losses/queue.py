@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from trainers.config import QueueInfoNCECfg
-from trainers.errors import ConfigError
-from trainers.losses.base import EpochContext, Loss, masked_ce, register_loss, same_image, unit
-from trainers.progress import say
+from latentsweep.trainers.config.tree import QueueInfoNCECfg
+from latentsweep.trainers.core.errors import ConfigError
+from latentsweep.trainers.losses.base import EpochContext, Loss, masked_ce, register_loss, same_image, unit
+from latentsweep.trainers.core.progress import say
 
 # Queue rows at least this cosine-similar to a caption's own image are treated as that image (a copy enqueued in an
 # earlier step) and masked as false negatives; distinct real images are far below (float32 rounding is ~1e-7).

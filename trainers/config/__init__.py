@@ -1,0 +1,1 @@
+"""The trainer's configuration: the config tree, its sections and checks, registries, plugins."""

@@ -1,0 +1,1 @@
+"""The trainer's what every part shares: errors, atomic files, devices, the deadline, the progress hook, the heap."""

@@ -1,0 +1,1 @@
+"""The trainer's evaluation: the one metrics module and submission files."""
