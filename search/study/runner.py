@@ -71,6 +71,8 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
         return worker_loop(study_file, spec, study, runner, on_trial=on_trial)
     except KeyboardInterrupt as exc:  # between trials (the halted check, the search-end estimate): no trial failed it
         release_interrupted(exc)  # it may have landed inside a store call: closing the parent run writes next
+        with best_effort("fail the trials this worker had claimed"):  # a store down: the heartbeat reaps them later
+            reap_owner(study, tracker, worker_id())  # one the signal caught between its claim and its start
         raise
     finally:
         if bar:
