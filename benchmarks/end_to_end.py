@@ -240,7 +240,8 @@ def one_holdout(seed: int, args, work: Path) -> dict:
         kinds = job_kinds(manifest, old, job_seconds(log), test, answers)
         row["job_seconds"] = {k: v[1] for k, v in kinds.items()}
         rr.update({f"kind_{k}": v[0] for k, v in kinds.items()})
-    # A pick that lost to the answer in place (latentsweep.search.pick.judge) leaves run's own manifest: no weights, no gain
+    # A pick that lost to the answer in place (latentsweep.search.pick.judge) leaves run's own manifest: no weights, no
+    # gain
     row["members"], row["gain"] = manifest.get("weights"), [manifest.get("gain_mrr"), manifest.get("gain_mrr_se")]
     row["answer"] = manifest.get("answer")  # which answer won on the val split, and by how much
     row["trials"] = sum(1 for _ in optuna.load_study(study_name=STUDY, storage=f"sqlite:///{state / 'optuna.db'}"

@@ -1,7 +1,8 @@
 """What a `full` study buys per minute: trials and best value after 5, 10 and 15 minutes, over sampler seeds, for one
 or two checkouts of the project (before / after a change), run side by side so that both see the same machine load.
 
-For each seed, every checkout runs `python -m latentsweep study run studies/full.toml --timeout SECONDS` in its own state
+For each seed, every checkout runs `python -m latentsweep study run studies/full.toml --timeout SECONDS` in its own
+state
 directory at the same time, each with `--threads` torch threads (OMP_NUM_THREADS; default 1: two arms share a 2-core
 machine evenly).
 The study file's sampler seed is replaced by the run's seed. Afterwards each study is read back and, for every

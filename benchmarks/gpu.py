@@ -5,12 +5,15 @@ One call, under 8 minutes on an H100/H200, printing a markdown table:
       per-epoch body) eager, and captured (train.capture = compile, when the trainer has it), against a plain
       DataLoader(TensorDataset) loop, and the trainer's FLOP rate as a fraction of the card's float32 matmul rate;
   (b) trials per minute of `latentsweep study run studies/full.toml --workers K` at challenge size (25,000 images x 5
-      captions, 1024 -> 1536, trainers/data/synthetic.py) for K = 1, 2, 4, 8 on one GPU (with `--gpus 0 --per-gpu K` when
+      captions, 1024 -> 1536, trainers/data/synthetic.py) for K = 1, 2, 4, 8 on one GPU (with `--gpus 0 --per-gpu K`
+      when
       the CLI has them): trials finished within --window seconds of the first start, the run stopped after that;
   (c) `latentsweep run studies/full.toml --time 120` on the same data, scored on its held-out test file.
-  (d) population trials (latentsweep.trainers.train.population): K members of studies/full.toml's [base] trained in one stacked step
+  (d) population trials (latentsweep.trainers.train.population): K members of studies/full.toml's [base] trained in one
+  stacked step
       on the (b)/(c) data, K = 1, 2, 4, 8, 16, 32: seconds per step, samples/s summed over members, the MLP's FLOP
-      rate as a fraction of the float32 matmul rate, peak memory, and one member's step alone (latentsweep.trainers.train.loop's own
+      rate as a fraction of the float32 matmul rate, peak memory, and one member's step alone
+      (latentsweep.trainers.train.loop's own
       step) for comparison.
 (d) runs first after the data is written, then (c), then (b), so that a short budget skips the last worker counts; a
 part that would overrun --budget is skipped and says so.
@@ -143,7 +146,8 @@ class _FirstBatches:
 
 
 def alone_step_seconds(cfg, data, steps: int) -> float:
-    """Seconds per step of one run of `cfg` through latentsweep.trainers.train.loop's own step (_train_epoch), after one step."""
+    """Seconds per step of one run of `cfg` through latentsweep.trainers.train.loop's own step (_train_epoch), after one
+    step."""
     import dataclasses
 
     import torch

@@ -1,7 +1,8 @@
 """Seconds per training epoch for every seed recipe and for each expensive knob, as a ratio of this machine's matmul
 rate, at the demo size and at challenge size (25,000 images x 5 captions, 1024 -> 1536, trainers/data/synthetic.py).
 
-Each row trains its config with the real trainer (`latentsweep.trainers.train.loop.train`, validation included) for WARM + 1 epochs and
+Each row trains its config with the real trainer (`latentsweep.trainers.train.loop.train`, validation included) for WARM
++ 1 epochs and
 times the last one. At challenge size only a fraction of the captions is kept (every image stays, so the bank and
 queue sizes are the real ones) and the epoch time is scaled back to all captions: per-step costs scale with the
 caption count, and the [batch x images] products of the queue and all-images losses keep their true width.

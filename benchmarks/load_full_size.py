@@ -2,9 +2,11 @@
 
 Usage: python benchmarks/load_full_size.py [--dir DIR] [--small] [--rebuild]
        python benchmarks/load_full_size.py --smoke     # 100 images x 32 -> 48, in a temp dir (tests)
-The file is built once with latentsweep.trainers.data.synthetic (cached in DIR, default a temp dir) and loaded in a child process,
+The file is built once with latentsweep.trainers.data.synthetic (cached in DIR, default a temp dir) and loaded in a
+child process,
 whose peak RSS (resource.getrusage ru_maxrss) is compared with the bytes of the float arrays it must hold. Then
-`load_train_shared` in two more child processes with an empty data cache (latentsweep.trainers.data.sets.CACHE_ENV): the first parses
+`load_train_shared` in two more child processes with an empty data cache (latentsweep.trainers.data.sets.CACHE_ENV): the
+first parses
 the npz and writes the memory-mapped copy, the second (a spawned worker, the next run) maps it.
 """
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/memory_peak.py [--dir DIR] [--before REV] [--study FILE] [--json OUT]
        python benchmarks/memory_peak.py --smoke    # the same commands on a tiny file in a temp dir (no goal check)
-The challenge-size train.npz (25,000 images x 5 captions, 1024 -> 1536, latentsweep.trainers.data.synthetic) is built once in DIR
+The challenge-size train.npz (25,000 images x 5 captions, 1024 -> 1536, latentsweep.trainers.data.synthetic) is built
+once in DIR
 (default: a temp dir). Each command runs as a child process; its peak RSS is the ru_maxrss that os.wait4 returns,
 which covers the child and every process it waited for (a study's workers). --before REV runs the same commands
 on the code of git revision REV too (exported with git archive), for a before/after table.

@@ -1,4 +1,5 @@
-"""Benchmark: latentsweep.trainers.eval.metrics.evaluate (global + leaderboard) at challenge validation scale on 2 CPU threads.
+"""Benchmark: latentsweep.trainers.eval.metrics.evaluate (global + leaderboard) at challenge validation scale on 2 CPU
+threads.
 
     python benchmarks/metrics_speed.py [--threads 2] [--repeats 5] [--device cpu]
     python benchmarks/metrics_speed.py --smoke     # 50 images x 32-d, 1 repeat: the code path in a second (tests)

@@ -4,7 +4,8 @@ For each holdout seed S (`latentsweep data holdout TRAIN --seed S`), each budget
 busy processes beside the job), in a fresh state directory: `latentsweep run studies/full.toml --time T` with its
 defaults. Reported per run: wall / budget, the machine's load average over the run (the machine may be shared), the
 seconds the first (closed-form) answer took, which answer the manifest says won on the study's val split and by how
-much (latentsweep.search.pick.judge), whether the pick's answer is the submission, the test MRR of the submission (leaderboard
+much (latentsweep.search.pick.judge), whether the pick's answer is the submission, the test MRR of the submission
+(leaderboard
 protocol, `submission score`), the test MRR of the closed-form floor alone (fit on the same train file) and whether
 the submission scores at least that on the held-out images.
 
@@ -52,7 +53,8 @@ def run_once(study: Path, train: Path, test: Path, budget: int, loaded: bool, wo
 
 
 def winner(submission: Path) -> dict:
-    """The manifest's verdict (latentsweep.search.pick.judge.Standing.record): which answer won on the val split, its val MRR
+    """The manifest's verdict (latentsweep.search.pick.judge.Standing.record): which answer won on the val split, its
+    val MRR
     and its margin over the best answer it beat; Nones when there is no manifest."""
     manifest = submission.with_name(f"{submission.stem}.manifest.json")
     if not manifest.is_file():
@@ -63,7 +65,8 @@ def winner(submission: Path) -> dict:
 
 
 def floor_mrr(train: Path, test: Path, answers: Path, work: Path) -> float:
-    """Test MRR of the closed-form floor alone (latentsweep.search.pick.safe.ridge_answer on the same train file): what every
+    """Test MRR of the closed-form floor alone (latentsweep.search.pick.safe.ridge_answer on the same train file): what
+    every
     submission must at least score on the held-out images."""
     from latentsweep.search.pick.safe import ridge_answer
     from latentsweep.trainers.data.sets import load_test, load_train_shared

@@ -16,7 +16,8 @@ training on the same 2 cores, load average 7-12), so absolute counts are several
 
 | full.toml | trials complete / pruned / failed | best recipe | best searched trial |
 |---|---|---|---|
-| before (ASHA, 20 random startup trials, recipes 20-30 epochs, vsepp first) | 0 / 0 / 0 (first recipe at epoch 13 of 30) | none finished (0.060 at epoch 13) | none started |
+| before (ASHA, 20 random startup trials, recipes 20-30 epochs, vsepp first) | 0 / 0 / 0 (first recipe at epoch 13 of
+30) | none finished (0.060 at epoch 13) | none started |
 | after (see README) | AFTER_COUNTS | AFTER_RECIPE | AFTER_SEARCHED |
 """
 from __future__ import annotations

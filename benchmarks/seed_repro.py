@@ -4,7 +4,8 @@ The notebook's code cells are read from the seed file at run time and executed a
 into this repository. Only the data loading is replaced: the notebook imports `load_data`, `prepare_train_data`,
 `generate_submission` from the challenge's `challenge.src.common` and `mrr`, `recall_at_k`, `ndcg` (and a
 visualiser) from `challenge.src.eval`, which are not in the seed. Stand-ins for those modules are put in
-`sys.modules`: `load_data` returns the demo train file (trainers/data/sets.py `load_train`, trainers/data/demo.py's path)
+`sys.modules`: `load_data` returns the demo train file (trainers/data/sets.py `load_train`, trainers/data/demo.py's
+path)
 under the challenge's key names, `prepare_train_data` returns X (caption embeddings), y (each caption's RAW image
 embedding) and the caption->image label, as torch tensors; the metrics are the challenge's definitions over the
 top-k index lists the notebook passes (reciprocal rank of the true image, 0 past k).

@@ -7,14 +7,16 @@ Two measurements, each repeated --repeats times in a fresh temp state directory:
 * study: `latentsweep study run` of a study file (default studies/quickstart.toml, its epochs capped by --epochs) for
   --trials trials, in this process. Every wrapped call is timed under its caller, so the tree below the trial shows
   exclusive seconds (a part's own, its wrapped callees left out); "(rest)" rows are what no wrapped part covers.
-* refit: `latentsweep.trainers.train.loop.train` of the study's [base] config with `data.split = "all"` for --refit-epochs epochs, as
+* refit: `latentsweep.trainers.train.loop.train` of the study's [base] config with `data.split = "all"` for
+--refit-epochs epochs, as
   the pick's refits run it (no validation: every epoch counts as the best one).
 
     python benchmarks/trial_costs.py [--data demo|PATH|synthetic:N_IMAGES] [--trials 3] [--epochs 4] [--repeats 2]
                                      [--refit-epochs 8] [--study FILE] [--json OUT]
     python benchmarks/trial_costs.py --smoke    # tests: tiny synthetic data (100 images, 32 -> 48) in a temp dir
 
-`synthetic:N` writes N images x 5 captions at challenge dims (1024 -> 1536, trainers/data/synthetic.py) into the temp dir.
+`synthetic:N` writes N images x 5 captions at challenge dims (1024 -> 1536, trainers/data/synthetic.py) into the temp
+dir.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ from pathlib import Path
 from latentsweep.trainers.core.errors import LatentsweepError
 from latentsweep.trainers.config.knobs import MAX_SEED
 
-# Longest duration accepted (--time, --timeout, budgets): a week, as `run --time` (latentsweep.search.pick.onebudget.MAX_TOTAL_S).
+# Longest duration accepted (--time, --timeout, budgets): a week, as `run --time`
+# (latentsweep.search.pick.onebudget.MAX_TOTAL_S).
 # Longer is a typo (a digit too many) or an infinity ("1e999", 400 nines) that no plan can be made for.
 MAX_SECONDS = 7 * 24 * 3600.0
 # Refit seeds per chosen member: averaging gains flatten after a few seeds (REFIT_SEEDS = 3 is the default); more
@@ -76,7 +77,8 @@ def check_registry_name(name: str, value) -> str:
 def check_outputs(option: str, outputs: list[Path | str], inputs: dict[str, Path | str | None],
                   protected: dict[Path, str] | None = None) -> None:
     """No output may resolve (through symlinks) to one of the command's `inputs` (name: path; None skipped), nor to
-    or into a file or folder the state needs (`protected`: latentsweep.search.stores.protected_paths). Checked before any work:
+    or into a file or folder the state needs (`protected`: latentsweep.search.stores.protected_paths). Checked before
+    any work:
     writing there would replace what is being read, or a store."""
     guarded = {Path(path).expanduser(): f"the input {name}" for name, path in inputs.items() if path}
     guarded.update(protected or {})

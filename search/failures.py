@@ -124,7 +124,8 @@ def chain(exc: BaseException):
 def loaded(spec: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[type, ...]:
     """The exception classes (module, names) of `spec` whose module is already imported: an exception of a
     library's class can only exist once that library is loaded, so classifying imports nothing, and `import
-    latentsweep.search.failures` costs no torch, requests or SQLAlchemy (the CLI's start-up, docs/design.md "Start-up"). A name
+    latentsweep.search.failures` costs no torch, requests or SQLAlchemy (the CLI's start-up, docs/design.md "Start-up").
+    A name
     a module lacks (torch.AcceleratorError before torch 2.x) is skipped."""
     found = []
     for module, names in spec:

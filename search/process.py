@@ -17,7 +17,8 @@ from typing import Iterator
 # MLflow's first use of a SQLite store logs one INFO line per schema migration through these loggers.
 MIGRATION_LOGGERS = ("mlflow.store.db.utils", "alembic.runtime.migration", "alembic")
 # MLflow's SQL store also logs every database error with its traceback (at ERROR) before raising it: the error is
-# classified and said in one line by latentsweep.search.failures' callers, so that logger only speaks when it is critical.
+# classified and said in one line by latentsweep.search.failures' callers, so that logger only speaks when it is
+# critical.
 STORE_ERROR_LOGGER = "mlflow.store.db.utils"
 ENV_DEFAULTS = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # the REST client's "View run ... at: URL" on every run end

@@ -39,7 +39,9 @@ def report_error(exc: BaseException) -> int | None:
     """A command's or a spawned worker's failure as its one error line: returns the exit code (1: another worker's
     bug, whose traceback is in that worker's output; 2: a user error, a full disk, a store down), or None for a bug
     of ours or an interrupt, which the caller raises on (its traceback kept)."""
-    from latentsweep.search.failures import StudyHalted, one_line  # imported here: it loads torch, which --version must not
+    from latentsweep.search.failures import (  # imported here: it loads torch, which --version must not
+        StudyHalted, one_line,
+    )
 
     halted = isinstance(exc, StudyHalted)
     line = str(exc) if halted else one_line(exc)
@@ -50,7 +52,8 @@ def report_error(exc: BaseException) -> int | None:
 
 
 OPTUNA_LOGGER = "optuna"
-# The warnings latentsweep.search.process.quiet_optuna silences in the CLI's process, by message (Optuna's ExperimentalWarning
+# The warnings latentsweep.search.process.quiet_optuna silences in the CLI's process, by message (Optuna's
+# ExperimentalWarning
 # class is not imported here: --version must not load Optuna).
 OPTUNA_WARNINGS = (r".* is experimental", "Heartbeat of storage is supposed to be used with Study.optimize")
 

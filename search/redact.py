@@ -20,7 +20,9 @@ def redact_url(text: str) -> str:
     _URL_PASSWORD."""
     if "://" not in text:  # no URL, no password to hide (and no SQLAlchemy to import for a plain error line)
         return text
-    from sqlalchemy.engine import make_url  # here: importing latentsweep.search.failures (and so this module) stays light
+    from sqlalchemy.engine import (  # here: importing latentsweep.search.failures (and so this module) stays light
+        make_url,
+    )
     from sqlalchemy.exc import ArgumentError
 
     try:

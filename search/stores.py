@@ -94,7 +94,8 @@ def check_artifact_root(root: str) -> None:
 
 
 # What a state directory holds that no output may replace: the stores (with SQLite's journal files beside them), the
-# trials' folders (config, metrics and best.pt of every trial: STATE/studies, latentsweep.search.study.worker.study_dir) and the
+# trials' folders (config, metrics and best.pt of every trial: STATE/studies, latentsweep.search.study.worker.study_dir)
+# and the
 # artifacts. Not STATE/picks and STATE/train: the default outputs of `pick` and `train` go there.
 STATE_FILES = {"optuna.db": "the Optuna storage", "mlflow.db": "the MLflow tracking store"}
 STATE_DIRS = {"studies": "the trials' folders (checkpoints)", ARTIFACTS: "the MLflow artifacts"}

@@ -36,14 +36,16 @@ def pytest_collection_modifyitems(items) -> None:
 
 # A back-dated start: seconds of a `run --time 60` budget counted as already spent, so that a test of the smallest
 # budget waits out 50 s of it, not 60. More would starve the search: it only starts with more than half the budget
-# left (the pick's opening reserve, latentsweep.search.study.budget), after the floor, which takes seconds on a loaded machine (at
+# left (the pick's opening reserve, latentsweep.search.study.budget), after the floor, which takes seconds on a loaded
+# machine (at
 # 20 s the zero-seconds test's search finished no trial there). A CLI process reads $LATENTSWEEP_TEST_SPENT_S
 # (latentsweep.search.process.process_started); an in-process command takes the clock from main_spent below.
 SPENT_S = 10.0
 
 
 def main_spent(argv: list[str], spent_s: float = SPENT_S) -> int:
-    """latentsweep.search.cli.main.main(argv) with its clock started `spent_s` s ago: the command's code unchanged, its budget
+    """latentsweep.search.cli.main.main(argv) with its clock started `spent_s` s ago: the command's code unchanged, its
+    budget
     shorter by that much."""
     import time
 

@@ -1,4 +1,5 @@
-"""The Python API: re-exported lazily by `import latentsweep` (no import cost for the CLI and workers), one-line errors as
+"""The Python API: re-exported lazily by `import latentsweep` (no import cost for the CLI and workers), one-line errors
+as
 the CLI's; the whole flow runs in tests/test_notebook.py."""
 from __future__ import annotations
 

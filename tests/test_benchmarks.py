@@ -57,5 +57,6 @@ def test_smoke_runs_in_a_temp_dir(script, tmp_path):
     assert run.stdout.strip()  # it reports something
     assert list(cwd.iterdir()) == []  # nothing written where it was started
     # its temp dirs are removed. Caches may stay, under TMPDIR by design: torch's compile cache, and the train files'
-    # mapped copy (latentsweep.trainers.data.sets.cache_dir: the next process on this machine maps it instead of parsing the file)
+    # mapped copy (latentsweep.trainers.data.sets.cache_dir: the next process on this machine maps it instead of parsing
+    # the file)
     assert [p.name for p in tmp.iterdir() if not p.name.startswith(("torchinductor", "latentsweep-data-"))] == []

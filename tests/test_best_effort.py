@@ -1,4 +1,5 @@
-"""latentsweep.search.failures.best_effort: our bug raised with its traceback, any other failure one line and the caller goes on."""
+"""latentsweep.search.failures.best_effort: our bug raised with its traceback, any other failure one line and the caller
+goes on."""
 from __future__ import annotations
 
 import traceback

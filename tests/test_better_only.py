@@ -73,7 +73,8 @@ def test_the_floor_is_scored_fit_without_the_val_images(world):
     fair = world.judge.score_floor(world.data, seen.alpha)
     unfair = world.judge.score(seen.predict(world.judge.text))
     assert 0.0 < fair < unfair
-    # the floor's fast in-gallery MRR is the trials' own protocol (latentsweep.trainers.eval.metrics.evaluate_leaderboard)
+    # the floor's fast in-gallery MRR is the trials' own protocol
+    # (latentsweep.trainers.eval.metrics.evaluate_leaderboard)
     alone = solve(moments(world.data, captions_of(world.data.cap2img, world.judge.train_images)), seen.alpha)
     assert world.judge.score(alone.predict(world.judge.text)) == pytest.approx(fair, abs=1e-6)
 

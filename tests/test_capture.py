@@ -1,4 +1,5 @@
-"""Tests of issue 33: no host sync or per-step host work in a training step, and train.capture (trainers/train/capture.py)
+"""Tests of issue 33: no host sync or per-step host work in a training step, and train.capture
+(trainers/train/capture.py)
 computing what the eager step does, with its eager fallbacks recorded."""
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests of `latentsweep train` and `latentsweep predict` through latentsweep.search.cli.main.main, on tiny synthetic data."""
+"""Tests of `latentsweep train` and `latentsweep predict` through latentsweep.search.cli.main.main, on tiny synthetic
+data."""
 from __future__ import annotations
 
 import contextlib

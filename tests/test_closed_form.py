@@ -1,4 +1,5 @@
-"""The closed-form answer (latentsweep.trainers.models.closed_form) against a naive float64 ridge, and the one-budget job's floor."""
+"""The closed-form answer (latentsweep.trainers.models.closed_form) against a naive float64 ridge, and the one-budget
+job's floor."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
-"""What a job costs (latentsweep.trainers.train.cost), the deadline of a training run, and the search/pick split of a one-budget run."""
+"""What a job costs (latentsweep.trainers.train.cost), the deadline of a training run, and the search/pick split of a
+one-budget run."""
 from __future__ import annotations
 
 import time
@@ -111,7 +112,8 @@ def _study_with(refit_seconds: list[float], images: int = 100, eval_s: float = 0
     return study
 
 
-PICK = PickCost(PICK_FIXED_S, pool=10)  # the pool of `pick --top 5` with val selection (latentsweep.search.pick.options)
+# the pool of `pick --top 5` with val selection (latentsweep.search.pick.options)
+PICK = PickCost(PICK_FIXED_S, pool=10)
 
 
 def test_the_pick_reserve_follows_the_measured_costs_within_its_bounds():

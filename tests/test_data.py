@@ -1,4 +1,5 @@
-"""Tests of latentsweep.trainers.data.sets (challenge npz reading, validation), latentsweep.trainers.data.writer, latentsweep.trainers.data.splits (image-level
+"""Tests of latentsweep.trainers.data.sets (challenge npz reading, validation), latentsweep.trainers.data.writer,
+latentsweep.trainers.data.splits (image-level
 splits) and latentsweep.trainers.data.synthetic."""
 import hashlib
 import tracemalloc

@@ -1,4 +1,5 @@
-"""latentsweep.trainers.data.sets.load_train_shared: one read of a train file per process while its bytes stay the same; a study run
+"""latentsweep.trainers.data.sets.load_train_shared: one read of a train file per process while its bytes stay the same;
+a study run
 reads its file once (its pre-flight check and its trials share the read)."""
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from latentsweep.trainers.data.synthetic import write_synthetic
 
 @pytest.fixture
 def reads(monkeypatch, tmp_path) -> list[str]:
-    """Every real read of a train file (latentsweep.trainers.data.sets.load_train) by path, from here on (an empty data cache: a file
+    """Every real read of a train file (latentsweep.trainers.data.sets.load_train) by path, from here on (an empty data
+    cache: a file
     of the same bytes mapped by an earlier test is not read)."""
     seen, real = [], latentsweep.trainers.data.sets.load_train
     monkeypatch.setenv(latentsweep.trainers.data.sets.CACHE_ENV, str(tmp_path / "data-cache"))

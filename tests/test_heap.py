@@ -1,4 +1,5 @@
-"""latentsweep.trainers.core.heap.release_free_heap hands freed heap pages back to the OS (glibc), which glibc alone keeps resident."""
+"""latentsweep.trainers.core.heap.release_free_heap hands freed heap pages back to the OS (glibc), which glibc alone
+keeps resident."""
 from __future__ import annotations
 
 import os

@@ -158,7 +158,8 @@ def test_a_timing_of_the_wrong_type_reads_as_none():
 @pytest.mark.parametrize("device", ["cuda:0", "CUDA", "mps", "meta", "cpu:1", ""])
 def test_a_bad_train_device_is_refused_before_anything_is_stored(device, data, existing, tmp_path, monkeypatch,
                                                                   capsys):
-    monkeypatch.setattr("latentsweep.search.study.preflight.cuda_count", lambda: 0)  # a CPU machine, also on a GPU runner
+    # a CPU machine, also on a GPU runner
+    monkeypatch.setattr("latentsweep.search.study.preflight.cuda_count", lambda: 0)
     study = tmp_path / "dev.toml"
     study.write_text(GOOD_STUDY.replace("batch_size = 64", f'batch_size = 64\ndevice = "{device}"'))
     state = tmp_path / "state"

@@ -1,5 +1,6 @@
 """A Ctrl-C whose KeyboardInterrupt Python drops (raised inside a finalizer: "Exception ignored in ...") still stops
-a study: latentsweep.search.process remembers the signal and the runner asks between epochs and before each claim. A Ctrl-C that
+a study: latentsweep.search.process remembers the signal and the runner asks between epochs and before each claim. A
+Ctrl-C that
 lands inside a store write leaves no SQLite lock behind once latentsweep.search.failures.release_interrupted ran."""
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""latentsweep.trainers.core.io.atomic_write and atomic_path: all or nothing, and the permissions a plain `open` would give."""
+"""latentsweep.trainers.core.io.atomic_write and atomic_path: all or nothing, and the permissions a plain `open` would
+give."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
-"""The knn model (trainers/models/knn.py) against naive oracles, its temperature choice, and its path through the loop, the
+"""The knn model (trainers/models/knn.py) against naive oracles, its temperature choice, and its path through the loop,
+the
 checkpoint and the pick's refits."""
 from __future__ import annotations
 

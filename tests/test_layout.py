@@ -17,7 +17,8 @@ MAX_FUNCTION_LINES = 80
 # A package may import only packages on its own level or below (never one above): cli -> pick -> study -> the bottom.
 LAYERS = {"api": 3, "cli": 3, "pick": 2, "ui": 2, "study": 1, "failures": 0, "tracking": 0, "stores": 0, "process": 0,
           "redact": 0, "demodata": 3, "progress": 0, "checks": 0}
-ENTRY = {"latentsweep", "latentsweep.__main__", "latentsweep.search"}  # the API, `python -m latentsweep` and the package
+# the API, `python -m latentsweep` and the package
+ENTRY = {"latentsweep", "latentsweep.__main__", "latentsweep.search"}
 # itself sit above every layer
 TRAINERS_NEVER = ("latentsweep.search", "latentsweep", "optuna", "mlflow")
 # All MLflow access goes through the tracker (and its probe, which asks MLflow's own HTTP client); the standalone pyfunc
@@ -254,7 +255,8 @@ def test_version_and_help_import_no_heavy_library(argv):
 
 
 def test_the_failure_classification_imports_no_heavy_library_until_it_meets_one():
-    """latentsweep.search.failures names library errors by module and looks them up in the libraries already imported: an error
+    """latentsweep.search.failures names library errors by module and looks them up in the libraries already imported:
+    an error
     of a library's class exists only once that library is loaded. Classifying a plain error imports nothing more."""
     code = ("import sys; from latentsweep.search.failures import classify; classify(OSError(28, 'No space left on device')); "
             "print(sorted(m for m in ('torch', 'requests', 'sqlalchemy', 'optuna', 'mlflow') if m in sys.modules))")

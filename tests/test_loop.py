@@ -1,4 +1,5 @@
-"""Tests of the training loop on tiny synthetic data: learning, determinism, callback, checkpoint, early stop, divergence."""
+"""Tests of the training loop on tiny synthetic data: learning, determinism, callback, checkpoint, early stop,
+divergence."""
 from __future__ import annotations
 
 import csv

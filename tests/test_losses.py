@@ -1,4 +1,5 @@
-"""Tests for latentsweep.trainers.losses (every registered loss), the Temperature, the queue loss's buffers, the Criterion and the
+"""Tests for latentsweep.trainers.losses (every registered loss), the Temperature, the queue loss's buffers, the
+Criterion and the
 multi-label triplet."""
 from __future__ import annotations
 

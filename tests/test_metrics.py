@@ -1,4 +1,5 @@
-"""Tests of latentsweep.trainers.eval.metrics: ranks against a naive oracle, summaries, and the global / leaderboard protocols."""
+"""Tests of latentsweep.trainers.eval.metrics: ranks against a naive oracle, summaries, and the global / leaderboard
+protocols."""
 import math
 
 import numpy as np

@@ -187,7 +187,8 @@ def test_pick_writes_a_valid_submission_manifest_and_report(world, greedy_pick):
     assert set(report["role"]) == {"member", "best_single", "mean", "ensemble", "submission_model"}
     made = report[report["role"] == "submission_model"]
     assert set(made["origin"]) == {"local"} and made["weight"].sum() == pytest.approx(1.0)  # --no-refit
-    assert not list(out.parent.glob(".*"))  # no staging left behind (latentsweep.trainers.core.io.atomic_path: hidden, beside)
+    # no staging left behind (latentsweep.trainers.core.io.atomic_path: hidden, beside)
+    assert not list(out.parent.glob(".*"))
 
 
 @pytest.mark.slow

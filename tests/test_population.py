@@ -1,5 +1,7 @@
-"""Population trials (latentsweep.trainers.train.population): K members trained in one stacked step compute what each computes alone
-with latentsweep.trainers.train.loop.train (same seed, CPU, float tolerance): histories, best epoch, pruning point, best.pt; a failing
+"""Population trials (latentsweep.trainers.train.population): K members trained in one stacked step compute what each
+computes alone
+with latentsweep.trainers.train.loop.train (same seed, CPU, float tolerance): histories, best epoch, pruning point,
+best.pt; a failing
 member fails alone; joiners; done once per member; unstackable configs alone."""
 from __future__ import annotations
 

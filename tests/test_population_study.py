@@ -1,4 +1,5 @@
-"""A worker's population (latentsweep.search.study.population): each member its own Optuna trial and MLflow run, told on its own;
+"""A worker's population (latentsweep.search.study.population): each member its own Optuna trial and MLflow run, told on
+its own;
 a failing member fails alone; join fills the budget exactly; the defaults a machine gets (CPU: unchanged; CUDA: every
 GPU). Real Optuna on SQLite, real MLflow on SQLite, the trainers' own population step."""
 from __future__ import annotations

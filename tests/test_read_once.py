@@ -21,7 +21,8 @@ from latentsweep.trainers.data.synthetic import write_synthetic
 
 @pytest.fixture
 def parses(monkeypatch) -> list[str]:
-    """Every parse of a study file's TOML (latentsweep.search.study.studyfile reads each file through load_toml), from here on."""
+    """Every parse of a study file's TOML (latentsweep.search.study.studyfile reads each file through load_toml), from
+    here on."""
     seen, real = [], latentsweep.search.study.studyfile.load_toml
 
     def counted(path, *args, **kwargs):

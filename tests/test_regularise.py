@@ -1,4 +1,5 @@
-"""Tests of latentsweep.trainers.train.regularise (mixup, input noise, EMA/SWA), InfoNCE label smoothing and their use by the loop."""
+"""Tests of latentsweep.trainers.train.regularise (mixup, input noise, EMA/SWA), InfoNCE label smoothing and their use
+by the loop."""
 from __future__ import annotations
 
 import math

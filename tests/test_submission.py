@@ -1,4 +1,5 @@
-"""Tests of latentsweep.trainers.eval.submission and `latentsweep submission check|score`: format, atomicity, checks and scoring."""
+"""Tests of latentsweep.trainers.eval.submission and `latentsweep submission check|score`: format, atomicity, checks and
+scoring."""
 import json
 import os
 import re

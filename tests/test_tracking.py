@@ -171,7 +171,8 @@ def test_log_round_trips_through_metric_history(tracker, batch_limits):
 
 
 def test_log_raises_what_the_store_raises(tracker, batch_limits):
-    # The tracker decides nothing about failures: latentsweep.search.failures classifies what it raises (tests/test_failures.py).
+    # The tracker decides nothing about failures: latentsweep.search.failures classifies what it raises
+    # (tests/test_failures.py).
     from mlflow.exceptions import MlflowException
 
     tracker.ensure_study("flaky study", {})

@@ -1,4 +1,5 @@
-"""Tests of latentsweep.search.ui.servers and `latentsweep ui`: real MLflow and optuna-dashboard servers on free ports, shutdown."""
+"""Tests of latentsweep.search.ui.servers and `latentsweep ui`: real MLflow and optuna-dashboard servers on free ports,
+shutdown."""
 import os
 import signal
 import socket

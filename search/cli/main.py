@@ -12,7 +12,8 @@ from importlib.metadata import version as dist_version
 from latentsweep.search.process import STOP_SIGNALS, configure_process, exit_code, interrupt_on, process_started
 from latentsweep.search.progress import print_error, report_error
 
-# Each module of latentsweep.search.cli named here exposes add_parser(subparsers); the handler it sets as `func` returns an exit
+# Each module of latentsweep.search.cli named here exposes add_parser(subparsers); the handler it sets as `func` returns
+# an exit
 # code and is named after its command: `latentsweep study run` -> cmd_study_run (tests/test_layout.py checks it).
 COMMAND_MODULES = ("data", "submission", "train", "study", "pick", "run", "ui")
 # The module of each top-level command (tests/test_layout.py checks it against the parsers): a command imports only its
@@ -114,7 +115,8 @@ def _main(argv: list[str], started: float) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         raise
-    except Exception as exc:  # classified once (latentsweep.search.failures): a bug keeps its traceback, the rest is one line
+    # classified once (latentsweep.search.failures): a bug keeps its traceback, the rest is one line
+    except Exception as exc:
         code = report_error(exc)
         if code is None:
             raise

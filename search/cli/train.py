@@ -1,4 +1,5 @@
-"""`latentsweep train` (one run of a study file's base config) and `latentsweep predict` (a submission from a checkpoint)."""
+"""`latentsweep train` (one run of a study file's base config) and `latentsweep predict` (a submission from a
+checkpoint)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,8 @@ from latentsweep.trainers.train.tasks import check_split, predict
 from latentsweep.trainers.config.validate import validate
 
 
-# What `train` writes in its --out directory (latentsweep.trainers.train.loop: best.pt; latentsweep.trainers.train.records: metrics.csv).
+# What `train` writes in its --out directory (latentsweep.trainers.train.loop: best.pt;
+# latentsweep.trainers.train.records: metrics.csv).
 TRAIN_FILES = ("config.toml", "result.json", "best.pt", "metrics.csv")
 
 

@@ -219,7 +219,8 @@ def test_caption(stamp: Stamp, seed: int) -> int:
 
 
 def ridge_baseline(train, test_text, test_image, seed: int) -> dict:
-    """The closed-form floor (latentsweep.trainers.models.closed_form.fit_ridge: its strength chosen on a hash split of train by
+    """The closed-form floor (latentsweep.trainers.models.closed_form.fit_ridge: its strength chosen on a hash split of
+    train by
     leaderboard MRR, refit on all of train), scored on the held-out test in id order (galleries of 100,
     latentsweep.trainers.eval.metrics.leaderboard_from_ordered)."""
     from latentsweep.trainers.models.closed_form import fit_ridge  # imports torch: see encode_images
@@ -258,7 +259,8 @@ def build_demo(out: Path, work: Path, languages=DEFAULT_LANGUAGES, test_fraction
 
 
 def _write_files(out, stamps, image, text, starts, test_idx, seed) -> dict:
-    """Split and write the three .npz files with latentsweep.trainers.data.writer; returns counts and the ridge baseline."""
+    """Split and write the three .npz files with latentsweep.trainers.data.writer; returns counts and the ridge
+    baseline."""
     out.mkdir(parents=True, exist_ok=True)
     is_test = np.zeros(len(stamps), dtype=bool)
     is_test[test_idx] = True

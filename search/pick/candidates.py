@@ -88,7 +88,8 @@ def best_of_each_kind(ranked: list, study: str | None = None) -> list:
 
 def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | None = None,
                      study: str | None = None) -> tuple[Path, str] | None:
-    """(path, origin) of the trial's best.pt: the local path it recorded (latentsweep.search.study.contract.TrialOutputs, relative
+    """(path, origin) of the trial's best.pt: the local path it recorded
+    (latentsweep.search.study.contract.TrialOutputs, relative
     to the state directory `root`), else downloaded from its tracked run; None (with a warning naming the trial of
     study `study`) if neither."""
     outputs = TrialOutputs.of(trial, study)

@@ -1,7 +1,8 @@
 """Ensemble math for `latentsweep pick`: select/report halves of the val images, combining members, selection methods.
 
 Pure numpy/torch on arrays; no Optuna, MLflow or files. Members are combined as the weighted mean of their
-L2-normalised outputs, L2-normalised again (`combine`); every score is the leaderboard MRR of `latentsweep.trainers.eval.metrics`.
+L2-normalised outputs, L2-normalised again (`combine`); every score is the leaderboard MRR of
+`latentsweep.trainers.eval.metrics`.
 """
 from __future__ import annotations
 

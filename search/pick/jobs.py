@@ -98,7 +98,8 @@ def make_job(name: str, member: str, cfg: Config, cand: Candidate, data: TrainSe
 def run_job(job: Job, data: TrainSet, progress: bool,
             deadline: Deadline = Deadline.never()) -> tuple[Path | None, float | None]:
     """Train (or reuse) the job: (its checkpoint, seconds spent training; None when reused). It stops at `deadline`
-    keeping its best finished epoch (latentsweep.trainers.train.loop.train), or is dropped when no epoch finished before it: (None,
+    keeping its best finished epoch (latentsweep.trainers.train.loop.train), or is dropped when no epoch finished before
+    it: (None,
     seconds spent). The done stamp is written only after training finished every planned epoch, so a job cut by the
     deadline is trained again, whole, by the next pick."""
     part = data if job.images is None else subset(data, job.images)
@@ -115,7 +116,8 @@ def run_job(job: Job, data: TrainSet, progress: bool,
         result = train(job.cfg, part, out_dir=job.run_dir, progress=progress, deadline=lambda: deadline)
     except DeadlineReached:
         return None, time.monotonic() - start
-    except Exception as exc:  # classified once (latentsweep.search.failures): a bug keeps its traceback, the rest is one line
+    # classified once (latentsweep.search.failures): a bug keeps its traceback, the rest is one line
+    except Exception as exc:
         raise_stop(exc, f"pick job {job.name}")
     if not result.stopped_at_deadline:
         with atomic_write(job.run_dir / DONE_FILE) as fh:
@@ -125,7 +127,8 @@ def run_job(job: Job, data: TrainSet, progress: bool,
 
 def job_cost(cand: Candidate, data, captions: int, images: int, epochs: int) -> float | None:
     """Estimated seconds of `cand`'s config trained `epochs` epochs without validation on `captions` captions of
-    `images` images: from the trial's measured start-up and per-epoch seconds (latentsweep.trainers.train.cost), else from its wall time
+    `images` images: from the trial's measured start-up and per-epoch seconds (latentsweep.trainers.train.cost), else
+    from its wall time
     per caption-epoch (trials recorded before timings: validation and logging included, so it overestimates), else
     None (nothing measured)."""
     if cand.timing is not None:

@@ -21,7 +21,8 @@ from latentsweep.trainers.train.tasks import split_images
 
 @dataclass(frozen=True)
 class Judge:
-    """The study's val split (the images every trial validates on, latentsweep.trainers.train.tasks.split_images of the study's
+    """The study's val split (the images every trial validates on, latentsweep.trainers.train.tasks.split_images of the
+    study's
     [base]) and its leaderboard protocol: a candidate trained without these images is scored here by MRR."""
     train_images: np.ndarray  # [Nt] image indices the candidates may train on
     held_images: np.ndarray  # [Nv] image indices of the val split
@@ -32,7 +33,8 @@ class Judge:
     seed: int
 
     def score(self, pred: np.ndarray) -> float:
-        """Leaderboard MRR of the val captions' predictions `pred` [Nq, Di] (latentsweep.trainers.eval.metrics, as a trial's
+        """Leaderboard MRR of the val captions' predictions `pred` [Nq, Di] (latentsweep.trainers.eval.metrics, as a
+        trial's
         val/mrr: same images, same galleries)."""
         return float(evaluate_leaderboard(pred, self.gallery, self.target, gallery_size=self.gallery_size,
                                           seed=self.seed)["mrr"])

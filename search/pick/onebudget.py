@@ -4,8 +4,10 @@ val split (latentsweep.search.pick.judge; the manifest says which answer won and
   1. the pick's inputs checked (before any trial is stored);
   2. the closed-form ridge's submission, in seconds (the floor: a budget shorter than one trial still ends with it),
      scored on the val split as a ridge fit without those images;
-  3. the search, until the pick's reserve begins (latentsweep.search.study.budget, re-estimated after every epoch), the keeper
-     (latentsweep.search.pick.safe) offering each new best trial's checkpoint; a machine, store or outage failure ends the
+  3. the search, until the pick's reserve begins (latentsweep.search.study.budget, re-estimated after every epoch), the
+  keeper
+     (latentsweep.search.pick.safe) offering each new best trial's checkpoint; a machine, store or outage failure ends
+     the
      search, not the job;
   4. the keeper's last look;
   5. the pick (ensemble and refits) on the job's deadline with every second left; a pick that scores below the
@@ -29,7 +31,9 @@ from latentsweep.search.pick.plan import PICK_FIXED_S, PICK_MIN_S
 from latentsweep.search.pick.judge import Judge, Standing, make_judge
 from latentsweep.search.pick.safe import Keeper, SafeAnswer, ridge_answer
 from latentsweep.search.stores import safe_name
-from latentsweep.search.study.budget import RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, JobBudget, PickCost
+from latentsweep.search.study.budget import (
+    RESERVE_MAX_FRACTION, RESERVE_MIN_FRACTION, RESERVE_REFITS, JobBudget, PickCost,
+)
 from latentsweep.search.study.runner import run_study
 from latentsweep.search.study.worker import RunSpec
 from latentsweep.search.tracking.probe import probe_tracking_store
@@ -98,7 +102,8 @@ class OneBudgetResult:
     pick: PickResult | None
     overrun_s: float
     overrun_in: str = ""
-    answer_record: dict | None = None  # which answer won on the val split, by how much (latentsweep.search.pick.judge.Standing)
+    # which answer won on the val split, by how much (latentsweep.search.pick.judge.Standing)
+    answer_record: dict | None = None
     search_ended: str = ""  # the one line of the failure that ended the search early ('' when it ended as planned)
 
 
@@ -169,7 +174,8 @@ def _search(spec: RunSpec, job_budget: JobBudget, workers: int, keeper: Keeper) 
 
 
 def _judge(spec: RunSpec, data, answer: SafeAnswer) -> tuple[Judge | None, Standing]:
-    """The val split every answer is scored on (latentsweep.search.pick.judge) and the floor's standing on it: the ridge fit on
+    """The val split every answer is scored on (latentsweep.search.pick.judge) and the floor's standing on it: the ridge
+    fit on
     the split's train part, scored when the first other answer is offered. Without a judge (a study that holds
     nothing out) answers replace each other unscored."""
     standing = Standing(answer.source, None)
@@ -233,7 +239,8 @@ def _late(deadline: Deadline, step: str) -> str:
 
 
 def _gate(judge: Judge | None, standing: Standing):
-    """The pick's last check (latentsweep.search.pick.picker.run_pick's `gate`): its ensemble of the chosen trials' checkpoints,
+    """The pick's last check (latentsweep.search.pick.picker.run_pick's `gate`): its ensemble of the chosen trials'
+    checkpoints,
     with the chosen weights, scored on the judge's val split; it replaces the answer in place unless it scores below
     it (a tie goes to the pick: its refits are the same configs trained on more images). Returns the manifest's
     `answer` record, or None (the pick loses, said in one line)."""
@@ -249,7 +256,8 @@ def _gate(judge: Judge | None, standing: Standing):
 
 def _try_pick(pick: PickOptions, deadline: Deadline, answer: SafeAnswer, judge: Judge | None,
               standing: Standing) -> PickResult | None:
-    """The pick inside the job's deadline; None when it loses to the answer in place (latentsweep.search.pick.judge) or fails on
+    """The pick inside the job's deadline; None when it loses to the answer in place (latentsweep.search.pick.judge) or
+    fails on
     anything but our own bug or an interrupt: the answer in place stays, said in one line (and in the standings)."""
     in_place = (standing.source, standing.score)
     try:

@@ -21,7 +21,8 @@ from latentsweep.trainers.eval.metrics import GALLERY_SIZE, evaluate_leaderboard
 
 @dataclass(frozen=True)
 class Folds:
-    """Image folds over the whole TrainSet: fold_of[i] is image i's fold (dealt by latentsweep.trainers.data.splits.fold_assignment)."""
+    """Image folds over the whole TrainSet: fold_of[i] is image i's fold (dealt by
+    latentsweep.trainers.data.splits.fold_assignment)."""
     fold_of: np.ndarray  # int64 [Ni]
     cap2img: np.ndarray  # int64 [Nc]
 

@@ -234,7 +234,8 @@ def write_outputs(tracker: Tracker, r: PickRun) -> PickResult:
 
 def _put_files(r: PickRun) -> dict[str, Any]:
     """Stage the submission (checked against the test set), report and manifest beside their places
-    (latentsweep.trainers.core.io.atomic_path), then move them into place; on a failure nothing is moved and the directories created
+    (latentsweep.trainers.core.io.atomic_path), then move them into place; on a failure nothing is moved and the
+    directories created
     for --out are removed. Returns the manifest."""
     paths = r.paths
     created = _make_dirs(paths.out.parent)

@@ -1,12 +1,15 @@
 """`latentsweep pick`: a study's best trials ensembled into a submission, in the order a reader follows:
-budget and candidates -> plan (latentsweep.search.pick.plan) -> fold jobs (latentsweep.search.pick.jobs) -> selection (latentsweep.search.pick.selection,
-out-of-fold with the nested gain in latentsweep.search.pick.oof) -> refits (latentsweep.search.pick.jobs) -> outputs (latentsweep.search.pick.outputs).
+budget and candidates -> plan (latentsweep.search.pick.plan) -> fold jobs (latentsweep.search.pick.jobs) -> selection
+(latentsweep.search.pick.selection,
+out-of-fold with the nested gain in latentsweep.search.pick.oof) -> refits (latentsweep.search.pick.jobs) -> outputs
+(latentsweep.search.pick.outputs).
 
 Default (`--selection oof`): every candidate config is retrained on k-1 image folds for each fold, so every labelled
 caption gets a prediction from a model that never saw its image; greedy selection runs on all of them and nested folds
 give the honest gain with its spread. The chosen members' fold models are bagged with their refits on all images,
 each replaying the epochs its trial found best. `--selection halves` keeps the older scheme: weights on one half of
-the study's val split, figures on the other. Candidates: latentsweep.search.pick.candidates; options: latentsweep.search.pick.options.
+the study's val split, figures on the other. Candidates: latentsweep.search.pick.candidates; options:
+latentsweep.search.pick.options.
 """
 from __future__ import annotations
 
@@ -166,7 +169,8 @@ def load_inputs(opts: PickOptions, downloads: Path, device) -> PickInputs:
 
 
 def run_pick(opts: PickOptions) -> PickResult:
-    """`latentsweep pick`: the whole pick within --budget (latentsweep.search.pick.plan); returns latentsweep.search.pick.outputs.PickResult.
+    """`latentsweep pick`: the whole pick within --budget (latentsweep.search.pick.plan); returns
+    latentsweep.search.pick.outputs.PickResult.
     Cheap checks come before any training."""
     started = time.monotonic()
     check_options(opts)
@@ -177,7 +181,8 @@ def run_pick(opts: PickOptions) -> PickResult:
 
 
 def pick_until(opts: PickOptions, deadline: Deadline, gate=None) -> PickResult | None:
-    """The pick of a one-budget job (latentsweep.search.pick.onebudget): inside the job's `deadline` (opts.budget is not read),
+    """The pick of a one-budget job (latentsweep.search.pick.onebudget): inside the job's `deadline` (opts.budget is not
+    read),
     and, with `gate(models, weights, device) -> manifest record or None`, written only when the gate lets the chosen
     ensemble replace the answer in place (None: it lost, nothing written)."""
     started = time.monotonic()

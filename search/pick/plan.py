@@ -8,7 +8,8 @@ The fold models are not thrown away: a chosen member's k fold models are bagged 
 (AutoGluon predicts with its bagged fold models the same way), so the selection's compute is also submission compute.
 
 The plan shrinks along REDUCTIONS until its estimate fits the budget, keeping one refit of the best candidate (one
-model that saw every image). The budget is one latentsweep.trainers.core.deadline.Deadline (a `latentsweep run` passes its job's). Jobs
+model that saw every image). The budget is one latentsweep.trainers.core.deadline.Deadline (a `latentsweep run` passes
+its job's). Jobs
 run candidate by candidate; a job starts only when its estimate fits before the deadline less the export's reserve
 and stops there keeping its best finished epoch (or is dropped, its seconds said), so the export's share stays free;
 a candidate whose folds are then incomplete leaves the selection (its finished jobs are kept and reused by the next
@@ -106,7 +107,8 @@ FACTOR_BOUNDS = (0.25, 4.0)
 
 
 class Clock:
-    """The pick's clock on the job's one deadline (latentsweep.trainers.core.deadline; Deadline.never() for an unbounded pick). A job
+    """The pick's clock on the job's one deadline (latentsweep.trainers.core.deadline; Deadline.never() for an unbounded
+    pick). A job
     starts only when its estimate (scaled by what the jobs so far really took against their estimates) fits in what
     is left before the deadline after the export's reserve, and trains with that reserve's start as its own deadline
     (latentsweep.search.pick.jobs.run_job): the export's share stays free; and one line per finished job."""

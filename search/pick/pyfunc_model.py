@@ -36,7 +36,8 @@ def model_name(study: str) -> str:
 
 
 class _Pred(torch.nn.Module):
-    """A trained Translator as a plain tensor function: eval-mode "pred" output as float32 (latentsweep.trainers.train.tasks.predict)."""
+    """A trained Translator as a plain tensor function: eval-mode "pred" output as float32
+    (latentsweep.trainers.train.tasks.predict)."""
 
     def __init__(self, model):
         super().__init__()

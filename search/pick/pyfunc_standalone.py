@@ -2,7 +2,8 @@
 
 MLflow saves this file into the model (models-from-code) and runs it at load time, so it must stay self-contained:
 the members are torch.export programs (member-NN.pt2: caption embeddings [N, Dt] -> image-space outputs [N, Di]),
-their weights are in ensemble.json. The combination repeats latentsweep.search.pick.ensemble.combine (tests check they agree).
+their weights are in ensemble.json. The combination repeats latentsweep.search.pick.ensemble.combine (tests check they
+agree).
 """
 import json
 from pathlib import Path

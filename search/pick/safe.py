@@ -43,7 +43,8 @@ class SafeAnswer:
 
 def put_submission(out: Path, test: TestSet, pred: np.ndarray) -> None:
     """Write the submission of `pred` [N_test, Di] for `test` to `out`: staged beside it, checked, then moved into
-    place in one rename (latentsweep.trainers.core.io.atomic_path), so `out` is at every moment either the previous valid submission
+    place in one rename (latentsweep.trainers.core.io.atomic_path), so `out` is at every moment either the previous
+    valid submission
     or the new one."""
     with atomic_path(out) as staged:
         write_submission(staged, test.ids, pred)
@@ -51,7 +52,8 @@ def put_submission(out: Path, test: TestSet, pred: np.ndarray) -> None:
 
 
 def ridge_answer(data: TrainSet, test: TestSet, out: Path) -> SafeAnswer:
-    """The closed-form ridge's submission (latentsweep.trainers.models.closed_form): the job's floor, before any trial."""
+    """The closed-form ridge's submission (latentsweep.trainers.models.closed_form): the job's floor, before any
+    trial."""
     started = time.monotonic()
     check_text_dim(test, data.text.shape[1], "the training captions have")
     ridge, _ = fit_ridge(data)
@@ -80,7 +82,8 @@ def local_checkpoint(trial: optuna.trial.FrozenTrial, root: Path, study: str | N
 class Keeper:
     """Keeps the submission at `out` the best answer while a search runs: a thread that looks at the study every
     KEEP_POLL_S and, when the best trial (or its value) changed, scores its checkpoint on the judge's val split and
-    rewrites the answer only when it beats the one in place (latentsweep.search.pick.judge; without a judge, any trial with a
+    rewrites the answer only when it beats the one in place (latentsweep.search.pick.judge; without a judge, any trial
+    with a
     value replaces the floor), so a job killed mid-search still leaves its best answer. `refresh()` does one look now
     (the job's last, after the search). The keeper draws nothing from torch's global generator (its models are built
     on the meta device, latentsweep.trainers.train.checkpoint.load_model's rng_free) and opens the study's storage once."""

@@ -4,7 +4,8 @@ Probes are deterministic. For every entry and each of its probe values (every ch
 of a range and both sides of every condition threshold inside it), one config sets that value with the entry's
 conditions made true, and one more per value of each knob those conditions read (so `model.hidden` is probed under
 every `model.kind` that activates it). The rest of each probe is drawn from the same probe values by a seeded RNG.
-Every probed config goes through `latentsweep.trainers.config.validate.validate`, the check the trainer itself runs first.
+Every probed config goes through `latentsweep.trainers.config.validate.validate`, the check the trainer itself runs
+first.
 """
 from __future__ import annotations
 

@@ -15,11 +15,13 @@ from latentsweep.trainers.core.deadline import Deadline
 # challenge-format set of issue 19, 7 refits (4 members) reached 0.640 test MRR and 12 refits (3 seeds x 4) added
 # nothing, so about 8 refits is what a pick turns into test score.
 RESERVE_REFITS = 8
-# ... plus the pick's own work (PickCost, decided by the pick: latentsweep.search.pick.plan and latentsweep.search.pick.options).
+# ... plus the pick's own work (PickCost, decided by the pick: latentsweep.search.pick.plan and
+# latentsweep.search.pick.options).
 # The reserve stays within these fractions of the whole budget: before any trial has finished (nothing measured
 # yet) it is the upper bound, so a first slow trial cannot eat the pick's time; and the search always gets half.
 RESERVE_MIN_FRACTION, RESERVE_MAX_FRACTION = 0.1, 0.5
-# ... and never below this many times what the safe answer (latentsweep.search.pick.safe) took on this machine: the answer the
+# ... and never below this many times what the safe answer (latentsweep.search.pick.safe) took on this machine: the
+# answer the
 # job falls back to must always fit after the search.
 SAFE_FACTOR = 2.0
 # How long past its `--timeout` a spawned worker may take before the parent stops it: its running trial stops at its
@@ -32,7 +34,8 @@ RESERVE_TRIALS = 3
 @dataclass(frozen=True)
 class PickCost:
     """What the pick after the search costs besides its refits, as the pick decides it (the one-budget job passes
-    latentsweep.search.pick.plan.PICK_FIXED_S and the pool of latentsweep.search.pick.options.pool_size): its fixed work in seconds, and one
+    latentsweep.search.pick.plan.PICK_FIXED_S and the pool of latentsweep.search.pick.options.pool_size): its fixed work
+    in seconds, and one
     validation pass per candidate of its pool, each as long as the best trials' measured validation (what the pick's
     predictions of the val split cost on this machine and data: at challenge size, most of the pick's own work)."""
     fixed_s: float
@@ -42,7 +45,8 @@ class PickCost:
 @dataclass(frozen=True)
 class JobBudget:
     """The whole one-budget job's time (search and pick): `total_s` seconds ending at `deadline` (the one deadline
-    of the job, latentsweep.trainers.core.deadline); `pick` what the pick costs besides its refits; `floor_s` is what the closed-form
+    of the job, latentsweep.trainers.core.deadline); `pick` what the pick costs besides its refits; `floor_s` is what
+    the closed-form
     floor (latentsweep.search.pick.safe) took on this machine (the reserve's lowest bound)."""
     deadline: Deadline
     total_s: float

@@ -24,12 +24,14 @@ OBJECTIVE_ATTR = "objective"  # the study file's objective metric (Optuna's metr
 PARENT_ATTR = "mlflow_parent_run_id"  # the study's MLflow parent run: trials and picks nest under it
 HALT_ATTR = "latentsweep.halted"  # set when a bug stopped a worker: the others stop before claiming their next trial
 PLUGINS_ATTR = "latentsweep.plugins"  # {file name: sha256} of the study's plugin files
-IDENTITY_ATTR = "latentsweep.data"  # {fingerprint, objective, direction, split...} (latentsweep.search.study.warm.identity)
+# {fingerprint, objective, direction, split...} (latentsweep.search.study.warm.identity)
+IDENTITY_ATTR = "latentsweep.data"
 # Study attr (the recipes are queued) and trial attr (this trial was queued, not sampled).
 ENQUEUED_ATTR = "latentsweep.enqueued"
 
 # ---- trial attributes (besides TrialOutputs' fields) -------------------------------------------------------------
-TIMING_ATTR = "timing"  # the run's measured seconds (latentsweep.trainers.train.cost.Timing as a dict): the pick's plan, the budget
+# the run's measured seconds (latentsweep.trainers.train.cost.Timing as a dict): the pick's plan, the budget
+TIMING_ATTR = "timing"
 SIDE_ATTR = "latentsweep.side"  # JSON {config key: value} of a side trial (latentsweep.search.study.side)
 ERROR_ATTR = "latentsweep.error"  # set on trials that failed for good (not retried; they count in the budget)
 DEADLINE_ATTR = "latentsweep.stopped_at_deadline"  # on a trial the deadline cut short: where it stopped

@@ -1,4 +1,5 @@
-"""The Optuna objective as a thin adapter: sample knobs into the config, train, report/prune per epoch, track in MLflow."""
+"""The Optuna objective as a thin adapter: sample knobs into the config, train, report/prune per epoch, track in
+MLflow."""
 from __future__ import annotations
 
 import functools
@@ -79,7 +80,8 @@ class TrialRunner:
         self.base_values = flatten(study_file.base)
         self.open_runs: dict[int, str] = {}  # trial number -> its MLflow run, from its start until it is closed
         # `study run --timeout`: from this worker's start; a one-budget run's search end is re-estimated after every
-        # epoch (latentsweep.search.study.budget). The sooner of the two is the search's end (latentsweep.trainers.core.deadline).
+        # epoch (latentsweep.search.study.budget). The sooner of the two is the search's end
+        # (latentsweep.trainers.core.deadline).
         self.timeout_end = Deadline.after(spec.timeout)  # Deadline.never() without a timeout
         self.search_end = self.timeout_end
         self.close_s = 0.0  # what closing this worker's last trial took (artifacts, figure, end of its run)
@@ -197,7 +199,8 @@ class TrialRunner:
     def fail(self, study: optuna.Study, trial: optuna.Trial,
              exc: BaseException) -> tuple[Failure, optuna.trial.FrozenTrial]:
         """The trial raised `exc` (anywhere from sampling to recording its result): classify it once, close its run,
-        tell Optuna FAIL once, and queue its retry or mark it counted (latentsweep.search.failures says which; a bug also marks
+        tell Optuna FAIL once, and queue its retry or mark it counted (latentsweep.search.failures says which; a bug
+        also marks
         the study halted, so the other workers stop). The Optuna outcome is decided by `exc` alone: a tracker that
         cannot close the run is said in one line (`study reap` closes it later), unless that is a bug of its own."""
         failure = classify(exc)
@@ -276,7 +279,8 @@ class TrialRunner:
             tags.update({POPULATION_ATTR: str(population["id"]), f"{POPULATION_ATTR}_size": str(population["size"])})
         if SIDE_ATTR in trial.user_attrs:  # the stored text as it is (read_side parses it)
             tags[SIDE_ATTR] = str(trial.user_attrs[SIDE_ATTR])
-        tags.update(warm_tags(trial))  # a warm-started trial names its source study and trial (latentsweep.search.study.warm)
+        # a warm-started trial names its source study and trial (latentsweep.search.study.warm)
+        tags.update(warm_tags(trial))
         return tags
 
     def _close(self, run_id: str, out: Path, state: str, ranks=None, error: str | None = None) -> None:

@@ -1,4 +1,5 @@
-"""A worker's population: up to K claimed trials trained side by side (latentsweep.trainers.train.population), each told on its own."""
+"""A worker's population: up to K claimed trials trained side by side (latentsweep.trainers.train.population), each told
+on its own."""
 from __future__ import annotations
 
 import time
@@ -24,7 +25,8 @@ from latentsweep.trainers.core.progress import say
 
 
 def population_size(population: int | str, study_file: StudyFile, spec, data: TrainSet) -> int:
-    """The places of this worker's population: `--population N`, or auto: latentsweep.trainers.train.population.population_size for
+    """The places of this worker's population: `--population N`, or auto:
+    latentsweep.trainers.train.population.population_size for
     the study's base config on the worker's device (1 on a CPU, CPU_POPULATION, measured there; on a GPU from the
     measured memory and step time of stacked members). A study's trials of other shapes train in their own groups."""
     if population != AUTO:
@@ -166,7 +168,8 @@ class Population:
                                f"{', '.join(str(s.trial.number) for s in lost)}")
 
     def _told(self, seat: Seat, end) -> None:
-        """A member's end: finish it (COMPLETE/PRUNED) or fail it (latentsweep.search.failures decides), tell Optuna at once and
+        """A member's end: finish it (COMPLETE/PRUNED) or fail it (latentsweep.search.failures decides), tell Optuna at
+        once and
         free its place. A failure that stops the worker is kept in `stop` (the others of its group go on)."""
         seat.ended = True
         self.seats.remove(seat)

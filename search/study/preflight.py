@@ -102,7 +102,8 @@ def check_devices(study_file: StudyFile, spec: RunSpec) -> None:
 def check_stores(spec: StoreSpec) -> None:
     """One-line errors, before anything is written to either store (no study without its MLflow parent run).
 
-    The tracking store is probed as the MLflow client would use it (latentsweep.search.tracking.probe), then the Optuna storage
+    The tracking store is probed as the MLflow client would use it (latentsweep.search.tracking.probe), then the Optuna
+    storage
     is opened once.
     """
     probe_tracking_store(spec.tracking_uri)  # first: it writes nothing, while opening SQLite creates the file

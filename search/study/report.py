@@ -63,7 +63,8 @@ def study_table(study: optuna.Study, varying_only: bool = True) -> pd.DataFrame:
 
 
 def _devices(study: optuna.Study, frame: pd.DataFrame) -> list[str]:
-    """Add the `device` column (latentsweep.search.study.contract.DEVICE_ATTR of each trial) when any trial recorded one, and the
+    """Add the `device` column (latentsweep.search.study.contract.DEVICE_ATTR of each trial) when any trial recorded
+    one, and the
     `population` column (its size, POPULATION_ATTR) when any trained in one; their names in a list, or none (a study
     from before devices were recorded)."""
     devices = {t.number: t.user_attrs.get(DEVICE_ATTR) for t in study.get_trials(deepcopy=False)}

@@ -12,7 +12,9 @@ import torch
 from tqdm.auto import tqdm
 
 from latentsweep.search.failures import best_effort, release_interrupted
-from latentsweep.search.process import configure_process, interrupt_on, raise_if_interrupted, signals_blocked, spawned_child
+from latentsweep.search.process import (
+    configure_process, interrupt_on, raise_if_interrupted, signals_blocked, spawned_child,
+)
 from latentsweep.search.progress import report_error
 
 from latentsweep.search.study.budget import workers_stop
@@ -101,7 +103,8 @@ def worker_main(spec: RunSpec) -> None:
         run_worker(spec)
     except KeyboardInterrupt:
         pass
-    except Exception as exc:  # the CLI's one error line (latentsweep.search.progress.report_error); a bug keeps its traceback
+    # the CLI's one error line (latentsweep.search.progress.report_error); a bug keeps its traceback
+    except Exception as exc:
         code = report_error(exc)
         if code is None:
             raise
@@ -255,7 +258,8 @@ def finish(study: optuna.Study, tracker: Tracker, figures: bool = True) -> dict:
 
 def reap_study(name: str, stores) -> list:
     """Fail the trials of dead workers of study `name` (they are retried) and close their MLflow runs, and the parent
-    run when no trial runs any more; returns the trial runs closed. `stores`: a latentsweep.search.study.preflight.StoreSpec whose
+    run when no trial runs any more; returns the trial runs closed. `stores`: a
+    latentsweep.search.study.preflight.StoreSpec whose
     storage carries the heartbeat/grace rule."""
     study = load_existing_study(name, stores.storage.url, stores.storage.heartbeat_interval,
                                 stores.storage.grace_period)

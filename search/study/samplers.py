@@ -1,4 +1,5 @@
-"""Sampler and pruner registries: `[study.sampler]` / `[study.pruner]` tables (name + keyword settings) to Optuna objects."""
+"""Sampler and pruner registries: `[study.sampler]` / `[study.pruner]` tables (name + keyword settings) to Optuna
+objects."""
 from __future__ import annotations
 
 import hashlib

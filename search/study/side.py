@@ -5,7 +5,8 @@ a choice of a searched categorical knob is a trap for TPE. Once it has the best 
 again: on a demo holdout, 108 of a 10-minute study's first 117 trials rebuilt the same knn model (0.391 each time)
 and the trained models stopped being searched. A side trial has no Optuna parameters, so no sampler models it; its
 config is `[base]` with the entry's knob values, kept in the trial's user attribute SIDE_ATTR, read back by
-latentsweep.search.study.contract.read_side (the trial's own config; for the pick, its model kind in the best-of-each-kind pool).
+latentsweep.search.study.contract.read_side (the trial's own config; for the pick, its model kind in the
+best-of-each-kind pool).
 """
 from __future__ import annotations
 

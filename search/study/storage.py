@@ -116,7 +116,8 @@ class RetryAndRecord:
 
 
 def is_read_only(url: str) -> bool:
-    """A SQLite URI opened read-only (see latentsweep.search.stores.read_only_storage): nothing may be created or migrated."""
+    """A SQLite URI opened read-only (see latentsweep.search.stores.read_only_storage): nothing may be created or
+    migrated."""
     return is_sqlite(url) and ("mode=ro" in url or "immutable=1" in url)
 
 

@@ -1,4 +1,5 @@
-"""Study files (`studies/*.toml`): `[study]` settings, `[base]` config, `[space]` and `[[enqueue]]`, all validated at once.
+"""Study files (`studies/*.toml`): `[study]` settings, `[base]` config, `[space]` and `[[enqueue]]`, all validated at
+once.
 
 Every problem found is reported together, one line each, before any trial runs, including every invalid config the
 space can propose (each conditional branch is probed and validated, see `latentsweep.search.study.branches`).

@@ -1,6 +1,7 @@
 """Warm start: a new study first tries the best configurations of earlier studies on the same data, else the portfolio.
 
-Same data means the same training file contents: the sha256 fingerprint of its bytes (latentsweep.trainers.data.sets.fingerprint), which
+Same data means the same training file contents: the sha256 fingerprint of its bytes
+(latentsweep.trainers.data.sets.fingerprint), which
 every study records at creation (IDENTITY_ATTR), so a copied or renamed file is still the same data and an edited one
 is not. Earlier studies are looked for in the study's own storage and in each `--warm-from` source (a state directory
 or an Optuna storage URL); one is a source when its data fingerprint, objective metric and direction match. Their

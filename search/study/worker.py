@@ -63,14 +63,14 @@ class RunSpec:
     progress: bool = True  # tqdm bars (a terminal and no --quiet); the per-trial lines are printed regardless
     verbose: bool = False  # one line per epoch when there are no bars
     budget: JobBudget | None = None  # a one-budget run's clock: trials stop where the pick's reserve begins
-    gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; latentsweep.search.study.devices)
+    gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; search/study/devices.py)
     per_gpu: int = 1  # local workers per GPU
     cuda_visible: str | None = None  # the GPU this spawned worker sees (set before its first CUDA call); None: as is
-    # trials each worker trains side by side: a number, or "auto" (latentsweep.search.study.population.population_size: sized on
-    # the worker's GPU, 1 on a CPU); 1 is the one-trial worker_loop
+    # trials each worker trains side by side: a number, or "auto" (search/study/population.py's population_size:
+    # sized on the worker's GPU, 1 on a CPU); 1 is the one-trial worker_loop
     population: int | str = "auto"
-    warm_start: bool | None = None  # at creation, queue earlier studies' best configs on the same data; None: as
-    # $LATENTSWEEP_WARM_START says, on by default (latentsweep.search.study.warm)
+    # at creation, queue earlier studies' best configs on the same data; None: as $LATENTSWEEP_WARM_START says
+    warm_start: bool | None = None
     warm_from: tuple[str, ...] = ()  # more places to look for them: state directories or Optuna storage URLs
     # `study_file` parsed (latentsweep.search.study.spec.build_spec sets it): read through parsed_study(), never pickled
     parsed: StudyFile | None = field(default=None, repr=False, compare=False)
@@ -104,7 +104,7 @@ def check_plugins(study, study_file: StudyFile, write: bool) -> None:
 
 def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, create: bool = True,
                    reopen: bool = True) -> optuna.Study:
-    """The study named spec.name (created with the file's sampler/pruner if absent), its parent run and enqueued recipes."""
+    """The study named spec.name (created with the file's sampler/pruner if absent), its parent run and recipes."""
     storage = open_storage(spec.storage)
     sampler, pruner = build_sampler(study_file.sampler, per_worker=not create), build_pruner(study_file.pruner)
     if create:
@@ -324,7 +324,7 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
     """Claim and run trials until the budget is reached, or until a trial would not finish one epoch before the
     timeout or a one-budget run's search end (TrialRunner.next_trial_fits); returns how many this worker ran.
 
-    A trial that fails is handed to runner.fail, which classifies the error (latentsweep.search.failures): the worker goes on
+    A trial that fails is handed to runner.fail, which classifies the error (search/failures.py): the worker goes on
     after a config or memory failure (the trial counts), and stops otherwise, in one line for a store, the machine,
     or an interrupt (the trial is retried), with the traceback for a bug (the trial counts, the study halts).
     While the budget is full only because of running trials, the worker waits instead of exiting: a running trial
@@ -359,7 +359,7 @@ def worker_loop(study_file: StudyFile, spec: RunSpec, study: optuna.Study, runne
 
 def fail_or_stop(study: optuna.Study, runner: TrialRunner, trial: optuna.Trial | None,
                  exc: BaseException) -> optuna.trial.FrozenTrial:
-    """The frozen failed trial when the worker goes on (latentsweep.search.failures.GOES_ON); otherwise raises what stops it:
+    """The frozen failed trial when the worker goes on (search/failures.py GOES_ON); otherwise raises what stops it:
     the bug or interrupt itself, or a one-line error. An error while failing the trial is classified too."""
     frozen = None
     release_interrupted(exc)  # before failing the trial writes to the stores (a no-op unless `exc` is an interrupt)

@@ -1,4 +1,5 @@
-"""One probe of an MLflow tracking store for every scheme, with the real client's auth: one line in seconds, no writes."""
+"""One probe of an MLflow tracking store for every scheme, with the real client's auth: one line in seconds, no
+writes."""
 from __future__ import annotations
 
 import urllib.parse

@@ -1,6 +1,7 @@
 """Every knob: the frozen section dataclasses of the config tree, with defaults, ranges and choices.
 
-Field metadata: `choices` (allowed values), `low`/`high` (inclusive range), `doc`; `latentsweep.trainers.config.tree.coerce` checks them.
+Field metadata: `choices` (allowed values), `low`/`high` (inclusive range), `doc`;
+`latentsweep.trainers.config.tree.coerce` checks them.
 Registry-backed names (model kind, optimiser, scheduler, losses) are checked by `latentsweep.trainers.config.validate`.
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ MAX_WIDTH = 65536
 
 
 def knob(default, *, low=None, high=None, choices=None, doc=""):
-    """A field with range/choice metadata (checked by `latentsweep.trainers.config.tree.coerce`); an empty range is refused."""
+    """A field with range/choice metadata (checked by `latentsweep.trainers.config.tree.coerce`); an empty range is
+    refused."""
     if low is not None and high is not None and low > high:
         raise ValueError(f"knob({default!r}, low={low!r}, high={high!r}): low is above high, so no value is valid")
     meta = {"low": low, "high": high, "choices": choices, "doc": doc}
@@ -300,7 +302,8 @@ class Config:
 
 # ---------------------------------------------------------------------------------------------- plugin sections
 
-_GENERATION = [0]  # bumped by add_section: latentsweep.trainers.config.tree re-reads the leaves of the tree when it changes
+# bumped by add_section: latentsweep.trainers.config.tree re-reads the leaves of the tree when it changes
+_GENERATION = [0]
 _GENERATED = ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__")
 
 

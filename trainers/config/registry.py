@@ -12,7 +12,8 @@ _UNDO: list[list[Callable[[], None]]] = []  # per open transaction: how to take 
 
 @contextlib.contextmanager
 def transaction() -> Iterator[None]:
-    """Registrations made in the block (into any Registry, or config sections added by latentsweep.trainers.config.knobs.add_section)
+    """Registrations made in the block (into any Registry, or config sections added by
+    latentsweep.trainers.config.knobs.add_section)
     are all taken back, newest first, when the block raises: a plugin whose import fails leaves nothing behind, so
     the fixed file loads in the same process."""
     undo: list[Callable[[], None]] = []

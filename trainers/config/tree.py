@@ -1,7 +1,8 @@
 """The configuration tree's behaviour: built from TOML and `key=value` overrides, checked strictly, flattened, dumped.
 
 Keys are dotted paths (`loss.triplet.margin`). A study's search space writes into the same paths with `with_values`.
-The section dataclasses live in `latentsweep.trainers.config.knobs` (re-exported here); registry-backed names (model kind, optimiser,
+The section dataclasses live in `latentsweep.trainers.config.knobs` (re-exported here); registry-backed names (model
+kind, optimiser,
 scheduler, losses) are checked against their registries by `latentsweep.trainers.config.validate`.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Where the embedded demo dataset lives (trainers/data/demo_data/, built by search/demodata/build.py): the default data of
+"""Where the embedded demo dataset lives (trainers/data/demo_data/, built by search/demodata/build.py): the default data
+of
 every command, and all the trainer and search/ need of it."""
 from __future__ import annotations
 

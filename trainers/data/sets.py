@@ -1,4 +1,5 @@
-"""Challenge data files: read and validate train/test/answers npz files (written by latentsweep.trainers.data.writer, split by
+"""Challenge data files: read and validate train/test/answers npz files (written by latentsweep.trainers.data.writer,
+split by
 image in latentsweep.trainers.data.splits)."""
 from __future__ import annotations
 

@@ -59,7 +59,8 @@ def _write_rows(f, path: str, ids, embeddings) -> int:
 
 
 def write_submission(path, ids, embeddings) -> int:
-    """Write the CSV atomically (latentsweep.trainers.core.io.atomic_write: a temporary file beside it, fsync, os.replace).
+    """Write the CSV atomically (latentsweep.trainers.core.io.atomic_write: a temporary file beside it, fsync,
+    os.replace).
 
     ids: iterable of ints [N]; embeddings: array / tensor [N, D] or any iterable of N rows (a generator works).
     On any error (non-finite value, inconsistent dim, duplicate id, count mismatch, an exception from the iterable)

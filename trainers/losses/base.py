@@ -50,7 +50,8 @@ class Loss(nn.Module):
       task: the data.task whose batches it reads ("translate": paired image embeddings; "multilabel": labels).
       min_slots: the slots.k it needs (0: no slot head).
       batch_keys(cfg_term): extra batch entries the task must supply for that config.
-      check(cfg_term): its own check of values that only make sense together (latentsweep.trainers.config.validate calls it).
+      check(cfg_term): its own check of values that only make sense together (latentsweep.trainers.config.validate calls
+      it).
     targets: the image-target scale, "unit" or "raw" (cfg.loss.targets; `target` reads it).
     Hooks (called by the criterion): `on_epoch_start(epoch, ctx)` before each epoch, `after_step(out, batch)` after
     each optimiser step with the real (un-augmented) batch. The base keeps `epoch` for losses with a schedule.
@@ -59,7 +60,8 @@ class Loss(nn.Module):
     name: ClassVar[str] = ""  # the registry name, = its `LossCfg` field (set by register_loss)
     task: ClassVar[str] = "translate"
     min_slots: ClassVar[int] = 0
-    cost_per_image: ClassVar[bool] = False  # a step's cost grows with the training images (latentsweep.trainers.train.cost)
+    # a step's cost grows with the training images (latentsweep.trainers.train.cost)
+    cost_per_image: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, dim_out: int, targets: str = "unit"):
         super().__init__()
@@ -87,7 +89,8 @@ class Loss(nn.Module):
 
     @classmethod
     def capture_refusal(cls, cfg: Any) -> str | None:
-        """Why a step with this loss cannot be captured (train.capture, trainers/train/capture.py), e.g. Python-side state
+        """Why a step with this loss cannot be captured (train.capture, trainers/train/capture.py), e.g. Python-side
+        state
         that changes every step; None (the default): it can."""
         return None
 

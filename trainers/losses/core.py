@@ -1,6 +1,7 @@
 """The translation losses (caption embedding -> image embedding): ranking, slot, InfoNCE and alignment terms.
 
-Each is a registered `Loss` module (latentsweep.trainers.losses.base) built from its `cfg.loss.<name>` section; the queue loss
+Each is a registered `Loss` module (latentsweep.trainers.losses.base) built from its `cfg.loss.<name>` section; the
+queue loss
 lives in trainers/losses/queue.py and the multi-label triplet in trainers/losses/multilabel.py.
 """
 from __future__ import annotations

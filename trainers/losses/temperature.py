@@ -13,7 +13,8 @@ class Temperature(nn.Module):
     """`temperature()` is tau as a float32 scalar tensor on this module's device (see `forward`).
 
     Holds the CLIP logit scale as a parameter in every mode (so checkpoints have one shape); it only has a gradient in
-    "learnable" mode, where the optimiser gives it its own param group (latentsweep.trainers.train.optim.param_groups: base LR, no
+    "learnable" mode, where the optimiser gives it its own param group (latentsweep.trainers.train.optim.param_groups:
+    base LR, no
     weight decay). `progress` (0..1 over the whole run) drives the curriculum; the criterion sets it every step.
     """
 

@@ -47,7 +47,8 @@ def moments(data: TrainSet, caps: np.ndarray, block: int = BLOCK) -> Moments:
 
 def held_out_mrr(ridge: Ridge, text: np.ndarray, image: np.ndarray, cap2img: np.ndarray, seed: int = 0,
                  caps: np.ndarray | None = None) -> float:
-    """latentsweep.trainers.eval.metrics.evaluate_leaderboard's MRR of `ridge`'s predictions of captions `text` [Q, Dx] (or of its rows
+    """latentsweep.trainers.eval.metrics.evaluate_leaderboard's MRR of `ridge`'s predictions of captions `text` [Q, Dx]
+    (or of its rows
     `caps`, read in place gallery by gallery, never copied whole) against images `image` [G, Dy] (cap2img [Q]: each
     caption's row of `image`), computed inside each caption's gallery only.
 
@@ -108,5 +109,6 @@ def fit_ridge(data: TrainSet, seed: int = 0) -> tuple[Ridge, dict[float, float]]
     return solve(on_fit + on_held, best), scores
 
 
-# the solver and its grid live in latentsweep.trainers.models.ridge; named here too as the floor is where callers look for them
+# the solver and its grid live in latentsweep.trainers.models.ridge; named here too as the floor is where callers look
+# for them
 __all__ = ["ALPHAS", "Moments", "Ridge", "fit_ridge", "held_out_mrr", "moments", "solve"]

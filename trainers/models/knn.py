@@ -119,7 +119,8 @@ class KernelTranslator(Translator):
         for name in _BUFFERS:  # sized by the training set, which a checkpoint-built model does not know
             if prefix + name in state_dict:
                 given, mine = state_dict[prefix + name], getattr(self, name)
-                # on the same device the checkpoint's tensor itself (mapped from the file by latentsweep.trainers.train.checkpoint;
+                # on the same device the checkpoint's tensor itself (mapped from the file by
+                # latentsweep.trainers.train.checkpoint;
                 # copy_ into itself is a no-op): no second 0.5 GB copy of the keys at challenge size
                 setattr(self, name, given if given.device == mine.device and given.dtype == mine.dtype
                         else torch.empty_like(given, device=mine.device))
@@ -248,7 +249,10 @@ def build_seconds(cfg: Config, data, device: torch.device | str = "cpu") -> floa
     captions), every val caption against the N keys, and validation's cosines of the val captions against every val
     image (counted as pairs of Di / Dt keys' work). At challenge size (N = 100,000, 25,000 val captions) that is
     2.7e9 pairs, minutes on 2 cores, where the demo's are under a second."""
-    from latentsweep.trainers.train.tasks import split_images  # latentsweep.trainers.train.tasks builds models: imported when needed, not at load time
+    # latentsweep.trainers.train.tasks builds models: imported when needed, not at load time
+    from latentsweep.trainers.train.tasks import (
+        split_images,
+    )
 
     train_img, val_img = split_images(cfg, data)
     per_image = np.bincount(np.asarray(data.cap2img), minlength=len(data.image))
@@ -280,8 +284,10 @@ def _sync(device: torch.device) -> None:
 
 
 def check_fits(cfg: Config, data, deadline) -> None:
-    """Raise latentsweep.trainers.train.run.DeadlineReached, before anything is built, when cfg's knn model would not be built and
-    validated before `deadline` (a latentsweep.trainers.core.deadline.Deadline; unbounded: nothing to check). Start nothing that
+    """Raise latentsweep.trainers.train.run.DeadlineReached, before anything is built, when cfg's knn model would not be
+    built and
+    validated before `deadline` (a latentsweep.trainers.core.deadline.Deadline; unbounded: nothing to check). Start
+    nothing that
     cannot finish: a knn model has no epoch to stop after, so once started it runs to its end."""
     if cfg.model.kind != "knn" or not deadline.bounded:
         return

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Ridge strengths a choice is made among (the floor, latentsweep.trainers.models.closed_form, whose fit the demo card's baseline is),
+# Ridge strengths a choice is made among (the floor, latentsweep.trainers.models.closed_form, whose fit the demo card's
+# baseline is),
 # relative to the mean eigenvalue of the centred text covariance so that the grid holds for any embedding scale and
 # row count: four decades; on the bundled demo data the floor chooses 0.01 (seed 0) and 0.001 (seeds 1 and 2).
 ALPHAS = (0.001, 0.01, 0.1, 1.0)

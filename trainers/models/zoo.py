@@ -140,7 +140,8 @@ UNTRAINED_KINDS = frozenset({"knn"})
 
 
 def check_model(cfg: Config) -> None:
-    """The model checks that need no data (run by latentsweep.trainers.config.validate before training and by the study-file check)."""
+    """The model checks that need no data (run by latentsweep.trainers.config.validate before training and by the
+    study-file check)."""
     MODELS.get(cfg.model.kind)
     need = MIN_HIDDEN_LAYERS.get(cfg.model.kind, 0)
     if len(cfg.model.hidden) < need:

@@ -1,4 +1,5 @@
-"""The training loop: pluggable task, model, losses, optimiser and schedule; best epoch by val MRR; per-epoch callback."""
+"""The training loop: pluggable task, model, losses, optimiser and schedule; best epoch by val MRR; per-epoch
+callback."""
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,8 @@ from latentsweep.trainers.models import knn
 from latentsweep.trainers.core.heap import release_free_heap
 from latentsweep.trainers.models.zoo import UNTRAINED_KINDS, build_model
 from latentsweep.trainers.train.records import EpochLog
-# The run's epochs live in latentsweep.trainers.train.run (shared with latentsweep.trainers.train.population); their types are re-exported here.
+# The run's epochs live in latentsweep.trainers.train.run (shared with latentsweep.trainers.train.population); their
+# types are re-exported here.
 from latentsweep.trainers.train.run import (DeadlineReached, EpochReport, RunClock, RunState, StepParts, TrainResult, now_past,
                           train_size)
 from latentsweep.trainers.train.tasks import TASKS
@@ -66,7 +68,8 @@ def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None
     """Train `cfg` on `data`; keep the best epoch by val/mrr; `callback` sees every epoch (and may raise to stop).
     Runs with cfg.train.threads torch threads (when > 0), restored on return.
 
-    `deadline()` (a latentsweep.trainers.core.deadline.Deadline, Deadline.never() for none): read before every step, so the caller
+    `deadline()` (a latentsweep.trainers.core.deadline.Deadline, Deadline.never() for none): read before every step, so
+    the caller
     may move it while the run goes on (a one-budget run re-estimates it after each epoch). Once an epoch has
     finished, the next epoch, or an epoch's validation, starts only when its last measured seconds fit before the
     deadline; a step never starts after it. Then the run returns its best finished epoch (`stopped_at_deadline`), or
@@ -89,7 +92,8 @@ def train(cfg: Config, data: TrainSet, *, callback: Callable[[EpochReport], None
 def _fit(cfg: Config, data: TrainSet, device: torch.device, callback: Callable[[EpochReport], None] | None,
          out_dir: str | Path | None, progress: bool, deadline: Callable[[], Deadline],
          best_pt: "_BestCheckpoint") -> TrainResult:
-    """The body of `train`, under its thread count: the run's epochs (latentsweep.trainers.train.run.RunState), each trained by
+    """The body of `train`, under its thread count: the run's epochs (latentsweep.trainers.train.run.RunState), each
+    trained by
     `_train_epoch`."""
     started = time.monotonic()
     if now_past(deadline):  # nothing built yet: a trial claimed just before the end costs nothing

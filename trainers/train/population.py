@@ -7,8 +7,10 @@ TrainResult, or the exception that ended it) to its `done` hook, once, however i
 each member's best.pt is written (no `done` then: the caller's stop handling fails the trials it holds).
 `join()` is asked for a new member whenever a place is free; None means no more.
 
-Members of one `stack_key` train in one stacked step (latentsweep.trainers.train.stack): each is built exactly as `latentsweep.trainers.train.loop.train`
-builds its run (seeded, its model, its latentsweep.trainers.train.run.RunState: criterion, optimiser, schedule, scaler, average,
+Members of one `stack_key` train in one stacked step (latentsweep.trainers.train.stack): each is built exactly as
+`latentsweep.trainers.train.loop.train`
+builds its run (seeded, its model, its latentsweep.trainers.train.run.RunState: criterion, optimiser, schedule, scaler,
+average,
 augmentation, checkpoint), keeps its own global RNG state (swapped in around everything it does: its dropout masks
 are drawn in its own order) and its own batch order; the forward and backward are one for all. A member whose key
 is None, or differs from the stack's, trains alone through `train`. Each member computes what it computes alone
@@ -56,7 +58,8 @@ MEASURE_STEPS = 5  # timed stacked steps per measured K, after one untimed step 
 
 @dataclass(frozen=True)
 class Member:
-    """One trial of a population: what `latentsweep.trainers.train.loop.train` takes for one run, plus its `done` hook."""
+    """One trial of a population: what `latentsweep.trainers.train.loop.train` takes for one run, plus its `done`
+    hook."""
     cfg: Config
     callback: Callable[[EpochReport], None] | None = None  # sees each epoch; raising ends this member alone
     out_dir: Path | None = None

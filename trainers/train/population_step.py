@@ -57,8 +57,10 @@ def own_rng(live: Live, cuda: torch.device | None, full: bool = True):
 
 
 def stacked_step(pop, batches: list[dict | None]) -> None:
-    """One training step of every member of `pop` (latentsweep.trainers.train.population._Population) with a batch (`batches[k]`
-    for member k, None: it takes no step): what latentsweep.trainers.train.loop._train_epoch does per step, with the forward and the
+    """One training step of every member of `pop` (latentsweep.trainers.train.population._Population) with a batch
+    (`batches[k]`
+    for member k, None: it takes no step): what latentsweep.trainers.train.loop._train_epoch does per step, with the
+    forward and the
     backward shared. A member's error ends it alone; an error of the shared forward or backward ends them all."""
     stack, cuda = pop.stack, pop.cuda
     inputs: list[dict | None] = [None] * len(batches)  # the augmented batches the losses train on

@@ -21,7 +21,8 @@ class EpochLog:
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    """Atomic rewrite (latentsweep.trainers.core.io.atomic_write): a reader never sees a half-written file; columns are the union
+    """Atomic rewrite (latentsweep.trainers.core.io.atomic_write): a reader never sees a half-written file; columns are
+    the union
     of keys."""
     columns: list[str] = []
     for row in rows:

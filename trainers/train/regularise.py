@@ -113,7 +113,8 @@ class _Averaged(WeightAverage):
 
     def rebind(self, model: nn.Module) -> None:
         """Pair the average with the live state. The live tensors are updated in place (optimiser steps,
-        load_state_dict), so this is done once, and again only when they move (latentsweep.trainers.train.stack re-stacks a
+        load_state_dict), so this is done once, and again only when they move (latentsweep.trainers.train.stack
+        re-stacks a
         population's members)."""
         pairs = list(zip(self.avg.state_dict().values(), model.state_dict().values()))
         self.floats = [[a for a, _ in pairs if a.is_floating_point()], [b for a, b in pairs if a.is_floating_point()]]

@@ -1,6 +1,8 @@
-"""One trained run between its epochs (RunState): what `latentsweep.trainers.train.loop._fit` and each member of a population share.
+"""One trained run between its epochs (RunState): what `latentsweep.trainers.train.loop._fit` and each member of a
+population share.
 
-The loop and `latentsweep.trainers.train.population` drive the same object: `begin_epoch()`, then the epoch's steps (the loop's
+The loop and `latentsweep.trainers.train.population` drive the same object: `begin_epoch()`, then the epoch's steps (the
+loop's
 `_train_epoch` for one run, the stacked step for a population), then `end_epoch(sums)` (averaging, validation, the
 best epoch and its checkpoint, the schedule, the callback, early stopping), and `result()`. One copy of the epoch
 bookkeeping, so a member of a population computes what the same run computes alone.
@@ -50,7 +52,8 @@ class TrainResult:
     val_ranks: np.ndarray | None = field(default=None, repr=False)  # [Nval] exact ranks of the best model
     timing: Timing | None = None
     stopped_at_deadline: bool = False  # the deadline ended the run early; best_epoch is the best finished epoch
-    capture: str = "none"  # the step's path (latentsweep.trainers.train.capture.StepForward.path): none, compile, eager-fallback: why
+    # the step's path (latentsweep.trainers.train.capture.StepForward.path): none, compile, eager-fallback: why
+    capture: str = "none"
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,8 @@ class RunState:
     """A run's parts (criterion, optimiser, schedule, scaler, average, augmentation) and its bookkeeping between
     epochs (best epoch and its kept state, the monitored value, early stopping, the clock, metrics.csv).
 
-    `best_pt` is latentsweep.trainers.train.loop._BestCheckpoint (best.pt of the best epoch so far); `gen` the batch order's generator
+    `best_pt` is latentsweep.trainers.train.loop._BestCheckpoint (best.pt of the best epoch so far); `gen` the batch
+    order's generator
     (seeded with the model by latentsweep.trainers.train.loop.seed_everything)."""
 
     def __init__(self, cfg: Config, data: TrainSet, device: torch.device, task, model: CenteredModel,
@@ -194,7 +198,8 @@ class RunState:
 
 
 class RunClock:
-    """The run's seconds by part (start-up, training and validation of each epoch): latentsweep.trainers.train.cost.Timing."""
+    """The run's seconds by part (start-up, training and validation of each epoch):
+    latentsweep.trainers.train.cost.Timing."""
 
     def __init__(self, started: float, size: tuple[int, int], per_image: bool):
         self.started, self.size, self.per_image = started, size, per_image

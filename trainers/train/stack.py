@@ -1,6 +1,7 @@
 """The stacked parameters of a population and its one forward for all members (torch.func.vmap over a template).
 
-Each member keeps its own modules, optimiser, schedule, scaler, average and criterion (latentsweep.trainers.train.run.RunState): its
+Each member keeps its own modules, optimiser, schedule, scaler, average and criterion
+(latentsweep.trainers.train.run.RunState): its
 nn.Parameters and buffers become views of slice k of one leaf tensor per name [K, ...] (`bind`), so the optimiser,
 keyed by the Parameter object, steps the stack in place and survives a re-stack when members leave or join. The
 forward is `functional_call(template, stacked tensors)` under `vmap` over the member dimension: batched matmuls,
@@ -33,7 +34,8 @@ STACKABLE_KINDS = frozenset({"linear", "mlp", "deep_mlp", "moco_mlp", "residual_
 
 
 def stack_key(cfg: Config) -> tuple | None:
-    """Members whose keys are equal may share one stacked step; None: this config trains alone (latentsweep.trainers.train.loop.train).
+    """Members whose keys are equal may share one stacked step; None: this config trains alone
+    (latentsweep.trainers.train.loop.train).
 
     The key holds everything that shapes the template's forward (the model's structural knobs, the slot head), the
     shared task's batches and validation (data, eval, batch size, sampler, the all-images bank and its scale) and
