@@ -115,8 +115,7 @@ def _main(argv: list[str], started: float) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         raise
-    # classified once (latentsweep.search.failures): a bug keeps its traceback, the rest is one line
-    except Exception as exc:
+    except Exception as exc:  # classified once (search/failures.py): a bug keeps its traceback, the rest one line
         code = report_error(exc)
         if code is None:
             raise

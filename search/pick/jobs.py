@@ -116,8 +116,7 @@ def run_job(job: Job, data: TrainSet, progress: bool,
         result = train(job.cfg, part, out_dir=job.run_dir, progress=progress, deadline=lambda: deadline)
     except DeadlineReached:
         return None, time.monotonic() - start
-    # classified once (latentsweep.search.failures): a bug keeps its traceback, the rest is one line
-    except Exception as exc:
+    except Exception as exc:  # classified once (search/failures.py): a bug keeps its traceback, the rest one line
         raise_stop(exc, f"pick job {job.name}")
     if not result.stopped_at_deadline:
         with atomic_write(job.run_dir / DONE_FILE) as fh:

@@ -103,8 +103,7 @@ def worker_main(spec: RunSpec) -> None:
         run_worker(spec)
     except KeyboardInterrupt:
         pass
-    # the CLI's one error line (latentsweep.search.progress.report_error); a bug keeps its traceback
-    except Exception as exc:
+    except Exception as exc:  # the CLI's one error line (search/progress.py report_error); a bug keeps its traceback
         code = report_error(exc)
         if code is None:
             raise
