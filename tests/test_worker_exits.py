@@ -167,3 +167,37 @@ def test_interrupt_between_trials_of_a_lone_worker_still_closes_the_parent_run(s
     monkeypatch.setattr(latentsweep.search.study.worker, "check_halted", interrupted_in_a_write)
     assert main(["worker", *base]) == 130
     assert runs(state, "idleint") == {"study-idleint": "FINISHED", "trial-0": "FINISHED"}, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["worker", "study run"])
+def test_an_interrupt_that_cut_an_import_short_still_ends_in_one_line(state, synthetic, tmp_path, monkeypatch, capsys,
+                                                                     command):
+    """A SIGTERM inside a trial can land in matplotlib's first import, leaving a half-made module that fails on its
+    next import: closing the study after an interrupt draws no figures (the next run draws them), so the worker ends
+    with the interrupt's exit code, not that import's traceback."""
+    import sys
+    import types
+
+    import latentsweep.search.study.objective
+
+    cut = tmp_path / "cut" / "matplotlib"  # a package whose __init__ stopped half-way: its submodules fail as in CI
+    cut.mkdir(parents=True)
+    for sub in ("pyplot", "figure"):
+        (cut / f"{sub}.py").write_text("import matplotlib\nmatplotlib.get_data_path()\n")
+    half = types.ModuleType("matplotlib")
+    half.__path__ = [str(cut)]
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setitem(sys.modules, "matplotlib", half)
+        for sub in ("pyplot", "figure"):
+            monkeypatch.delitem(sys.modules, f"matplotlib.{sub}", raising=False)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(latentsweep.search.study.objective, "train", interrupted)
+    name = "cutimport" + command.replace(" ", "")
+    sf = study_file(tmp_path, name, n_trials=2)
+    base = [str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet"]
+    assert main(["study", "create", *base]) == 0
+    assert main([*command.split(), *base]) == 130
+    assert_nothing_running(state, name)
+    assert runs(state, name)[f"study-{name}"] == "FINISHED", capsys.readouterr().err

@@ -58,6 +58,7 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
     tracker = tracker or open_tracker(spec)
     study = study or load_or_create(study_file, spec, tracker, create=create)
     bar = _StudyBar(spec, study) if spec.progress else None
+    interrupted = False
 
     def on_trial(frozen) -> None:
         say(trial_line(study, frozen))  # one plain line per trial, with or without a bar (--quiet included)
@@ -72,6 +73,7 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
             return population_loop(study_file, spec, study, runner, size, on_trial=on_trial)
         return worker_loop(study_file, spec, study, runner, on_trial=on_trial)
     except KeyboardInterrupt as exc:  # between trials (the halted check, the search-end estimate): no trial failed it
+        interrupted = True
         release_interrupted(exc)  # it may have landed inside a store call: closing the parent run writes next
         with best_effort("fail the trials this worker had claimed"):  # a store down: the heartbeat reaps them later
             reap_owner(study, tracker, worker_id())  # one the signal caught between its claim and its start
@@ -79,17 +81,17 @@ def _run_worker(spec: RunSpec, create: bool, study: optuna.Study | None, tracker
     finally:
         if bar:
             bar.close()
-        if owned:
-            close_parent_if_idle(study, tracker)
+        if owned:  # no figures after an interrupt: one may have cut matplotlib's import short (a re-import fails)
+            close_parent_if_idle(study, tracker, figures=not interrupted)
             dispose_study(study)
 
 
-def close_parent_if_idle(study: optuna.Study, tracker: Tracker) -> None:
+def close_parent_if_idle(study: optuna.Study, tracker: Tracker, figures: bool = True) -> None:
     """A worker that joined on its own (`latentsweep worker`) ends the parent run when no trial runs any more, so
     the last worker out leaves nothing RUNNING in MLflow (a later worker or `study run` reopens it)."""
     with best_effort("close the study's MLflow parent run"):  # a store down or a full disk
         if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            finish(study, tracker)
+            finish(study, tracker, figures)
 
 
 def worker_main(spec: RunSpec) -> None:
@@ -156,7 +158,7 @@ def run_study(spec: RunSpec, workers: int = 1, figures: bool = True) -> dict:
     finally:
         if interrupted:
             close_orphan_runs(study, tracker)
-        summary = finish(study, tracker, figures)
+        summary = finish(study, tracker, figures and not interrupted)  # the next run draws them (see _run_worker)
         dispose_study(study)
     if interrupted:
         raise KeyboardInterrupt
