@@ -1,14 +1,21 @@
-"""Warm start against cold at short budgets, on image-disjoint holdouts of the demo data, with a paired interval.
+"""Warm start and the portfolio against cold at short budgets, on image-disjoint holdouts of the demo data, with
+paired intervals.
 
 For each holdout seed S (`latentsweep data holdout DEMO --seed S`): a first, cold study on the holdout's train part
-(`study run STUDY --timeout FIRST --no-warm-start`, its own state directory); then for each budget T two one-budget
-jobs, each in a fresh state directory: `run STUDY --time T --warm-from FIRST_STATE` (warm) and `run STUDY --time T
---no-warm-start` (cold). Their order alternates with the holdout, so that a drift in the machine's load falls on both.
-Each submission is scored on the holdout's test part (leaderboard protocol); the table gives the test MRR of both and
-their difference, and per budget the mean difference with a 95% bootstrap interval over holdouts (10,000 resamples).
+(`study run STUDY --timeout FIRST --no-warm-start`, its own state directory); then for each budget T up to three
+one-budget jobs, each in a fresh state directory: `run STUDY --time T --warm-from FIRST_STATE` (warm), `run STUDY
+--time T` with nothing earlier on the data (portfolio: the product's default on new data), and `run STUDY --time T
+--no-warm-start` (cold). The portfolio arm runs at the budgets of --portfolio-budgets only. The arms' order rotates
+with the holdout, so that a drift in the machine's load falls on each. Each submission is scored on the holdout's test
+part (leaderboard protocol), beside the closed-form floor's score and the job's wall time over its budget; the table
+gives, per budget, each arm's mean difference to cold with a 95% bootstrap interval over holdouts (10,000 resamples).
+Every finished job appends its row to WORK/results.jsonl (a stopped benchmark resumes where it stopped, and several
+run side by side with their own --work merge with --table).
 
-    python benchmarks/warm_start.py --work DIR [--seeds 0 1 2] [--first 240] [--budgets 60]
-    python benchmarks/warm_start.py --smoke    # tiny synthetic data: a 2-trial first study, one 60-s pair
+    python benchmarks/warm_start.py --work DIR [--seeds 3 4] [--first 600] [--budgets 60 120 300]
+                                    [--portfolio-budgets 60 120]
+    python benchmarks/warm_start.py --table DIR [DIR ...]   # one table of several --work directories
+    python benchmarks/warm_start.py --smoke    # tiny synthetic data: a 2-trial first study, one 60-s triple
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +37,16 @@ CLI = [sys.executable, "-m", "latentsweep"]
 RESAMPLES = 10_000  # bootstrap resamples of the holdouts
 
 
-def call(argv: list[str], log: Path) -> None:
+def call(argv: list[str], log: Path) -> float:
+    """Run the CLI with `argv`, its output in `log`; its wall seconds."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "LATENTSWEEP_WARM_START": "on"}  # the product's default (a test suite may turn it off)
+    started = time.monotonic()
     proc = subprocess.run([*CLI, *argv], cwd=ROOT, capture_output=True, text=True, env=env)
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(argv[:2])} failed (exit {proc.returncode}); see {log}")
+    return time.monotonic() - started
 
 
 def first_study(study: Path, train: Path, seconds: int, state: Path, n_trials: int | None) -> None:
@@ -45,16 +56,19 @@ def first_study(study: Path, train: Path, seconds: int, state: Path, n_trials: i
               "--state-dir", str(state), "--no-warm-start", "--quiet", *extra], state.parent / "first.log")
 
 
-def one_run(study: Path, files: tuple[Path, Path, Path], budget: int, warm_from: Path | None, work: Path) -> float:
-    """One `run --time budget` in a fresh state directory, warm from `warm_from` (None: cold); its test MRR."""
+ARM_FLAGS = {"warm": lambda first: ["--warm-from", str(first)], "portfolio": lambda first: [],
+             "cold": lambda first: ["--no-warm-start"]}
+
+
+def one_run(study: Path, files: tuple[Path, Path, Path], budget: int, flags: list[str], work: Path) -> dict:
+    """One `run --time budget` in a fresh state directory with `flags`; its test MRR and wall / budget."""
     from latentsweep.trainers.eval.submission import score_submission
 
     train, test, answers = files
     out = work / "submission.csv"
-    warm = ["--warm-from", str(warm_from)] if warm_from else ["--no-warm-start"]
-    call(["run", str(study), "--time", str(budget), "--data", str(train), "--test", str(test), "--out", str(out),
-          "--state-dir", str(work / "state"), "--quiet", *warm], work / "log.txt")
-    return float(score_submission(str(out), answers)["mrr"])
+    wall = call(["run", str(study), "--time", str(budget), "--data", str(train), "--test", str(test), "--out",
+                 str(out), "--state-dir", str(work / "state"), "--quiet", *flags], work / "log.txt")
+    return {"mrr": float(score_submission(str(out), answers)["mrr"]), "wall_ratio": wall / budget}
 
 
 def interval(diffs: list[float]) -> tuple[float, float, float]:
@@ -65,30 +79,62 @@ def interval(diffs: list[float]) -> tuple[float, float, float]:
     return float(d.mean()), float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
 
 
+def done_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def measure(study: Path, holdouts: dict[str, tuple[Path, Path, Path]], first_s: int, budgets: list[int],
-            work: Path, n_trials: int | None = None) -> list[dict]:
-    rows = []
+            portfolio_budgets: list[int], work: Path, n_trials: int | None = None) -> list[dict]:
+    results = work / "results.jsonl"
+    rows = done_rows(results)
+    done = {(r["holdout"], r["budget"], r["arm"]) for r in rows}
     for i, (label, files) in enumerate(holdouts.items()):
         first = work / label / "first"
         first_study(study, files[0], first_s, first, n_trials)
+        floor = floor_mrr(*files, work / label)
         for budget in budgets:
-            arms = [("warm", first), ("cold", None)][:: 1 if i % 2 == 0 else -1]  # alternate which runs first
-            row = {"holdout": label, "budget": budget, "load": os.getloadavg()[0]}
-            for arm, source in arms:
-                row[arm] = one_run(study, files, budget, source, work / label / f"{arm}-{budget}")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            arms = [a for a in ARM_FLAGS if a != "portfolio" or budget in portfolio_budgets]
+            arms = arms[i % len(arms):] + arms[:i % len(arms)]  # rotate which runs first
+            for arm in arms:
+                if (label, budget, arm) in done:
+                    continue
+                row = {"holdout": label, "budget": budget, "arm": arm, "load": os.getloadavg()[0], "floor": floor,
+                       **one_run(study, files, budget, ARM_FLAGS[arm](first), work / label / f"{arm}-{budget}")}
+                with results.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
+def floor_mrr(train: Path, test: Path, answers: Path, work: Path) -> float:
+    from one_budget import floor_mrr as floor
+
+    return floor(train, test, answers, work)
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| holdout | budget s | load (1 min) | warm test MRR | cold test MRR | warm - cold |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['holdout']} | {r['budget']} | {r['load']:.1f} | {r['warm']:.4f} | {r['cold']:.4f} | "
-              f"{r['warm'] - r['cold']:+.4f} |" for r in rows]
-    for budget in sorted({r["budget"] for r in rows}):
-        mean, low, high = interval([r["warm"] - r["cold"] for r in rows if r["budget"] == budget])
-        lines.append(f"\nbudget {budget} s: warm - cold {mean:+.4f}, 95% bootstrap interval [{low:+.4f}, {high:+.4f}]")
+    by = {(r["holdout"], r["budget"], r["arm"]): r for r in rows}
+    keys = sorted({(r["holdout"], r["budget"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    lines = ["| holdout | budget s | floor | warm | portfolio | cold | warm - cold | portfolio - cold | "
+             "wall / budget (max) | load (1 min) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda r, key, spec: "-" if r is None else format(r[key], spec)  # noqa: E731
+    for h, b in keys:
+        w, p, c = (by.get((h, b, a)) for a in ("warm", "portfolio", "cold"))
+        present = [r for r in (w, p, c) if r]
+        diff = lambda r: "-" if r is None or c is None else f"{r['mrr'] - c['mrr']:+.4f}"  # noqa: E731
+        lines.append(f"| {h} | {b} | {present[0]['floor']:.4f} | {fmt(w, 'mrr', '.4f')} | {fmt(p, 'mrr', '.4f')} | "
+                     f"{fmt(c, 'mrr', '.4f')} | {diff(w)} | {diff(p)} | "
+                     f"{max(r['wall_ratio'] for r in present):.2f} | {max(r['load'] for r in present):.1f} |")
+    lines.append("")
+    for b in sorted({k[1] for k in keys}):
+        for arm in ("warm", "portfolio"):
+            diffs = [by[(h, b, arm)]["mrr"] - by[(h, b, "cold")]["mrr"] for h, bb in keys
+                     if bb == b and (h, b, arm) in by and (h, b, "cold") in by]
+            if diffs:
+                mean, low, high = interval(diffs)
+                lines.append(f"budget {b} s, {arm} - cold over {len(diffs)} holdout(s): {mean:+.4f}, "
+                             f"95% bootstrap interval [{low:+.4f}, {high:+.4f}]")
     return "\n".join(lines)
 
 
@@ -104,30 +150,36 @@ def smoke() -> int:
         tmp = Path(tmp)
         files = write_synthetic(tmp / "data", 240, dim_text=24, dim_image=32, n_test=100)
         study = tiny_study_file(tmp, "smoke", n_trials=4, epochs=2)
-        rows = measure(study, {"synthetic": files}, 30, [60], tmp / "work", n_trials=2)
+        rows = measure(study, {"synthetic": files}, 30, [60], [60], tmp / "work", n_trials=2)
         print(table(rows))
-        return 0 if rows and rows[0]["warm"] > 0 and rows[0]["cold"] > 0 else 1
+        return 0 if len(rows) == 3 and all(r["mrr"] > 0 for r in rows) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, help="working directory (holdouts, studies, runs, results.json)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="holdout seeds (default 0 1 2)")
-    p.add_argument("--first", type=int, default=240, help="the first study's --timeout (default 240)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[60], help="`run --time` budgets (default 60)")
+    p.add_argument("--work", type=Path, help="working directory (holdouts, studies, runs, results.jsonl)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[3, 4, 5, 6, 7],
+                   help="holdout seeds (default 3-7: the bundled portfolio was built on seeds 0-2)")
+    p.add_argument("--first", type=int, default=600, help="the first study's --timeout (default 600)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[60, 120, 300], help="`run --time` budgets")
+    p.add_argument("--portfolio-budgets", type=int, nargs="*", default=[60, 120],
+                   help="budgets that also run the portfolio arm (default 60 120)")
     p.add_argument("--study", type=Path, default=ROOT / "studies" / "full.toml")
-    p.add_argument("--smoke", action="store_true", help="tiny synthetic data: a 2-trial first study, one 60-s pair")
+    p.add_argument("--table", type=Path, nargs="+", metavar="WORK", help="print one table of these --work dirs")
+    p.add_argument("--smoke", action="store_true", help="tiny synthetic data: a 2-trial first study, one 60-s triple")
     args = p.parse_args(argv)
     if args.smoke:
         return smoke()
+    if args.table:
+        print(table([r for w in args.table for r in done_rows(w / "results.jsonl")]))
+        return 0
     if args.work is None:
-        p.error("--work is required (or --smoke)")
+        p.error("--work is required (or --table, --smoke)")
     sys.path.insert(0, str(ROOT))
     from latentsweep.trainers.data.demo import default_train_path
 
     holdouts = {f"holdout-{s}": holdout(default_train_path(), s, args.work / f"data-{s}") for s in args.seeds}
-    rows = measure(args.study, holdouts, args.first, args.budgets, args.work)
-    (args.work / "results.json").write_text(json.dumps(rows, indent=1))
+    rows = measure(args.study, holdouts, args.first, args.budgets, args.portfolio_budgets, args.work)
     print(table(rows))
     return 0
 
