@@ -22,7 +22,7 @@ from latentsweep.search.progress import honours_progress
 from latentsweep.search.pick.picker import run_pick
 from latentsweep.search.stores import default_protected, resolve_stores, state_dir as resolve_state_dir
 from latentsweep.search.study.preflight import no_new_empty_state_dir, preflight
-from latentsweep.search.study.devices import check_population
+from latentsweep.search.study.devices import check_population, check_workers
 from latentsweep.search.study.presets import presets as _presets
 from latentsweep.search.study.report import load_existing_study, study_table
 from latentsweep.search.study.runner import run_study as _run_study
@@ -127,7 +127,7 @@ def pick_ensemble(study: str, *, state_dir: str | None = None, progress: bool = 
 def _check_common(study, workers, progress, **paths) -> None:
     """The arguments every study call takes: a study file's path or a preset's name, a worker count, paths."""
     check_type("study", study, str, Path)
-    check_count("workers", workers)
+    check_workers("workers", workers, auto=False)
     check_type("progress", progress, bool)
     _check_paths(**paths)
 

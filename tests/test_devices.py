@@ -214,6 +214,7 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
 def test_gpus_on_a_machine_without_them_stop_before_anything_is_stored(tmp_path, monkeypatch, command):
     from conftest import tiny_study_file
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # set, the line names it (visible_note)
     state = tmp_path / "state"
     code, _, err = run_main([*command, str(tiny_study_file(tmp_path, "g")), "--gpus", "0", "--state-dir", str(state)])
     assert code == 2 and err.strip() == "latentsweep: error: --gpus 0: no CUDA device is available on this machine"
@@ -238,7 +239,7 @@ def test_every_device_a_trial_can_get_is_checked_first(tmp_path, one_gpu, extra,
     assert code == 2 and len(err.strip().splitlines()) == 1 and said in err, err
     assert not state.exists()
     code, _, err = run_main(["study", "run", str(sf), "--gpus", "0", "--state-dir", str(state)])
-    assert code == 2 and "(with --gpus each worker sees one GPU, as cuda:0)" in err and not state.exists()
+    assert code == 2 and "(each worker is pinned to one GPU, which it sees as cuda:0)" in err and not state.exists()
 
 
 def test_train_refuses_a_wrapped_ordinal_before_its_output(tmp_path, one_gpu):

@@ -19,6 +19,7 @@ from latentsweep.search.pick.picker import PickOptions
 from latentsweep.search.stores import protected_paths, safe_name
 from latentsweep.search.study.preflight import no_new_empty_state_dir, preflight
 from latentsweep.search.redact import redact_url
+from latentsweep.trainers.core.devices import resolve_device
 from latentsweep.trainers.data.sets import load_test_shared
 from latentsweep.trainers.core.progress import say
 
@@ -47,10 +48,11 @@ def add_parser(sub) -> None:
 
 
 def check_run_files(spec, args) -> None:
-    """Before a store is opened: the test file loads (finite float embeddings), and the submission, with the pick's
-    manifest and report beside it, replaces no input and nothing the state needs."""
+    """Before a store is opened: the test file loads (finite float embeddings), the pick's device exists, and the
+    submission, with the pick's manifest and report beside it, replaces no input and nothing the state needs."""
     test = test_path_for(Path(spec.data_path), args.test)
     load_test_shared(test)  # read once: the floor, the keeper and the pick use this copy
+    resolve_device(args.device)  # the pick's device, before preflight writes the stores' files
     out = out_path(PickOptions(study=safe_name(spec.name), out=args.out), Path(spec.state_dir))
     check_outputs("--out", pick_outputs(args.out, out), {"STUDY": spec.study_file, "--data": spec.data_path,
                                                          "--test": test},

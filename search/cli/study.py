@@ -10,7 +10,8 @@ from pathlib import Path
 from latentsweep.search.cli import presets, study_inspect
 from latentsweep.search.cli.study_inspect import liveness_args, stores_args
 from latentsweep.search.study.devices import (
-    AUTO, GPUS_ENV, PER_GPU_ENV, WorkerPlan, claim_slot, describe_plan, pin_process, plan_workers_env, workers_arg,
+    AUTO, GPUS_ENV, PER_GPU_ENV, WorkerPlan, claim_slot, count_arg, describe_plan, pin_process, plan_workers_env,
+    workers_arg,
 )
 from latentsweep.search.study.preflight import no_new_empty_state_dir, preflight
 from latentsweep.search.study.progress import is_terminal
@@ -78,7 +79,7 @@ def gpu_args(p, each: str) -> None:
     p.add_argument("--gpus", metavar="LIST", default=None,
                    help=f"GPUs the workers share: all, or numbers such as 0,1; {each} (default ${GPUS_ENV}, else "
                         f"none: nothing pinned)")
-    p.add_argument("--per-gpu", type=int, metavar="M", default=None,
+    p.add_argument("--per-gpu", type=count_arg, metavar="M", default=None,
                    help=f"workers per GPU of --gpus (default ${PER_GPU_ENV}, else 1)")
     p.add_argument("--population", type=workers_arg, default=AUTO, metavar="N|auto",
                    help="trials each worker trains side by side, each its own trial and run (default auto: sized on "
@@ -115,9 +116,9 @@ def cmd_study_run(args) -> int:
     return 0
 
 
-def say_plan(plan: WorkerPlan, spec) -> None:
-    if plan.machine:  # the devices were the machine's choice: one line says what it chose
-        print(describe_plan(plan, spec.population), file=sys.stderr)
+def say_plan(plan: WorkerPlan, spec, slot: str | None = None) -> None:
+    if line := describe_plan(plan, spec.population, slot):  # GPUs, workers and population: what is used, one line
+        print(line, file=sys.stderr)
 
 
 def cmd_study_create(args) -> int:
@@ -140,7 +141,8 @@ def cmd_worker(args) -> int:
     with no_new_empty_state_dir(args.state_dir):
         spec = make_spec(args, plan=plan)
         preflight(spec)  # with --gpus it asks CUDA nothing: the slot is pinned first, below
-    pin_process(claim_slot(spec.gpus, spec.per_gpu, Path(spec.state_dir) / "gpu-slots"))
+    pin_process(slot := claim_slot(spec.gpus, spec.per_gpu, Path(spec.state_dir) / "gpu-slots"))
+    say_plan(plan, spec, slot)
     ran = run_worker(spec, create=False)
     print(json.dumps({"study": spec.name, "trials_run_by_this_worker": ran}))
     return 0

@@ -6,14 +6,16 @@ import argparse
 import fcntl
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from latentsweep.trainers.core.devices import VISIBLE_ENV
+from latentsweep.search.checks import check_count
+from latentsweep.trainers.core.devices import VISIBLE_ENV, visible_note
 from latentsweep.trainers.core.errors import LatentsweepError
+from latentsweep.trainers.train.population import MAX_POPULATION
 
 ALL = "all"
 AUTO = "auto"
@@ -24,6 +26,10 @@ CPU_THREADS_PER_WORKER = 2
 GPUS_ENV, PER_GPU_ENV = "LATENTSWEEP_GPUS", "LATENTSWEEP_PER_GPU"
 SLOT_FILE_CHARS = re.compile(r"[^A-Za-z0-9._-]")  # a GPU's UUID or MIG name may hold '/' or ':'
 HELD: list[int] = []  # the lock files of this process's claimed slots, open (so locked) until it exits
+# What a spawned worker holds before it reads any data: 305 MB (ru_maxrss of a process importing
+# latentsweep.search.study.runner, torch 2.13's CPU build, 2026-11-27). More local workers (or slots per GPU) than the
+# machine's memory holds at that size can never all start: such a count is a typo, refused before any is spawned.
+WORKER_START_BYTES = 300 * 2**20
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,8 @@ class WorkerPlan:
     gpus: tuple[str, ...] = ()
     per_gpu: int = 1
     machine: bool = False  # chosen by machine_defaults (no device option given, GPUs seen): said in one line
+    seen: int = field(default=0, compare=False)  # the CUDA devices this process sees
+    auto: bool = field(default=False, compare=False)  # --workers auto: the number was the machine's
 
 
 def workers_arg(text: str) -> int | str:
@@ -46,13 +54,37 @@ def workers_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be a whole number or auto, got '{text}'") from None
 
 
+def count_arg(text: str) -> int:
+    """argparse type of `--per-gpu`: a whole number (its bounds are checked with the plan, as
+    $LATENTSWEEP_PER_GPU's are)."""
+    if not re.fullmatch(r"\s*-?[0-9]+\s*", text):
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got '{text}'")
+    return int(text)
+
+
 def check_population(name: str, value) -> int | str:
-    """`--population`: auto, or a whole number >= 1 (one-line errors)."""
+    """`--population`: auto, or a whole number from 1 to MAX_POPULATION, the largest auto measures (each member is
+    a claimed trial with its heartbeat and run: a typo's billion would claim trials until the budget ends)."""
     if value == AUTO:
         return AUTO
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LatentsweepError(f"{name} must be a whole number >= 1 or auto, got {value!r}")
+    if value > MAX_POPULATION:
+        raise LatentsweepError(f"{name} must be <= {MAX_POPULATION} (the largest population auto measures) or auto, "
+                               f"got {value}")
     return value
+
+
+def max_workers() -> int:
+    """The most worker processes this machine's memory can start (WORKER_START_BYTES each), at least 1."""
+    return max(1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // WORKER_START_BYTES)
+
+
+def check_workers(name: str, value: int, auto: bool = True) -> int:
+    """A count of local worker processes (`--workers`, `--per-gpu`, the API's workers): 1 .. max_workers()."""
+    high = max_workers()
+    why = f" (the worker processes this machine's memory can start, {WORKER_START_BYTES >> 20} MB each)"
+    return check_count(name, value, 1, high, why + (" or auto" if auto else ""))
 
 
 def machine_defaults(count: int, workers: int | str | None, gpus: str | None, per_gpu: int | None,
@@ -67,18 +99,35 @@ def machine_defaults(count: int, workers: int | str | None, gpus: str | None, pe
     return (1 if workers is None else workers), gpus, population
 
 
-def describe_plan(plan: WorkerPlan, population: int | str) -> str:
-    """The one line a command says when the machine chose its devices (WorkerPlan.machine)."""
-    each = "sized on each GPU from its memory and step time" if population == AUTO else f"{population} per worker"
-    return (f"using every GPU: {len(plan.gpus)} ({','.join(plan.gpus)}), {plan.workers} worker(s) ({plan.per_gpu} "
-            f"per GPU), population {population} ({each}); --workers 1 --population 1 trains one trial at a time")
+def describe_plan(plan: WorkerPlan, population: int | str, slot: str | None = None) -> str | None:
+    """The one line of what `study run|run` (or a `worker` on its `slot`) uses: GPUs, workers, population; None on
+    a machine without GPUs when the numbers were all given (nothing was chosen for the user)."""
+    each = f"{population} per worker"
+    if population == AUTO:
+        each = "sized on each GPU from its memory and step time" if plan.seen else "1 on a CPU"
+    tail = f"population {population} ({each})"
+    if slot is not None:
+        return f"using GPU {slot}: a free slot of {len(plan.gpus)} GPU(s) x --per-gpu {plan.per_gpu}, {tail}"
+    if plan.machine:
+        return (f"using every GPU: {len(plan.gpus)} ({','.join(plan.gpus)}), {plan.workers} worker(s) "
+                f"({plan.per_gpu} per GPU), {tail}; --workers 1 --population 1 trains one trial at a time")
+    how = " (--workers auto)" if plan.auto else ""
+    if plan.gpus:
+        return (f"using GPU(s) {','.join(plan.gpus)}: {plan.workers} worker(s){how}, {plan.per_gpu} per GPU, each "
+                f"pinned to its GPU, {tail}")
+    if plan.seen:
+        return (f"using {plan.workers} worker(s) not pinned (each sees all {plan.seen} GPU(s); --gpus pins each to "
+                f"one), {tail}")
+    if plan.auto:
+        return f"using {plan.workers} worker(s) (--workers auto: one per {CPU_THREADS_PER_WORKER} cores), {tail}"
+    return None
 
 
 def parse_gpus(text: str, count: int) -> tuple[int, ...]:
     """The GPU ordinals of `--gpus` ('all' or a comma list such as '0,1'), each below `count`, the GPUs this process
     sees; one-line errors."""
     if count < 1:
-        raise LatentsweepError(f"--gpus {text}: no CUDA device is available on this machine")
+        raise LatentsweepError(f"--gpus {text}: no CUDA device is available on this machine{visible_note()}")
     if text.strip() == ALL:
         return tuple(range(count))
     parts = [p.strip() for p in text.split(",")]
@@ -90,7 +139,7 @@ def parse_gpus(text: str, count: int) -> tuple[int, ...]:
     beyond = [o for o in ordinals if o >= count]
     if beyond:
         raise LatentsweepError(f"--gpus {text}: this machine has {count} CUDA device(s) (0 to {count - 1}), "
-                               f"not {', '.join(map(str, beyond))}")
+                               f"not {', '.join(map(str, beyond))}{visible_note()}")
     return ordinals
 
 
@@ -104,14 +153,14 @@ def machine_ids(ordinals: Sequence[int], visible: str | None) -> tuple[str, ...]
 def assign_slots(gpus: Sequence[str], per_gpu: int, workers: int) -> list[str | None]:
     """The CUDA_VISIBLE_DEVICES of each of `workers` local workers: `per_gpu` slots on each GPU, filled a round at a
     time (one worker on every GPU, then a second on every GPU...), so fewer workers than slots still spread over all
-    the GPUs; None for every worker when there are no GPUs (nothing is set)."""
+    the GPUs; None for every worker when there are no GPUs (nothing is set). Slot i is on GPU i mod len(gpus): the
+    slots are never listed, as a --per-gpu typo would make them billions."""
     if not gpus:
         return [None] * workers
-    slots = [gpu for _ in range(per_gpu) for gpu in gpus]
-    if workers > len(slots):
+    if workers > len(gpus) * per_gpu:
         raise LatentsweepError(f"--workers {workers} is more than {len(gpus)} GPU(s) x --per-gpu {per_gpu} = "
-                               f"{len(slots)} slots (raise --per-gpu, or leave --workers auto)")
-    return slots[:workers]
+                               f"{len(gpus) * per_gpu} slots (raise --per-gpu, or leave --workers auto)")
+    return [gpus[i % len(gpus)] for i in range(workers)]
 
 
 def auto_workers(gpus: Sequence[str], per_gpu: int, cpus: int) -> int:
@@ -124,24 +173,26 @@ def plan_workers(workers: int | str | None, gpus: str | None, per_gpu: int | Non
     against this machine before anything is stored. None of them given on a machine with GPUs: all of them
     (machine_defaults); `--workers auto` alone too; otherwise without --gpus nothing is pinned.
     torch.cuda.device_count() asks NVML: it does not initialise CUDA in this process."""
-    if per_gpu is not None and per_gpu < 1:
-        raise LatentsweepError(f"--per-gpu must be >= 1, got {per_gpu}")
+    if per_gpu is not None:
+        check_workers("--per-gpu", per_gpu, auto=False)
     if workers not in (AUTO, None) and workers < 1:
         raise LatentsweepError(f"--workers must be >= 1 or auto, got {workers}")
     count = torch.cuda.device_count()
     machine = count > 0 and workers is None and gpus is None and per_gpu is None
     workers, gpus, _ = machine_defaults(count, workers, gpus, per_gpu)
-    if gpus is None and workers == AUTO and count > 0:
+    auto = workers == AUTO
+    if gpus is None and auto and count > 0:
         gpus = ALL
     if gpus is None:
         if per_gpu is not None:
             raise LatentsweepError("--per-gpu needs --gpus (which GPUs to share among the workers)")
-        return WorkerPlan(auto_workers((), 1, os.cpu_count() or 1) if workers == AUTO else workers)
+        n = auto_workers((), 1, os.cpu_count() or 1) if auto else workers
+        return WorkerPlan(check_workers("--workers", n), seen=count, auto=auto)
     ids = machine_ids(parse_gpus(gpus, count), os.environ.get(VISIBLE_ENV))
     per_gpu = per_gpu or 1
-    n = auto_workers(ids, per_gpu, os.cpu_count() or 1) if workers == AUTO else workers
+    n = check_workers("--workers", auto_workers(ids, per_gpu, os.cpu_count() or 1) if auto else workers)
     assign_slots(ids, per_gpu, n)  # the check: no more workers than slots
-    return WorkerPlan(n, ids, per_gpu, machine)
+    return WorkerPlan(n, ids, per_gpu, machine, seen=count, auto=auto)
 
 
 def env_defaults(gpus: str | None, per_gpu: int | None) -> tuple[str | None, int | None, dict[str, str]]:
@@ -193,9 +244,9 @@ def claim_slot(gpus: Sequence[str], per_gpu: int, lock_dir: Path) -> str | None:
     is free at once. None without GPUs; one line when every slot is taken."""
     if not gpus:
         return None
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    for i, gpu in enumerate(assign_slots(gpus, per_gpu, len(gpus) * per_gpu)):
-        fd = os.open(lock_dir / f"gpu-{SLOT_FILE_CHARS.sub('_', gpu)}-{i // len(gpus)}.lock", os.O_CREAT | os.O_RDWR)
+    for i in range(len(gpus) * per_gpu):  # assign_slots' order, one slot at a time
+        gpu = gpus[i % len(gpus)]
+        fd = _open_lock(lock_dir, f"gpu-{SLOT_FILE_CHARS.sub('_', gpu)}-{i // len(gpus)}.lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -205,3 +256,14 @@ def claim_slot(gpus: Sequence[str], per_gpu: int, lock_dir: Path) -> str | None:
         return gpu
     raise LatentsweepError(f"every GPU slot ({len(gpus)} GPU(s) x --per-gpu {per_gpu}) is held by another worker "
                            f"(locks in {lock_dir})")
+
+
+def _open_lock(lock_dir: Path, name: str) -> int:
+    """The open lock file `name` in `lock_dir`, made if needed; one line naming the folder when it cannot be."""
+    try:
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        return os.open(lock_dir / name, os.O_CREAT | os.O_RDWR)
+    except OSError as exc:
+        raise LatentsweepError(f"cannot lock a GPU slot in {lock_dir} ({exc.strerror}): the workers of this machine "
+                               "claim their GPUs there; make it a writable folder, or give another --state-dir"
+                               ) from None

@@ -95,7 +95,7 @@ def check_devices(study_file: StudyFile, spec: RunSpec) -> None:
         try:
             check_device(str(name), count)
         except LatentsweepError as exc:
-            pinned = " (with --gpus each worker sees one GPU, as cuda:0)" if spec.gpus else ""
+            pinned = " (each worker is pinned to one GPU, which it sees as cuda:0)" if spec.gpus else ""
             raise LatentsweepError(f"{study_file.path}: {where}: {exc}{pinned}") from None
 
 

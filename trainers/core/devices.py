@@ -26,11 +26,18 @@ def check_device(name: str, cuda_count: int) -> None:
     if name in ("auto", "cpu"):
         return
     if cuda_count < 1:
-        raise LatentsweepError(f"device '{name}' but no CUDA device is available")
+        raise LatentsweepError(f"device '{name}' but no CUDA device is available{visible_note()}")
     index = match.group("index")
     if index is not None and int(index) >= cuda_count:
         raise LatentsweepError(f"device '{name}' but this machine has {cuda_count} CUDA device(s) "
-                               f"(cuda:0 to cuda:{cuda_count - 1})")
+                               f"(cuda:0 to cuda:{cuda_count - 1}){visible_note()}")
+
+
+def visible_note() -> str:
+    """' (CUDA_VISIBLE_DEVICES=...)' when the variable is set, else '': said with a count of CUDA devices, since it
+    decides which of the machine's GPUs this process sees ('' or a wrong entry hides them all)."""
+    visible = os.environ.get(VISIBLE_ENV)
+    return "" if visible is None else f" ({VISIBLE_ENV}={visible!r})"
 
 
 def cuda_count() -> int:
