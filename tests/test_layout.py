@@ -23,7 +23,8 @@ ENTRY = {"latentsweep", "latentsweep.__main__", "latentsweep.search"}
 TRAINERS_NEVER = ("latentsweep.search", "latentsweep", "optuna", "mlflow")
 # All MLflow access goes through the tracker (and its probe, which asks MLflow's own HTTP client); the standalone pyfunc
 # module is shipped into the model and loads there.
-MLFLOW_MODULES = {"latentsweep.search.tracking.mlflow", "latentsweep.search.tracking.probe", "latentsweep.search.pick.pyfunc_standalone"}
+MLFLOW_MODULES = {"latentsweep.search.tracking.mlflow", "latentsweep.search.tracking.probe",
+                  "latentsweep.search.tracking.schema", "latentsweep.search.pick.pyfunc_standalone"}
 
 
 def module_name(path: Path) -> str:

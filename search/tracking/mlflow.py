@@ -48,6 +48,7 @@ from latentsweep.search.tracking.base import (
 )
 from latentsweep.search.redact import redact_url
 from latentsweep.search.tracking.paths import artifact_location, default_artifact_root
+from latentsweep.search.tracking.schema import seed_store
 from latentsweep.trainers.core.errors import ConfigError, LatentsweepError
 
 def dataset_input(dataset: DatasetRecord) -> DatasetInput:
@@ -67,6 +68,7 @@ class MlflowTracker:
     def __init__(self, tracking_uri: str, artifact_root: str | None = None):
         self.tracking_uri = tracking_uri
         self.artifact_root = artifact_root if artifact_root is not None else default_artifact_root(tracking_uri)
+        seed_store(tracking_uri)  # a new SQLite store: a copy of a migrated one (latentsweep.search.tracking.schema)
         try:
             self.client = MlflowClient(tracking_uri=tracking_uri)
         except (MlflowException, ImportError) as exc:
