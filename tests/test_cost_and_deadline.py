@@ -118,7 +118,8 @@ PICK = PickCost(PICK_FIXED_S, pool=10)
 
 def test_the_pick_reserve_follows_the_measured_costs_within_its_bounds():
     budget = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK)
-    assert budget.reserve(_study_with([]), 400, 100) == RESERVE_MAX_FRACTION * 1000  # nothing measured yet
+    # nothing measured yet: the smallest reserve (the pick has nothing to refit), the first trial may start
+    assert budget.reserve(_study_with([]), 400, 100) == RESERVE_MIN_FRACTION * 1000 == budget.opening_reserve()
     assert budget.reserve(_study_with([1.0]), 400, 100) == RESERVE_MIN_FRACTION * 1000  # cheap refits
     assert budget.reserve(_study_with([20.0, 20.0]), 400, 100) == pytest.approx(RESERVE_REFITS * 20 + PICK_FIXED_S)
     # the candidates' validation is part of the pick's fixed work

@@ -17,8 +17,12 @@ from latentsweep.trainers.core.deadline import Deadline
 RESERVE_REFITS = 8
 # ... plus the pick's own work (PickCost, decided by the pick: latentsweep.search.pick.plan and
 # latentsweep.search.pick.options).
-# The reserve stays within these fractions of the whole budget: before any trial has finished (nothing measured
-# yet) it is the upper bound, so a first slow trial cannot eat the pick's time; and the search always gets half.
+# The reserve stays within these fractions of the whole budget (the search always gets half). Before any trial has
+# measured an epoch it is the lower bound: with nothing measured the pick has nothing to refit, and the first epoch
+# measured sets the reserve, which stops that trial at once if it must. As the upper bound (until 2026-11-27), short
+# budgets on a loaded machine never searched: at a load of 11 on 2 cores a `run --time 60` spent 17-24 s starting
+# and 7-8 s on the floor, and 30 s of opening reserve left its knn side trial (15 s, +0.05 to +0.08 test MRR over the
+# floor on demo holdouts 3 and 4) no room (benchmarks/warm_start.py logs; docs/one-budget.md).
 RESERVE_MIN_FRACTION, RESERVE_MAX_FRACTION = 0.1, 0.5
 # ... and never below this many times what the safe answer (latentsweep.search.pick.safe) took on this machine: the
 # answer the
@@ -67,13 +71,14 @@ class JobBudget:
         return max(min(max(wanted, low), high), floor)
 
     def opening_reserve(self) -> float:
-        """The reserve before anything is measured: no trial starts unless more than this is left."""
-        return max(RESERVE_MAX_FRACTION * self.total_s, SAFE_FACTOR * self.floor_s)
+        """The reserve before anything is measured: no trial starts unless more than this is left. The smallest the
+        pick may ever get (hard_stop's), as nothing is measured for it to refit yet."""
+        return max(RESERVE_MIN_FRACTION * self.total_s, SAFE_FACTOR * self.floor_s)
 
     def hard_stop(self) -> Deadline:
         """When the search's workers must be gone whatever their trials measured: before the smallest reserve the
         pick may ever get (the watchdog of latentsweep.search.study.runner enforces it on spawned workers)."""
-        return self.deadline.earlier(max(RESERVE_MIN_FRACTION * self.total_s, SAFE_FACTOR * self.floor_s))
+        return self.deadline.earlier(self.opening_reserve())
 
     def search_end(self, study: optuna.Study, captions: int, images: int) -> Deadline:
         """When the search stops: no trial starts after it and a running one stops there."""
