@@ -9,7 +9,9 @@ import time
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
-from latentsweep.search.process import STOP_SIGNALS, configure_process, exit_code, interrupt_on, process_started
+from latentsweep.search.process import (
+    STOP_SIGNALS, configure_process, end_quickly, exit_code, interrupt_on, process_started,
+)
 from latentsweep.search.progress import print_error, report_error
 
 # Each module of latentsweep.search.cli named here exposes add_parser(subparsers); the handler it sets as `func` returns
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if real:  # the process is ending, its work done: a late signal cannot interrupt its exit (a traceback, -15)
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        end_quickly()
     return code
 
 
