@@ -88,6 +88,12 @@ def _announce(handle: servers.UiHandle) -> None:
     print(f"MLflow UI:        {handle.mlflow_url}")
     # MLflow 3 opens in its GenAI mode unless the browser chose otherwise; studies are model-training runs.
     print(f"  (model-training view: {handle.mlflow_url}/#/experiments?{ML_WORKFLOW})")
+    try:  # each study's trials with their value, state, knobs and warm-start source as columns
+        links = servers.trials_links(handle.mlflow_url, ML_WORKFLOW)
+    except (OSError, ValueError):
+        links = []  # only a hint, as the studies' count below
+    for study, url in links:
+        print(f"  trials of {study}: {url}")
     print(f"optuna-dashboard: {handle.dashboard_url}")
     try:
         studies = servers.http_json(handle.dashboard_url + servers.DASHBOARD_PROBE).get("study_summaries", [])

@@ -17,7 +17,7 @@ from latentsweep.search.redact import redact_url
 from latentsweep.search.study.budget import JobBudget
 from latentsweep.search.study.contract import (
     ENQUEUED_ATTR, ERROR_ATTR, HALT_ATTR, OBJECTIVE_ATTR, OWNER_ATTR, PARENT_ATTR, PLUGINS_ATTR, TrialOutputs,
-    study_attrs,
+    WARM_ATTR, study_attrs,
 )
 from latentsweep.search.study.objective import TrialRunner
 from latentsweep.search.study.owners import gone, worker_id
@@ -30,7 +30,7 @@ from latentsweep.search.stores import safe_name
 from latentsweep.search.study.studyfile import StudyFile, load_study_file
 from latentsweep.search.study.warm import queue_portfolio, warm_start
 from latentsweep.search.tracking import make_tracker
-from latentsweep.search.tracking.base import REAPED_TAG, Tracker
+from latentsweep.search.tracking.base import REAPED_TAG, SEARCHED_SETTING, VIEW_TAGS_SETTING, Tracker
 from latentsweep.trainers.core.errors import LatentsweepError
 from latentsweep.trainers.config.plugins import parse_ref
 from latentsweep.trainers.core.progress import say
@@ -135,7 +135,8 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
                     "direction": study_file.direction,
                     "sampler": study_file.sampler.get("name", DEFAULT["sampler"]),
                     "pruner": study_file.pruner.get("name", DEFAULT["pruner"]),
-                    "n_trials": str(spec.n_trials), "data": spec.data_path, "description": study_file.description}
+                    "n_trials": str(spec.n_trials), "data": spec.data_path, "description": study_file.description,
+                    SEARCHED_SETTING: ",".join(p.key for p in study_file.space), VIEW_TAGS_SETTING: (WARM_ATTR,)}
         study.set_user_attr(PARENT_ATTR, tracker.ensure_study(spec.name, settings))
     if not attrs.get(ENQUEUED_ATTR):
         enqueue_side(study, study_file.side)  # first: one cheap config each (the knn: seconds on the demo)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import sys
 from dataclasses import dataclass, field
@@ -42,6 +43,15 @@ BEST_EPOCH_METRIC = "best_epoch"
 # metrics, so their history shows how the study progressed.
 SUMMARY_STEP_KEY = "trials_finished"
 DESCRIPTION_SETTING = "description"  # a setting shown as the run's and experiment's description, not a param
+SEARCHED_SETTING = "searched"  # comma-separated knobs the study samples (a param): the trials view's knob columns
+# Trial tags the trials view shows as columns (the warm-start source): presentation, not a param.
+VIEW_TAGS_SETTING = "view_tags"
+# MLflow 3's shared views: an experiment tag mlflow.sharedViewState.<key> holds a runs page's state as JSON (columns,
+# sort, filter), opened by the URL parameter viewStateShareKey=<key> (the experiment page's shared-view hook in
+# mlflow/server/js). MLflow's default runs table shows no metric, param or tag column; this view shows the trials
+# with their objective, state, searched knobs and the view_tags, best first.
+SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
+TRIALS_VIEW = "trials"
 # Optional settings key: when given, ensure_study reuses only a parent run carrying the same uid, so a deleted and
 # re-created Optuna study of the same name gets a fresh parent instead of mixing trials of both.
 UID_SETTING = "study_uid"
@@ -150,7 +160,7 @@ def _uid(value: Any) -> str:
 def split_settings(existing: dict[str, str], settings: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     """(new params, tags): params are immutable in MLflow, so a setting that changed since creation becomes a tag."""
     params, tags = {}, {}
-    settings = {k: v for k, v in settings.items() if k != DESCRIPTION_SETTING}
+    settings = {k: v for k, v in settings.items() if k not in (DESCRIPTION_SETTING, VIEW_TAGS_SETTING)}
     for key, value in clean_items(settings, PARAM_VALUE_MAX).items():
         if key not in existing:
             params[key] = value
@@ -167,7 +177,24 @@ def experiment_tags(settings: dict[str, Any]) -> dict[str, str]:
     if settings.get("objective"):
         tags[PRIMARY_METRIC_TAG] = best_metric(str(settings["objective"]))
         tags[PRIMARY_GREATER_TAG] = str(settings.get("direction", "maximize") == "maximize").lower()
+        tags[SHARED_VIEW_PREFIX + TRIALS_VIEW] = trials_view(settings)
     return tags
+
+
+def trials_view(settings: dict[str, Any]) -> str:
+    """The trials view's state (JSON): trial runs only, best first by the objective's best epoch, with columns for
+    it, the Optuna state, each searched knob (search.<knob>) and the view_tags; knob columns past what one tag holds
+    are left out (the rest of the view stays valid JSON)."""
+    metric = clean_key(best_metric(str(settings["objective"])))
+    knobs = [k for k in str(settings.get(SEARCHED_SETTING) or "").split(",") if k]
+    tags = [STATE_TAG, *(settings.get(VIEW_TAGS_SETTING) or ())]
+    view = {"searchFilter": f"tags.`{ROLE_TAG}` = 'trial'", "orderByKey": f"metrics.`{metric}`",
+            "orderByAsc": settings.get("direction", "maximize") != "maximize"}
+    columns = [f"metrics.`{metric}`", *(f"tags.`{clean_key(t)}`" for t in tags),
+               *(f"params.`{clean_key(SEARCH_PARAM_PREFIX + k)}`" for k in knobs)]
+    while len(json.dumps({**view, "selectedColumns": columns})) > TAG_VALUE_MAX:
+        columns.pop()
+    return json.dumps({**view, "selectedColumns": columns})
 
 
 def best_metric(objective: str) -> str:

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import tomli_w
 
 from latentsweep.search.stores import resolve_stores
 from latentsweep.search.study.storage import StorageSettings, dispose, open_storage
+from latentsweep.search.tracking.base import SHARED_VIEW_PREFIX, TRIALS_VIEW
 from latentsweep.search.tracking.probe import probe_tracking_store
 from latentsweep.trainers.core.errors import LatentsweepError
 from latentsweep.trainers.core.progress import say
@@ -40,6 +42,10 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 WILDCARD = {"0.0.0.0", "::", "[::]", ""}
 MLFLOW_PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"
 DASHBOARD_PROBE = "/api/studies"
+EXPERIMENTS_SEARCH = "/api/2.0/mlflow/experiments/search"
+# `latentsweep ui` prints the trials-table link of this many studies, newest first (one line each, so they fit a
+# terminal); older studies are one click away in the UI's experiment list.
+MAX_VIEW_LINKS = 10
 # The servers are local: an http_proxy in the environment must not intercept the probes.
 LOCAL_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -88,6 +94,16 @@ def http_json(url: str, body: dict | None = None, timeout: float = 10.0) -> dict
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
     with LOCAL_OPENER.open(req, timeout=timeout) as resp:
         return json.loads(resp.read().decode() or "{}")
+
+
+def trials_links(mlflow_url: str, query: str = "") -> list[tuple[str, str]]:
+    """(study, URL) of the trials view (latentsweep.search.tracking.base.trials_view) of the newest studies that
+    have one, `query` added to each URL; asks the MLflow server, so it raises what http_json raises."""
+    search = urllib.parse.urlencode({"max_results": MAX_VIEW_LINKS, "order_by": "creation_time DESC",
+                                     "filter": f"tags.`{SHARED_VIEW_PREFIX}{TRIALS_VIEW}` LIKE '%'"})
+    found = http_json(f"{mlflow_url}{EXPERIMENTS_SEARCH}?{search}")
+    return [(exp["name"], f"{mlflow_url}/#/experiments/{exp['experiment_id']}/runs?viewStateShareKey={TRIALS_VIEW}"
+             + (f"&{query}" if query else "")) for exp in found.get("experiments", [])]
 
 
 @dataclass
