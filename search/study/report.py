@@ -11,7 +11,7 @@ from optuna.trial import TrialState
 from latentsweep.search.redact import redact_url
 from latentsweep.search.study.contract import DEVICE_ATTR, POPULATION_ATTR, StudyRecord, read_side
 from latentsweep.search.study.storage import StorageSettings, dispose, open_storage
-from latentsweep.search.study.warm import warm_column
+from latentsweep.search.study.warm import warm_column, warm_sources
 from latentsweep.search.tracking.base import SUMMARY_STEP_KEY
 from latentsweep.trainers.core.errors import LatentsweepError
 
@@ -80,9 +80,9 @@ def _devices(study: optuna.Study, frame: pd.DataFrame) -> list[str]:
 
 def study_summary(study: optuna.Study) -> dict[str, Any]:
     """Trials by state (trials_complete, trials_pruned, trials_fail, trials_running, trials_waiting), how many there
-    are and how many finished (complete, pruned or failed), and the best trial when one completed (single objective;
-    a multi-objective study gives the size of its Pareto front). The CLI prints it; the parent run logs it with the
-    finished count as the step."""
+    are and how many finished (complete, pruned or failed), the best trial when one completed (single objective;
+    a multi-objective study gives the size of its Pareto front) and the warm-started trials' sources when any. The
+    CLI prints it; the parent run logs it with the finished count as the step (the sources as a tag)."""
     trials = study.get_trials(deepcopy=False)
     summary: dict[str, Any] = {f"trials_{s.name.lower()}": sum(t.state == s for t in trials) for s in TrialState}
     summary["trials_total"] = len(trials)
@@ -94,6 +94,9 @@ def study_summary(study: optuna.Study) -> dict[str, Any]:
                        best_params=dict(best.params) or read_side(best, study.study_name) or {})
     elif summary["trials_complete"]:
         summary["pareto_front_size"] = len(study.best_trials)
+    sources = warm_sources(study)
+    if sources:  # the parent run's tag summary.warm_from: where the warm-started trials came from
+        summary["warm_from"] = ", ".join(f"trial {n} <- {source}" for n, source in sorted(sources.items()))
     return summary
 
 

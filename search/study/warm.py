@@ -236,14 +236,20 @@ def warm_tags(trial) -> dict[str, str]:
     return {WARM_ATTR: str(source)} if source else {}
 
 
+def warm_sources(study: optuna.Study) -> dict[int, str]:
+    """{trial number: source} of the study's warm-started trials ("NAME:TRIAL" or "portfolio:INDEX")."""
+    found = {t.number: t.user_attrs.get(WARM_ATTR) for t in study.get_trials(deepcopy=False)}
+    return {number: str(source) for number, source in found.items() if source}
+
+
 def warm_column(study: optuna.Study, frame) -> list[str]:
     """`study status`: add the `warm_from` column (each trial's source) when any trial was warm-started."""
-    sources = {t.number: t.user_attrs.get(WARM_ATTR) for t in study.get_trials(deepcopy=False)}
-    if not any(sources.values()):
+    sources = warm_sources(study)
+    if not sources:
         return []
     frame["warm_from"] = frame["number"].map(sources)
     return ["warm_from"]
 
 
 __all__ = ["IDENTITY_ATTR", "WARM_ATTR", "WARM_K", "identity", "portfolio", "queue_portfolio", "translate",
-           "warm_column", "warm_start", "warm_tags"]
+           "warm_column", "warm_sources", "warm_start", "warm_tags"]
