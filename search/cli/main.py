@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import signal
 import sys
 import time
@@ -23,6 +25,7 @@ COMMAND_MODULES = ("data", "submission", "train", "study", "pick", "run", "ui")
 # at start, docs/memory.md).
 MODULE_OF = {"data": "data", "submission": "submission", "train": "train", "predict": "train", "study": "study",
              "worker": "study", "pick": "pick", "run": "run", "ui": "ui"}
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE (13): what a shell reports for a writer whose reader left (`yes | head`)
 # Each top-level command's one-line help, for the parser that `--help`, `--version`, no command and an unknown command
 # get: it imports no command module, so they answer before torch, Optuna, MLflow or SQLAlchemy is loaded
 # (docs/design.md, "Start-up"). tests/test_layout.py checks these lines against the commands' own parsers.
@@ -119,10 +122,25 @@ def _main(argv: list[str], started: float) -> int:
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # classified once (search/failures.py): a bug keeps its traceback, the rest one line
+        if isinstance(exc, BrokenPipeError) and stdout_gone():
+            return SIGPIPE_EXIT  # `latentsweep study status X | head`: the reader wants no more, and no error line
         code = report_error(exc)
         if code is None:
             raise
         return code
+
+
+def stdout_gone() -> bool:
+    """Whether stdout's reader has left (not another pipe or socket: a pipe without reader polls POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(event & select.POLLERR for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() (Windows), or a stdout without a file (a test's capture)
+        return False
+    if gone:  # to /dev/null: Python's flush at exit would fail a second time (the process ends: no fd to close)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
 
 
 if __name__ == "__main__":
