@@ -15,7 +15,7 @@ run side by side with their own --work merge with --table).
     python benchmarks/warm_start.py --work DIR [--seeds 3 4] [--first 600] [--budgets 60 120 300]
                                     [--portfolio-budgets 60 120]
     python benchmarks/warm_start.py --table DIR [DIR ...]   # one table of several --work directories
-    python benchmarks/warm_start.py --smoke    # tiny synthetic data: a 2-trial first study, one 60-s triple
+    python benchmarks/warm_start.py --smoke    # tiny synthetic data: a 2-trial first study, one 20-s triple
 """
 from __future__ import annotations
 
@@ -141,16 +141,16 @@ def table(rows: list[dict]) -> str:
 def smoke() -> int:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import SPENT_S, tiny_study_file
-    from latentsweep.search.process import TEST_SPENT_ENV
+    from conftest import SHORT_TIME_S, tiny_study_file
+    from latentsweep.search.process import TEST_MIN_TIME_ENV
     from latentsweep.trainers.data.synthetic import write_synthetic
 
-    os.environ[TEST_SPENT_ENV] = str(SPENT_S)  # each 60-s run starts back-dated: 50 s to wait, not 60 (tests only)
+    os.environ[TEST_MIN_TIME_ENV] = str(SHORT_TIME_S)  # `run --time 20` accepted (tests only): 20 s each, not 60
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         files = write_synthetic(tmp / "data", 240, dim_text=24, dim_image=32, n_test=100)
         study = tiny_study_file(tmp, "smoke", n_trials=4, epochs=2)
-        rows = measure(study, {"synthetic": files}, 30, [60], [60], tmp / "work", n_trials=2)
+        rows = measure(study, {"synthetic": files}, 30, [SHORT_TIME_S], [SHORT_TIME_S], tmp / "work", n_trials=2)
         print(table(rows))
         return 0 if len(rows) == 3 and all(r["mrr"] > 0 for r in rows) else 1
 
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="budgets that also run the portfolio arm (default 60 120)")
     p.add_argument("--study", type=Path, default=ROOT / "studies" / "full.toml")
     p.add_argument("--table", type=Path, nargs="+", metavar="WORK", help="print one table of these --work dirs")
-    p.add_argument("--smoke", action="store_true", help="tiny synthetic data: a 2-trial first study, one 60-s triple")
+    p.add_argument("--smoke", action="store_true", help="tiny synthetic data: a 2-trial first study, one 20-s triple")
     args = p.parse_args(argv)
     if args.smoke:
         return smoke()

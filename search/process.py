@@ -219,8 +219,9 @@ def process_started() -> float:
 
 
 # Tests only (README, Tests): the least `run --time` accepts, lowered from the product's minimum to this many seconds,
-# so that a test or a benchmark smoke of a one-budget run (a trial and a pick on tiny data) spends 20-30 s, not 60. It
-# can only shorten a job: a budget it lets through runs like any other, and without it nothing changes.
+# so that a test or a benchmark smoke of a one-budget run that needs no pick (the floor and a trial on tiny data) spends
+# 20 s, not 60. It can only shorten a job: a budget it lets through runs like any other, and without it nothing
+# changes.
 TEST_MIN_TIME_ENV = "LATENTSWEEP_TEST_MIN_TIME_S"
 
 

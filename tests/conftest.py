@@ -15,23 +15,54 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-# Under pytest-xdist (`-n 2 --dist loadgroup`: README, Tests) tests are dealt to the workers one by one, and a
-# module-scoped fixture is built in every worker that gets one of its tests. These modules' fixtures run a study, a
-# pick or a training (tens of seconds each on 2 cores): each module's tests go to one worker, which builds them once.
+# Under pytest-xdist (`-n 2 --dist loadgroup`: README, Tests) tests are dealt to the workers one unit at a time (a
+# test, or all the tests of one xdist_group), and a module-scoped fixture is built in every worker that gets one of its
+# tests. These modules' fixtures run a study, a pick or a training (tens of seconds each on 2 cores): each module's
+# tests go to one worker, which builds them once.
 SHARED_FIXTURE_MODULES = {"test_picker.py", "test_pick_budget.py", "test_better_only.py", "test_bad_input_round5.py",
-                          "test_cli_train.py", "test_loop.py"}
+                          "test_cli_train.py", "test_loop.py", "test_tracking_e2e.py"}
+
+# Dealt first, in this order: the longest tests (wall seconds measured 2026-11-27 with -n 2 on 2 cores under a load
+# average of about 10, each 2-5x its quiet time), so that the other worker's shorter tests fill the time beside them
+# instead of one long test ending the run alone with the other worker idle. xdist deals the groups above before any
+# single test. The slow step (.ci/run): test_kill's 12 moments and the wheel 580 s each, the population kill 287 s,
+# the plugins 147 s, the workers smoke 93 s, the inductor capture 91 s, the tracker bug 79 s, the notebook and
+# PostgreSQL's four workers 70 s. The suite: two same-name studies at once 103 s, two workers halted by a bug 69-71 s,
+# a full disk mid-trial 60 s, parallel SQLite workers 51 s.
+LONGEST_FIRST = (
+    "test_kill.py::test_run_killed_at_every_phase", "test_wheel.py::",
+    "test_population_study.py::test_killing_a_worker", "test_plugins.py::test_both_examples",
+    "test_smoke_runs_in_a_temp_dir[workers.py]", "test_capture.py::test_a_run_captured_by_inductor",
+    "test_always_an_answer.py::test_a_bug_in_our_tracker", "test_notebook.py::", "test_postgres.py::test_four_workers",
+    "test_bad_input_stores.py::test_two_same_name", "test_failures.py::test_a_bug_in_the_tracker_stops_two_workers",
+    "test_own_bugs.py::test_a_bug_in_a_loss_stops_every_worker", "test_bad_input_stores.py::test_storage_full",
+    "test_study.py::test_parallel_sqlite_workers",
+)
 
 
-# The slow step's longest tests (.ci/run, measured: test_kill's 12 moments 169 s, the wheel 94 s): dealt first, so
-# that the other worker's many shorter tests fill the time beside them instead of one long test ending the run alone.
-LONGEST_FIRST = ("test_kill.py::test_run_killed_at_every_phase", "test_wheel.py::")
+def _rank(item) -> int:
+    return next((i for i, long in enumerate(LONGEST_FIRST) if long in item.nodeid), len(LONGEST_FIRST))
 
 
-def pytest_collection_modifyitems(items) -> None:
+@pytest.hookimpl(tryfirst=True)  # the groups must be in the node ids before xdist's scheduler reads them
+def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.path.name in SHARED_FIXTURE_MODULES:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
-    items.sort(key=lambda item: not any(long in item.nodeid for long in LONGEST_FIRST))  # stable: the rest in order
+            _group(item, item.path.stem, config)
+    items.sort(key=_rank)  # stable: the rest in collection order
+
+
+def _group(item, name: str, config) -> None:
+    """Mark `item` xdist_group `name`. On an xdist worker of --dist loadgroup, also write the group into its node id
+    ("id@group", what xdist's scheduler reads): pytest-xdist 3.8 writes it to a field pytest 9.2 no longer reads
+    (pytest-dev/pytest-xdist#1386), and every group was silently dealt test by test to both workers."""
+    item.add_marker(pytest.mark.xdist_group(name))
+    if not getattr(config.option, "loadgroup", False) or item.nodeid.endswith(f"@{name}"):
+        return
+    if hasattr(item, "_id"):  # pytest >= 9.2: a structured id, parsed back from its string form
+        item._id = type(item._id).parse(f"{item.nodeid}@{name}")
+    else:
+        item._nodeid = f"{item.nodeid}@{name}"
 
 
 # A back-dated start: seconds of a `run --time 60` budget counted as already spent, so that a test of the smallest
@@ -52,6 +83,22 @@ def main_spent(argv: list[str], spent_s: float = SPENT_S) -> int:
     from latentsweep.search.cli.main import _main
 
     return _main(list(argv), time.monotonic() - spent_s)
+
+
+# The least `run --time` a test or benchmark smoke asks for when it needs no pick: a one-budget job on tiny data (the
+# floor and a trial) in 20 s instead of the product's 60-s minimum, which $LATENTSWEEP_TEST_MIN_TIME_S lowers for tests
+# only (latentsweep.search.process.least_time). A job whose pick must run keeps 60 s: the pick starts only with
+# PICK_MIN_S (20 s) left after the search, which ends with half the budget left (latentsweep.search.study.budget).
+SHORT_TIME_S = 20
+
+
+@pytest.fixture
+def short_time(monkeypatch) -> int:
+    """`run --time SHORT_TIME_S` accepted in this test, in-process and in the CLI processes it starts; returns it."""
+    from latentsweep.search.process import TEST_MIN_TIME_ENV
+
+    monkeypatch.setenv(TEST_MIN_TIME_ENV, str(SHORT_TIME_S))
+    return SHORT_TIME_S
 
 
 def default_sigint() -> None:

@@ -56,7 +56,8 @@ def test_smoke_runs_in_a_temp_dir(script, tmp_path):
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     assert run.stdout.strip()  # it reports something
     assert list(cwd.iterdir()) == []  # nothing written where it was started
-    # its temp dirs are removed. Caches may stay, under TMPDIR by design: torch's compile cache, and the train files'
+    # its temp dirs are removed. Caches may stay, under TMPDIR by design: torch's compile cache, the train files'
     # mapped copy (latentsweep.trainers.data.sets.cache_dir: the next process on this machine maps it instead of parsing
-    # the file)
-    assert [p.name for p in tmp.iterdir() if not p.name.startswith(("torchinductor", "latentsweep-data-"))] == []
+    # the file) and the empty MLflow store new ones are copied from (latentsweep.search.tracking.schema)
+    caches = ("torchinductor", "latentsweep-data-", "latentsweep-mlflow-")
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith(caches)] == []

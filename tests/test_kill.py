@@ -16,7 +16,7 @@ import optuna
 import pytest
 
 from conftest import default_sigint, tiny_study_file
-from latentsweep.search.cli.main import build_parser
+from latentsweep.search.cli.main import build_parser, main
 from latentsweep.search.cli.study import make_spec
 from latentsweep.search.study.owners import OWNER_ATTR, worker_id
 from latentsweep.search.study.studyfile import load_study_file
@@ -193,9 +193,10 @@ def test_run_killed_at_every_phase_resumes_and_answers(world, tmp_path, moments)
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
     base = [sys.executable, "-m", "latentsweep"]
-    # Two trials first, so the search of every run below is short and the pick has candidates.
-    subprocess.run([*base, "study", "run", str(sf), "--data", str(train), "--state-dir", str(state), "--quiet",
-                    "--n-trials", "2"], check=True, env=env, capture_output=True, timeout=300)
+    # Two trials first, so the search of every run below is short and the pick has candidates (in this process: the
+    # kills below need a process boundary, this does not).
+    assert main(["study", "run", str(sf), "--data", str(train), "--state-dir", str(state), "--quiet",
+                 "--n-trials", "2"]) == 0
     argv = [*base, "run", str(sf), "--time", "90", "--data", str(train), "--test", str(test_path), "--state-dir",
             str(state), "--out", str(out), "--quiet"]
     killed = []

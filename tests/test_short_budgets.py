@@ -1,6 +1,7 @@
 """The test-only floor of `run --time` ($LATENTSWEEP_TEST_MIN_TIME_S, README's Tests): tests and benchmark smokes of a
-one-budget run ask for 20-30 s instead of waiting out the product's 60-s minimum. It only lowers that minimum, to a
-number of seconds below it: anything else leaves parse_duration as it is, and without it nothing changes."""
+one-budget run that needs no pick ask for 20 s instead of waiting out the product's 60-s minimum. It only lowers that
+minimum, to a number of seconds below it: anything else leaves parse_duration as it is, and without it nothing
+changes."""
 from __future__ import annotations
 
 import pytest
