@@ -59,7 +59,9 @@ def test_the_wheel_runs_a_preset_pick_and_a_plugin_from_an_empty_directory(tmp_p
     listed = run([cli, "study", "presets"], empty, env).stdout
     assert "quickstart" in listed and "full" in listed
 
-    run([cli, "study", "run", "quickstart", "--n-trials", "2"], empty, env)  # the preset by name; 2 of its 12 trials
+    # the preset by name, on the demo data the wheel ships; 1 of its 12 trials (the pick's own paths are tested in the
+    # suite: here, that an installed pick finds the study and writes its files)
+    run([cli, "study", "run", "quickstart", "--n-trials", "1"], empty, env)
     run([cli, "pick", "quickstart"], empty, env)
     assert (empty / "mlruns" / "picks" / "quickstart" / "submission.csv").is_file()
     studied = time.monotonic()
@@ -70,7 +72,7 @@ def test_the_wheel_runs_a_preset_pick_and_a_plugin_from_an_empty_directory(tmp_p
     study = (empty / "siglip.toml").read_text()
     assert "\nepochs = 8\n" in study  # 2 epochs are enough to load the plugin's loss and train with it
     (empty / "siglip.toml").write_text(study.replace("\nepochs = 8\n", "\nepochs = 2\n"))
-    run([cli, "study", "run", "siglip.toml", "--n-trials", "2"], empty, env)
+    run([cli, "study", "run", "siglip.toml", "--n-trials", "1"], empty, env)  # one trial loads and trains the plugin
     run([cli, "study", "init", "full", "my_study.toml"], empty, env)
     assert (empty / "my_study.toml").is_file()
     print(f"\nwheel test: build+install {installed - started:.0f} s, quickstart+pick {studied - installed:.0f} s, "
