@@ -1,12 +1,17 @@
-"""Benchmark: peak RSS of `latentsweep train` and of a 1-trial study at challenge size, over the float arrays' bytes.
+"""Benchmark: peak RSS of `latentsweep train`, of a 1-trial study and of a one-budget job at challenge size, over the
+float arrays' bytes.
 
 Usage: python benchmarks/memory_peak.py [--dir DIR] [--before REV] [--study FILE] [--json OUT]
+       python benchmarks/memory_peak.py --one-budget 300 [--dir DIR] [--before REV]   # `run --time 300`, by step
        python benchmarks/memory_peak.py --smoke    # the same commands on a tiny file in a temp dir (no goal check)
-The challenge-size train.npz (25,000 images x 5 captions, 1024 -> 1536, latentsweep.trainers.data.synthetic) is built
-once in DIR
-(default: a temp dir). Each command runs as a child process; its peak RSS is the ru_maxrss that os.wait4 returns,
-which covers the child and every process it waited for (a study's workers). --before REV runs the same commands
-on the code of git revision REV too (exported with git archive), for a before/after table.
+The challenge-size train.npz (25,000 images x 5 captions, 1024 -> 1536, latentsweep.trainers.data.synthetic; with
+5,000 test captions for --one-budget) is built once in DIR (default: a temp dir). Each command runs as a child
+process; its peak RSS is the ru_maxrss that os.wait4 returns, which covers the child and every process it waited for
+(a study's workers). --before REV runs the same commands on the code of git revision REV too (exported with git
+archive), for a before/after table. --one-budget SECONDS runs `latentsweep run studies/full.toml --time SECONDS` with
+its defaults instead (goal: 2.5x the floats, issue 38), in a child that samples its own RSS (anonymous and
+file-backed) every 20 ms and names the step running at each sample (the library's functions wrapped from outside,
+STEPS): each step's peak is printed.
 """
 from __future__ import annotations
 
@@ -23,18 +28,47 @@ from pathlib import Path
 import tomli_w
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if sys.argv[1:2] != ["--child-trace"]:  # a child measures the code its PYTHONPATH names (--before REV's)
+    sys.path.insert(0, str(ROOT))
 
 # Real challenge train.npz: 25,000 images x 5 captions, text dim 1024, image dim 1536 (shared/data-sources.md).
 FULL = {"n_images": 25_000, "captions_per_image": 5, "dim_text": 1024, "dim_image": 1536}
 SMOKE = {"n_images": 120, "captions_per_image": 5, "dim_text": 32, "dim_image": 48}  # --smoke: the path, not the RSS
 GOAL_RATIO = 2.0  # issue 20: peak RSS of training <= 2x the float arrays
+JOB_GOAL_RATIO = 2.5  # issue 38: peak RSS of `run --time` at challenge size <= 2.5x the float arrays
+TEST_CAPTIONS = {"full": 5_000, "smoke": 50}  # the one-budget job's test file (docs/trial-costs.md's real-size file)
+SAMPLE_S = 0.02  # the one-budget child's RSS sampling period
+JOB_SMOKE_S = 20  # --smoke's `run --time` (tests only: below the product's 60-s minimum)
+# The steps of a one-budget job a sample is labelled with: (module, function or Class.method, label). A name the
+# measured code lacks (--before an older revision) is skipped.
+STEPS = (
+    ("latentsweep.trainers.data.sets", "load_train_shared", "data"),
+    ("latentsweep.search.pick.safe", "ridge_answer", "floor"),
+    ("latentsweep.trainers.models.closed_form", "fit_ridge", "fit"),
+    ("latentsweep.trainers.eval.submission", "check_submission", "check csv"),
+    ("latentsweep.search.pick.judge", "make_judge", "judge"),
+    ("latentsweep.search.pick.judge", "Judge.score_floor", "score floor"),
+    ("latentsweep.search.pick.judge", "Judge.score_models", "score models"),
+    ("latentsweep.trainers.train.loop", "train", "trial"),
+    ("latentsweep.trainers.models.knn", "KernelTranslator.__init__", "knn build"),
+    ("latentsweep.trainers.train.tasks", "TranslateTask.evaluate", "validate"),
+    ("latentsweep.trainers.train.loop", "_train_epoch", "epoch"),
+    ("latentsweep.trainers.train.loop", "_save_best", "save"),
+    ("latentsweep.search.study.objective", "TrialRunner._close", "trial close"),
+    ("latentsweep.search.pick.safe", "Keeper._consider", "keeper"),
+    ("latentsweep.search.pick.picker", "pick_until", "pick"),
+    ("latentsweep.search.pick.picker", "load_inputs", "inputs"),
+    ("latentsweep.search.pick.picker", "choose", "selection"),
+    ("latentsweep.search.pick.jobs", "run_job", "refit"),
+    ("latentsweep.search.pick.picker", "write_outputs", "outputs"),
+)
 
 
 def build(directory: Path, params: dict = FULL) -> Path:
-    """The challenge-size (or `params`-size) train.npz in `directory` (reused when present)."""
+    """The challenge-size (or `params`-size) train.npz in `directory` (reused when present, with its test.clean.npz
+    when `params` asks for test captions)."""
     path = directory / "train.npz"
-    if not path.is_file():
+    if not path.is_file() or (params.get("n_test") and not (directory / "test.clean.npz").is_file()):
         from latentsweep.trainers.data.synthetic import write_synthetic
 
         start = time.perf_counter()
@@ -66,10 +100,10 @@ def one_epoch_study(source: Path, directory: Path) -> Path:
     return out
 
 
-def peak_rss(argv: list[str], code: Path, work: Path) -> tuple[int, float]:
+def peak_rss(argv: list[str], code: Path, work: Path, env: dict | None = None) -> tuple[int, float]:
     """(peak RSS bytes, wall s) of `argv` run with the package at `code` (also the cwd, which `python -m` puts
-    first on sys.path), state under `work`; the output is shown only if it fails."""
-    env = {**os.environ, "PYTHONPATH": str(code), "LATENTSWEEP_STATE_DIR": str(work / "state")}
+    first on sys.path), state under `work`, `env` added to the environment; the output is shown only if it fails."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(code), "LATENTSWEEP_STATE_DIR": str(work / "state")}
     start = time.perf_counter()
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(argv, cwd=code, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -102,6 +136,105 @@ def measure(code: Path, study: Path, data: Path) -> dict[str, dict]:
     return out
 
 
+def _status() -> dict[str, int]:
+    """This process's resident bytes now: VmRSS, RssAnon (its own pages) and RssFile (mapped files: the data cache,
+    a mapped checkpoint, libraries)."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "RssAnon", "RssFile")))
+    return {key: int(value.split()[0]) * 1024 for key, value in fields.items()}
+
+
+def _label_steps(stacks: dict[int, list[str]]) -> None:
+    """Wrap STEPS so that each thread's running steps are in stacks[thread] (every module that imported a function by
+    name gets the wrapper too)."""
+    import functools
+    import importlib
+    import threading
+
+    def wrap(fn, label):
+        @functools.wraps(fn)
+        def step(*args, **kwargs):
+            stack = stacks.setdefault(threading.get_ident(), [])
+            stack.append(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stack.pop()
+        return step
+
+    for module, name, label in STEPS:
+        owner_name, _, attr = name.rpartition(".")
+        try:
+            owner = importlib.import_module(module)
+            owner = getattr(owner, owner_name) if owner_name else owner
+            fn = getattr(owner, attr)
+        except (ImportError, AttributeError):  # not in the measured revision
+            continue
+        step = wrap(fn, label)
+        setattr(owner, attr, step)
+        for other in list(sys.modules.values()) if not owner_name else ():
+            if getattr(other, "__name__", "").startswith("latentsweep") and getattr(other, attr, None) is fn:
+                setattr(other, attr, step)
+
+
+def child_trace(out: str, argv: list[str]) -> int:
+    """Run `latentsweep ARGV` in this process (its clock from the process's start, as the CLI's), sampling its RSS
+    every SAMPLE_S with the steps running then (each thread's, outermost first); write {label: peak} to `out`."""
+    import threading
+
+    import latentsweep.search.cli.run  # noqa: F401 - the job's modules, imported before their steps are wrapped
+    import latentsweep.search.pick.picker  # noqa: F401
+    import latentsweep.search.study.runner  # noqa: F401
+    from latentsweep.search.cli.main import main
+
+    stacks: dict[int, list[str]] = {}
+    peaks: dict[str, dict] = {}
+    stop = threading.Event()
+
+    def sample() -> None:
+        start = time.monotonic()
+        while not stop.wait(SAMPLE_S):
+            label = " | ".join("/".join(s) for s in list(stacks.values()) if s) or "between steps"
+            now = {**_status(), "t": time.monotonic() - start}
+            peak = peaks.setdefault(label, {**now, "first_s": now["t"]})
+            if now["VmRSS"] > peak["VmRSS"]:
+                peak.update(now)
+
+    _label_steps(stacks)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    sys.argv = ["latentsweep", *argv]
+    try:
+        return main()
+    finally:
+        stop.set()
+        sampler.join()
+        Path(out).write_text(json.dumps(peaks))
+
+
+def one_budget(code: Path, data: Path, seconds: int, work: Path, env: dict | None = None) -> dict:
+    """`latentsweep run studies/full.toml --time SECONDS` on `data` with the code at `code`: its peak RSS (wait4) and
+    each step's peak (child_trace)."""
+    work.mkdir(parents=True, exist_ok=True)
+    steps = work / "steps.json"
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child-trace", str(steps), "--", "run",
+            str(code / "studies" / "full.toml"), "--time", str(seconds), "--data", str(data), "--state-dir",
+            str(work / "state"), "--quiet"]
+    rss, wall = peak_rss(argv, code, work, env)
+    print(f"  run --time {seconds}: peak {rss / 1e9:.2f} GB ({wall:.0f} s)", flush=True)
+    return {"peak_rss": rss, "wall_s": wall, "steps": json.loads(steps.read_text())}
+
+
+def steps_table(result: dict, floats: int) -> str:
+    """Each step's peak RSS (x floats) with its anonymous and file-backed parts, in the order the steps began."""
+    rows = ["| step (innermost last; a keeper thread's after a bar) | peak RSS (x floats) | anon | file | at s |",
+            "|---|---|---|---|---|"]
+    for label, p in sorted(result["steps"].items(), key=lambda kv: kv[1]["first_s"]):
+        rows.append(f"| {label} | {p['VmRSS'] / 1e9:.2f} GB ({p['VmRSS'] / floats:.2f}x) | "
+                    f"{p['RssAnon'] / 1e9:.2f} | {p['RssFile'] / 1e9:.2f} | {p['t']:.0f} |")
+    return "\n".join(rows)
+
+
 def export_revision(rev: str, directory: Path) -> Path:
     """The tree of git revision `rev`, extracted into directory/src (the code a 'before' run imports)."""
     src = directory / "src"
@@ -121,11 +254,44 @@ def table(results: dict[str, dict], floats: int) -> str:
     return "\n".join(rows)
 
 
+def job_main(args, tmp: Path) -> int:
+    """--one-budget (and the smoke's job): `run --time` on the file with test captions, this tree and --before's."""
+    size, name = (SMOKE, "smoke") if args.smoke else (FULL, "full")
+    data = build(args.dir or tmp, {**size, "n_test": TEST_CAPTIONS[name]})
+    floats = float_bytes(data)
+    seconds, env = args.one_budget, None
+    if args.smoke:  # below the product's 60-s minimum, tests only (latentsweep.search.process.least_time)
+        from latentsweep.search.process import TEST_MIN_TIME_ENV
+
+        seconds, env = JOB_SMOKE_S, {TEST_MIN_TIME_ENV: str(JOB_SMOKE_S)}
+    goal = JOB_GOAL_RATIO * floats
+    print(f"float arrays: {floats / 1e9:.3f} GB; goal: peak <= {JOB_GOAL_RATIO:g}x = {goal / 1e9:.2f} GB", flush=True)
+    results = {}
+    if args.before:
+        print(f"before ({args.before}):", flush=True)
+        results[f"before ({args.before})"] = one_budget(export_revision(args.before, tmp), data, seconds,
+                                                        tmp / "before", env)
+    print("this tree:", flush=True)
+    results["after" if args.before else "this tree"] = one_budget(ROOT, data, seconds, tmp / "after", env)
+    for label, r in results.items():
+        verdict = "met" if r["peak_rss"] <= goal else "missed"
+        print(f"\n{label}: `run --time {seconds}` peak {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / floats:.2f}x "
+              f"the floats in {r['wall_s']:.0f} s (goal {JOB_GOAL_RATIO:g}x: {verdict})\n{steps_table(r, floats)}")
+    if args.json:
+        args.json.write_text(json.dumps({"float_bytes": floats, "results": results}, indent=2))
+    return 0 if args.smoke or results[list(results)[-1]]["peak_rss"] <= goal else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--child-trace"]:  # one_budget's child: --child-trace OUT -- latentsweep's arguments
+        return child_trace(argv[1], argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, help="where the challenge-size file is built (kept; default: temp dir)")
     parser.add_argument("--before", metavar="REV", help="also measure git revision REV (e.g. main)")
     parser.add_argument("--study", type=Path, default=ROOT / "studies" / "quickstart.toml")
+    parser.add_argument("--one-budget", type=int, metavar="SECONDS",
+                        help="measure `latentsweep run studies/full.toml --time SECONDS` by step instead (goal 2.5x)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny file in a temp dir: every command runs, the goal is not checked")
@@ -133,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.dir, args.before = None, None
     with tempfile.TemporaryDirectory(prefix="memory-peak-") as tmp:
+        if args.one_budget:
+            return job_main(args, Path(tmp))
         directory = args.dir or Path(tmp)
         directory.mkdir(parents=True, exist_ok=True)
         data = build(directory, SMOKE if args.smoke else FULL)
@@ -145,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             results[f"before ({args.before})"] = measure(export_revision(args.before, Path(tmp)), study, data)
         print("this tree:", flush=True)
         results["after" if args.before else "this tree"] = measure(ROOT, study, data)
+        if args.smoke:  # the one-budget job's path too
+            job_main(args, Path(tmp) / "job")
     print(table(results, floats))
     if args.json:
         args.json.write_text(json.dumps({"float_bytes": floats, "results": results}, indent=2))

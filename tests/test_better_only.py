@@ -18,7 +18,7 @@ from latentsweep.search.pick.onebudget import _gate
 from latentsweep.search.pick.safe import Keeper, SafeAnswer, best_trial, local_checkpoint, ridge_answer
 from latentsweep.search.study.studyfile import load_study_file
 from latentsweep.trainers.train.checkpoint import load_model
-from latentsweep.trainers.models.closed_form import fit_ridge, moments, solve
+from latentsweep.trainers.models.closed_form import fit_ridge, held_out_mrr, moments, solve
 from latentsweep.trainers.data.sets import load_test, load_train
 from latentsweep.trainers.data.splits import captions_of
 from latentsweep.trainers.data.synthetic import write_synthetic
@@ -55,6 +55,19 @@ def test_an_answer_replaces_the_one_in_place_only_when_strictly_better():
     assert lazy.record()["val_mrr"] is None and not calls
     assert not lazy.offer("trial 1", 0.4) and lazy.offer("trial 2", 0.6) and calls == [1]
     assert lazy.record()["margin_val_mrr"] == pytest.approx(0.1)
+
+
+def test_the_judge_reads_the_val_captions_in_place(tmp_path):
+    """The judge lives as long as a `latentsweep run` job: it holds the loaded captions and the val rows, not a copy of
+    the val captions (0.1 GB at challenge size), and scores the floor exactly as on a copy."""
+    train, _, _ = write_synthetic(tmp_path / "data", 160, dim_text=12, dim_image=16)
+    data = load_train(train)
+    judge = make_judge(load_study_file(tiny_study_file(tmp_path, "judge")).base, data)
+    assert judge.captions is data.text
+    np.testing.assert_array_equal(judge.text, data.text[captions_of(data.cap2img, judge.held_images)])
+    ridge = solve(moments(data, captions_of(data.cap2img, judge.train_images)), 0.1)
+    assert judge.score_floor(data, 0.1) == held_out_mrr(ridge, judge.text, judge.gallery, judge.target,
+                                                        seed=judge.seed)
 
 
 @pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared

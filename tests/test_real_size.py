@@ -3,10 +3,13 @@ module's, the train file read once per machine (the memory-mapped cache), the kn
 the knn side trial's estimate before it starts."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
 
+from latentsweep.search.tracking.memory import InMemoryTracker
 from latentsweep.trainers.models.closed_form import ALPHAS, fit_ridge, held_out_mrr, moments, solve
 from latentsweep.trainers.data.sets import load_train
 from latentsweep.trainers.eval.metrics import evaluate_leaderboard
@@ -139,3 +142,67 @@ def test_the_cache_keeps_the_most_recently_used_copies(cache, tmp_path):
     kept = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert len(kept) == cache.CACHE_KEEP and cache.cache_dir(cache.fingerprint(paths[0])).name not in kept
     assert isinstance(cache.load_train_shared(paths[-1]).text, np.memmap)  # the process that wrote it maps it too
+
+
+def test_a_knn_candidate_is_loaded_without_a_prediction(small, tmp_path):
+    """The pick loads a knn trial's checkpoint without predicting anything: a probe row for its output width made it
+    read every key of the mapped file (0.5 GB at challenge size, resident from then on)."""
+    from latentsweep.search.pick.candidates import make_candidate
+    from latentsweep.trainers.config.tree import Config, with_values
+    from latentsweep.trainers.train.loop import train
+
+    data = load_train(small)
+    train(with_values(Config(), {"model.kind": "knn", "data.val_ratio": 0.25}), data, out_dir=tmp_path / "knn")
+    cand = make_candidate("trial-0", 0, tmp_path / "knn" / "best.pt", "local", 0.5, "cpu")
+    assert cand.dims == (data.text.shape[1], data.image.shape[1]) and cand.model.inner.computed == 0
+
+
+class LitteringTracker(InMemoryTracker):
+    """An in-memory tracker that leaves cyclic garbage holding the frame that logs a trial's artifacts (as matplotlib's
+    parser leaves tracebacks behind when a trial's figure is drawn): that frame's callers stay alive with it until
+    Python's next full collection."""
+
+    def log_artifacts(self, run_id, paths, artifact_path=None):
+        super().log_artifacts(run_id, paths, artifact_path)
+        litter = [sys._getframe()]
+        litter.append(litter)
+
+
+@pytest.mark.parametrize("pruned", [False, True])
+def test_a_finished_trial_frees_its_model_without_a_collection(small, tmp_path, monkeypatch, pruned):
+    """A trial's model (the knn side trial's keys: 0.5 GB at challenge size) is freed when its trial ends, complete or
+    pruned, not at Python's next full collection under the next trial and the pick."""
+    import gc
+    import weakref
+
+    import optuna
+
+    from conftest import tiny_study_file
+    from latentsweep.search.cli.main import build_parser
+    from latentsweep.search.cli.study import make_spec
+    from latentsweep.search.study.objective import TrialRunner
+    from latentsweep.search.study.studyfile import load_study_file
+    from latentsweep.trainers.train import loop
+
+    built = []
+    real_build = loop.build_model
+    monkeypatch.setattr(loop, "build_model", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
+    sf = tiny_study_file(tmp_path, "freed", n_trials=1, epochs=1)
+    args = build_parser().parse_args(["study", "run", str(sf), "--data", str(small), "--state-dir", str(tmp_path)])
+    tracker = LitteringTracker()
+    tracker.ensure_study("freed", {})
+    runner = TrialRunner(load_study_file(sf), make_spec(args), load_train(small), tracker, tmp_path / "t")
+    pruner = optuna.pruners.ThresholdPruner(lower=2.0) if pruned else optuna.pruners.NopPruner()  # MRR < 2: pruned
+    study = optuna.create_study(direction="maximize", pruner=pruner)
+    # the process's first optimizer imports torch._dynamo, whose garbage holds that run's frames until a collection
+    # (once per process): made here, before the trial
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    gc.collect()
+    gc.disable()
+    try:
+        state, _ = runner.run(study.ask())
+        model = weakref.ref(built.pop())
+        assert state.name == ("PRUNED" if pruned else "COMPLETE") and (tmp_path / "t" / "trial-0" / "best.pt").is_file()
+        assert model() is None
+    finally:
+        gc.enable()

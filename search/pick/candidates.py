@@ -18,14 +18,13 @@ from latentsweep.search.stores import state_dir
 from latentsweep.search.study.studyfile import resolve_data_path
 from latentsweep.search.tracking.base import Tracker
 from latentsweep.search.tracking.paths import resolve_in_state
-from latentsweep.trainers.train.checkpoint import load_model
+from latentsweep.trainers.train.checkpoint import checkpoint_dims, load_model
 from latentsweep.trainers.config.tree import Config, dump_toml
 from latentsweep.trainers.train.cost import Timing
 from latentsweep.trainers.data.sets import check_text_dim
 from latentsweep.trainers.data.demo import default_test_path, default_train_path
 from latentsweep.trainers.core.errors import DataError, LatentsweepError
 from latentsweep.trainers.core.progress import say
-from latentsweep.trainers.train.tasks import predict
 
 SPLIT_KEYS = ("split", "val_ratio", "salt", "n_folds", "fold")
 KIND_PARAM = "model.kind"  # the Optuna parameter of a study that searches the model kind
@@ -112,9 +111,7 @@ def fetch_checkpoint(trial, tracker: Tracker, download_dir: Path, root: Path | N
 
 def make_candidate(name: str, trial: int, path: Path, origin: str, value: float | None, device) -> Candidate:
     model, cfg, meta = load_model(path, device)
-    dim_in = int(model.text_mean.numel())
-    dim_out = int(predict(model, torch.zeros(1, dim_in, device=device)).shape[1])
-    return Candidate(name, trial, path, cfg, (dim_in, dim_out), value, meta.get("data_fingerprint"), origin, model,
+    return Candidate(name, trial, path, cfg, checkpoint_dims(path), value, meta.get("data_fingerprint"), origin, model,
                      best_epoch=int(meta.get("epoch", cfg.train.epochs - 1)))
 
 

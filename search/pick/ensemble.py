@@ -132,6 +132,8 @@ def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[np.
     """
     if method not in METHODS:
         raise LatentsweepError(f"--method must be one of {', '.join(METHODS)}, got '{method}'")
+    if len(outputs) == 1 and size >= 1:  # weight 1 by every method: no normalised copy, no greedy step to score
+        return np.ones(1)
     normed = [l2n(out) for out in outputs]
     if method == "greedy":
         raw = greedy_counts(normed, mrr_of, size).astype(np.float64)

@@ -26,11 +26,17 @@ class Judge:
     [base]) and its leaderboard protocol: a candidate trained without these images is scored here by MRR."""
     train_images: np.ndarray  # [Nt] image indices the candidates may train on
     held_images: np.ndarray  # [Nv] image indices of the val split
-    text: np.ndarray  # [Nq, Dt] the val captions
+    captions: np.ndarray  # [Nc, Dt] every caption of the train set, as loaded (not copied: the job holds the judge)
+    caps: np.ndarray  # [Nq] the val captions, rows of `captions`
     gallery: np.ndarray  # [Nv, Di] the val images
     target: np.ndarray  # [Nq] each caption's image, as an index into `gallery`
     gallery_size: int
     seed: int
+
+    @property
+    def text(self) -> np.ndarray:
+        """[Nq, Dt] the val captions (a copy, made for each use: 0.1 GB at challenge size)."""
+        return np.asarray(self.captions[self.caps], np.float32)
 
     def score(self, pred: np.ndarray) -> float:
         """Leaderboard MRR of the val captions' predictions `pred` [Nq, Di] (latentsweep.trainers.eval.metrics, as a
@@ -52,11 +58,11 @@ class Judge:
         val images included: one choice among latentsweep.trainers.models.closed_form.ALPHAS, not a fit."""
         ridge = solve(moments(data, captions_of(data.cap2img, self.train_images)), alpha)
         if self.gallery_size == GALLERY_SIZE:  # the same MRR, ranked inside each gallery only (closed_form's)
-            return float(held_out_mrr(ridge, self.text, self.gallery, self.target, seed=self.seed))
+            return float(held_out_mrr(ridge, self.captions, self.gallery, self.target, seed=self.seed, caps=self.caps))
         return self.score(ridge.predict(self.text))
 
     def describe(self) -> dict[str, Any]:
-        return {"val_images": int(len(self.held_images)), "val_captions": int(len(self.text)),
+        return {"val_images": int(len(self.held_images)), "val_captions": int(len(self.caps)),
                 "metric": "leaderboard MRR", "gallery_size": self.gallery_size, "eval_seed": self.seed}
 
 
@@ -67,8 +73,8 @@ def make_judge(base: Config, data: TrainSet) -> Judge | None:
         return None
     train_img, held_img = split_images(base, data)
     caps, local = captions_and_local_images(data.cap2img, held_img)
-    return Judge(train_img, held_img, np.asarray(data.text[caps], np.float32), np.asarray(data.image[held_img]),
-                 local, base.eval.gallery_size, base.eval.seed)
+    return Judge(train_img, held_img, data.text, caps, np.asarray(data.image[held_img]), local, base.eval.gallery_size,
+                 base.eval.seed)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -112,7 +112,14 @@ class TrialRunner:
             end = train(started.cfg, self.data, callback=started.callback, out_dir=started.out,
                         progress=self.spec.progress, deadline=self.deadline)
         except (optuna.TrialPruned, DeadlineReached) as exc:
-            end = exc
+            # finished inside the except clause, whose end drops `exc`: kept in a local, it and its traceback (the
+            # run's frames: model, optimiser state, task) would form a cycle with this frame, freed only by Python's
+            # next full collection, under the next trial
+            return self.finish(trial, started, exc)
+        # Without the model (it is in best.pt): a library's cyclic garbage made while the run closes (matplotlib's
+        # parser keeps exception tracebacks) keeps this frame alive until the next full collection, and with the
+        # model the knn side trial's keys (0.5 GB at challenge size) stayed under the next trial and the pick.
+        end = replace(end, model=None)
         return self.finish(trial, started, end)
 
     def deadline(self) -> Deadline:
@@ -128,6 +135,8 @@ class TrialRunner:
         COMPLETE or PRUNED (the pruner, or the deadline before any epoch ended); any other exception is raised,
         for fail()."""
         run_id, out = started.run_id, started.out
+        if isinstance(end, (optuna.TrialPruned, DeadlineReached)):
+            end = type(end)(str(end))  # the reason alone: the caught one's traceback holds the run's frames (see run)
         if isinstance(end, optuna.TrialPruned):
             self.tracker.log(run_id, tags={NOTE_TAG: f"Pruned by the study's pruner ({end})."})
             self._close(run_id, out, "PRUNED")

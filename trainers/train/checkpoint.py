@@ -83,6 +83,13 @@ def _read(path: Path) -> dict:
     return payload
 
 
+def checkpoint_dims(path: str | Path) -> tuple[int, int]:
+    """(dim_in, dim_out) of the model a checkpoint holds, as saved, without running it: a probe row made a knn model
+    read every key (0.5 GB of the mapped file at challenge size, resident from then on)."""
+    payload = _read(Path(path))
+    return int(payload["dim_in"]), int(payload["dim_out"])
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                rng_free: bool = False) -> tuple[CenteredModel, Config, dict]:
     """Rebuild the model from a checkpoint (no closed-form refit: weights come from the state dict). `rng_free`:

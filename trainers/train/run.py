@@ -47,7 +47,7 @@ class TrainResult:
     best_epoch: int
     best_metrics: dict[str, float]
     history: list[dict[str, float]]
-    model: CenteredModel = field(repr=False)
+    model: CenteredModel | None = field(repr=False)  # None once its caller released it (a study keeps best.pt)
     checkpoint: Path | None = None
     val_ranks: np.ndarray | None = field(default=None, repr=False)  # [Nval] exact ranks of the best model
     timing: Timing | None = None
