@@ -44,7 +44,9 @@ def _rank(item) -> int:
     return next((i for i, long in enumerate(LONGEST_FIRST) if long in item.nodeid), len(LONGEST_FIRST))
 
 
-@pytest.hookimpl(tryfirst=True)  # the groups must be in the node ids before xdist's scheduler reads them
+# After xdist's own hook (which finds no group mark yet, so adds nothing): each id gets its group once, whatever the
+# pytest and pytest-xdist versions (the minimum-versions check runs older ones).
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.path.name in SHARED_FIXTURE_MODULES:
@@ -53,9 +55,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def _group(item, name: str, config) -> None:
-    """Mark `item` xdist_group `name`. On an xdist worker of --dist loadgroup, also write the group into its node id
-    ("id@group", what xdist's scheduler reads): pytest-xdist 3.8 writes it to a field pytest 9.2 no longer reads
-    (pytest-dev/pytest-xdist#1386), and every group was silently dealt test by test to both workers."""
+    """Mark `item` xdist_group `name` and, on an xdist worker of --dist loadgroup, write the group into its node id
+    ("id@group", what xdist's scheduler reads), as xdist does for the marks it sees: pytest-xdist 3.8 writes it to a
+    field pytest 9.2 no longer reads (pytest-dev/pytest-xdist#1386), and every group was silently dealt test by test
+    to both workers."""
     item.add_marker(pytest.mark.xdist_group(name))
     if not getattr(config.option, "loadgroup", False) or item.nodeid.endswith(f"@{name}"):
         return
