@@ -92,9 +92,10 @@ class MlflowTracker:
             if parent != created:  # another worker created one first: keep theirs
                 self.client.delete_run(created)
         self.parent_run_id = parent
-        existing = self.client.get_run(parent).data.params
-        params, changed = split_settings(existing, settings)
-        self._log_batch(parent, params=params, tags=changed)
+        try:
+            self._log_settings(parent, settings)
+        except MlflowException:  # a worker started at the same moment logged the same new settings first (an
+            self._log_settings(parent, settings)  # IntegrityError, wrapped): theirs stand, the rest is logged now
         self.client.update_run(parent, status="RUNNING")
         return parent
 
@@ -330,6 +331,11 @@ class MlflowTracker:
         if self.parent_run_id is None:
             raise LatentsweepError("tracker has no study: call ensure_study or attach_study first")
         return self.parent_run_id
+
+    def _log_settings(self, parent: str, settings: dict[str, Any]) -> None:
+        """The study's settings not yet on its parent run: new ones as params, changed ones as tags."""
+        params, changed = split_settings(self.client.get_run(parent).data.params, settings)
+        self._log_batch(parent, params=params, tags=changed)
 
     def _log_batch(self, run_id: str, params: dict[str, str] | None = None, tags: dict[str, str] | None = None,
                    metrics: list | None = None) -> None:
