@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from one_budget import holdout  # this script's directory is on sys.path
+from one_budget import floor_mrr, holdout  # this script's directory is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "latentsweep"]
@@ -105,12 +105,6 @@ def measure(study: Path, holdouts: dict[str, tuple[Path, Path, Path]], first_s: 
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
-
-
-def floor_mrr(train: Path, test: Path, answers: Path, work: Path) -> float:
-    from one_budget import floor_mrr as floor
-
-    return floor(train, test, answers, work)
 
 
 def table(rows: list[dict]) -> str:
