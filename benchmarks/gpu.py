@@ -1,27 +1,23 @@
-"""GPU benchmark for one 15-minute slot: the training step, trials per minute by worker count, and a one-budget run.
+"""GPU benchmark for one 15-minute slot (issue 38): the step, populations, trials per minute, a one-budget run.
 
-One call, under 8 minutes on an H100/H200, printing a markdown table:
-  (a) the trainer's epoch (benchmarks/throughput.py: the VSE++ MLP 1024 -> 2048 -> 1536 at batch 512, the loop's own
-      per-epoch body) eager, and captured (train.capture = compile, when the trainer has it), against a plain
-      DataLoader(TensorDataset) loop, and the trainer's FLOP rate as a fraction of the card's float32 matmul rate;
-  (b) trials per minute of `latentsweep study run studies/full.toml --workers K` at challenge size (25,000 images x 5
-      captions, 1024 -> 1536, trainers/data/synthetic.py) for K = 1, 2, 4, 8 on one GPU (with `--gpus 0 --per-gpu K`
-      when
-      the CLI has them): trials finished within --window seconds of the first start, the run stopped after that;
-  (c) `latentsweep run studies/full.toml --time 120` on the same data, scored on its held-out test file.
-  (d) population trials (latentsweep.trainers.train.population): K members of studies/full.toml's [base] trained in one
-  stacked step
-      on the (b)/(c) data, K = 1, 2, 4, 8, 16, 32: seconds per step, samples/s summed over members, the MLP's FLOP
-      rate as a fraction of the float32 matmul rate, peak memory, and one member's step alone
-      (latentsweep.trainers.train.loop's own
-      step) for comparison.
-(d) runs first after the data is written, then (c), then (b), so that a short budget skips the last worker counts; a
-part that would overrun --budget is skipped and says so.
+One call, about 8 minutes on an H100/H200, printing a markdown table; the parts run in the order a, d, b, c:
+  (a) the trainer's epoch (benchmarks/throughput.py: the VSE++ MLP 1024 -> 2048 -> 1536 at batch 512) eager and
+      captured (train.capture = compile), against a plain DataLoader loop, as a fraction of the float32 matmul rate;
+  (d) population trials (latentsweep.trainers.train.population): K members of studies/full.toml's [base] in one
+      stacked step on challenge-size data (25,000 images x 5 captions, 1024 -> 1536, trainers/data/synthetic.py),
+      K = 1, 2, 4, 8, 16, 32: ms per step, samples/s summed over members, fraction of the matmul rate, peak memory,
+      one member's step alone (the loop's own step), and two members stacked against alone on the card;
+  (b) trials per minute of `latentsweep study run studies/full.toml` on that data with the defaults (no device flags:
+      every GPU, populations sized on it) against `--workers 1 --population 1` (one trial at a time): trials
+      complete or pruned within --window seconds of the first start, the run stopped after that;
+  (c) `latentsweep run studies/full.toml --time 300` with the defaults on the same data: wall, first answer, test MRR
+      against the closed-form floor's, the manifest's winner.
+A part that would overrun --budget is skipped and says so.
 
-    python benchmarks/gpu.py [--budget 470] [--window 30] [--workers 1 2 4 8] [--json OUT]
-    python benchmarks/gpu.py --smoke    # on CPU in seconds: (a) eager and (d) at toy sizes on CPU, tiny data written;
+    python benchmarks/gpu.py [--budget 470] [--window 45] [--parts a d b c] [--run-time 300] [--json OUT]
+    python benchmarks/gpu.py --smoke    # on CPU in seconds: (a) and (d) at toy sizes, tiny data written;
                                         # the command lines of (b) and (c) checked by the CLI's parser, not run
-    python benchmarks/gpu.py --population-only --images 2804 --ks 1 4   # (d) alone, here on a CPU at demo size
+    python benchmarks/gpu.py --parts d --images 2804 --ks 1 4   # (d) alone, here on a CPU at demo size
 
 On the lent GPU machine (see ../shared/gpu/README.md): `bash .gpu/setup.sh`, then
 `python3 benchmarks/gpu.py --json "$OUT/gpu.json" | tee "$OUT/gpu.md"`.
@@ -29,7 +25,6 @@ On the lent GPU machine (see ../shared/gpu/README.md): `bash .gpu/setup.sh`, the
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -45,8 +40,8 @@ CLI = [sys.executable, "-m", "latentsweep"]
 FULL = {"n_images": 25_000, "captions_per_image": 5, "n_test": 1_500}  # challenge dims are the generator's defaults
 SMOKE_DATA = {"n_images": 100, "captions_per_image": 5, "n_test": 20, "dim_text": 32, "dim_image": 48}
 STOP_GRACE_S = 15  # after the window: in-flight trials may finish, then the run is stopped (they do not count)
+LEAD_S = 15  # the study's --timeout is the window and this: its workers' start-up (population sizing) counts in it
 START_UP_S = 45  # the most a run's start-up (imports, the challenge-size file) may take before the window
-RUN_TIME_S = 120  # part (c)
 
 
 class Clock:
@@ -230,24 +225,14 @@ def population_rows(data_path: Path, device: str, smoke: bool, ks: tuple[int, ..
     return rows
 
 
-# ---- (b) trials per minute by worker count -----------------------------------------------------------------------
+# ---- (b) trials per minute: the defaults against one trial at a time ----------------------------------------------
 
-@functools.lru_cache(maxsize=1)
-def study_run_help() -> str:
-    return subprocess.run([*CLI, "study", "run", "--help"], capture_output=True, text=True, cwd=ROOT).stdout
+ARMS = {"defaults": [], "one at a time": ["--workers", "1", "--population", "1"]}  # issue 38's two arms
 
 
-def gpu_flags(k: int, cuda: bool) -> list[str]:
-    """`--gpus 0 --per-gpu K` when the CLI has them (read from its --help) and a GPU is there; else nothing."""
-    if not cuda:
-        return []
-    helptext = study_run_help()
-    return ["--gpus", "0", "--per-gpu", str(k)] if "--gpus" in helptext and "--per-gpu" in helptext else []
-
-
-def study_run_argv(data: Path, k: int, window: float, state: Path, cuda: bool) -> list[str]:
-    return [*CLI, "study", "run", str(ROOT / "studies" / "full.toml"), "--data", str(data), "--workers", str(k),
-            *gpu_flags(k, cuda), "--timeout", str(window), "--state-dir", str(state), "--quiet"]
+def study_run_argv(data: Path, flags: list[str], window: float, state: Path) -> list[str]:
+    return [*CLI, "study", "run", str(ROOT / "studies" / "full.toml"), "--data", str(data), *flags,
+            "--timeout", str(window + LEAD_S), "--state-dir", str(state), "--quiet"]
 
 
 def stop_group(proc: subprocess.Popen, wait_s: float) -> None:
@@ -266,40 +251,64 @@ def stop_group(proc: subprocess.Popen, wait_s: float) -> None:
             continue
 
 
-def finished_within(state: Path, window: float) -> tuple[int, int]:
-    """(complete + pruned, failed) trials of study `full` finished within `window` s of its first trial's start."""
+def finished_within(state: Path, window: float) -> tuple[int, int, int]:
+    """(complete + pruned, failed, largest population) of study `full`'s trials finished within `window` s of its
+    first trial's start."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     trials = optuna.load_study(study_name="full", storage=f"sqlite:///{state / 'optuna.db'}").trials
     started = [t.datetime_start for t in trials if t.datetime_start]
     if not started:
-        return 0, 0
+        return 0, 0, 0
     t0 = min(started)
     done = [t for t in trials if t.datetime_complete and (t.datetime_complete - t0).total_seconds() <= window]
-    return sum(t.state.name in ("COMPLETE", "PRUNED") for t in done), sum(t.state.name == "FAIL" for t in done)
+    sizes = [(t.user_attrs.get("latentsweep.population") or {}).get("size", 1) for t in trials]
+    return (sum(t.state.name in ("COMPLETE", "PRUNED") for t in done), sum(t.state.name == "FAIL" for t in done),
+            max(sizes, default=0))
 
 
-def trials_per_minute(data: Path, k: int, window: float, work: Path, cuda: bool) -> str:
-    state, log = work / f"workers-{k}", work / f"workers-{k}.log"
+def trials_per_minute(data: Path, arm: str, window: float, work: Path) -> tuple[str, float]:
+    """(row text, trials per minute) of `study run` with the arm's flags for `window` s."""
+    name = arm.replace(" ", "-")
+    state, log = work / f"arm-{name}", work / f"arm-{name}.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(study_run_argv(data, k, window, state, cuda), cwd=ROOT, stdout=fh,
+        proc = subprocess.Popen(study_run_argv(data, ARMS[arm], window, state), cwd=ROOT, stdout=fh,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         start = time.monotonic()
-        stop_group(proc, window + STOP_GRACE_S + START_UP_S)  # start-up (imports, data) comes before the window
+        stop_group(proc, window + LEAD_S + STOP_GRACE_S + START_UP_S)  # start-up (imports, data) comes before the window
     if not (state / "optuna.db").is_file():
-        return f"failed (exit {proc.returncode}): {log.read_text()[-300:]!r}"
-    ok, failed = finished_within(state, window)
-    extra = f", {failed} failed" if failed else ""
-    return f"{ok / window * 60:.2f} trials/min ({ok} in {window:.0f} s{extra}; wall {time.monotonic() - start:.0f} s)"
+        return f"failed (exit {proc.returncode}): {log.read_text()[-300:]!r}", 0.0
+    ok, failed, size = finished_within(state, window)
+    plan = re.findall(r"^(using .*)$", log.read_text(), re.M)
+    extra = (f", {failed} failed" if failed else "") + (f"; plan: {plan[0][:160]}" if plan else "")
+    rate = ok / window * 60
+    return (f"{rate:.1f} trials/min ({ok} complete or pruned in {window:.0f} s, largest population {size}{extra}; "
+            f"wall {time.monotonic() - start:.0f} s)"), rate
+
+
+def arm_rows(data: Path, window: float, work: Path, clock: Clock, smoke: bool) -> list[tuple[str, str]]:
+    rows, rates = [], {}
+    for arm in ARMS:
+        label = f"(b) study run full.toml, {arm}" + (f" ({' '.join(ARMS[arm])})" if ARMS[arm] else "")
+        if smoke:
+            rows.append((label, check_argv(study_run_argv(data, ARMS[arm], window, work / arm))))
+        elif clock.fits(window + LEAD_S + STOP_GRACE_S + 30):
+            text, rates[arm] = trials_per_minute(data, arm, window, work)
+            rows.append((label, text))
+        else:
+            rows.append((label, f"skipped: {clock.left():.0f} s left of the budget"))
+    if rates.get("one at a time"):
+        rows.append(("(b) defaults / one at a time", f"{rates.get('defaults', 0) / rates['one at a time']:.1f}x"))
+    return rows
 
 
 # ---- (c) a one-budget run ----------------------------------------------------------------------------------------
 
-def run_argv(paths: tuple[Path, Path, Path], work: Path, seconds: int = RUN_TIME_S) -> list[str]:
+def run_argv(paths: tuple[Path, Path, Path], work: Path, seconds: int) -> list[str]:
     train, test, _ = paths
     return [*CLI, "run", str(ROOT / "studies" / "full.toml"), "--time", str(seconds), "--data", str(train),
-            "--test", str(test), "--out", str(work / "run.csv"), "--state-dir", str(work / "run-state"), "--quiet"]
+            "--test", str(test), "--out", str(work / "run.csv"), "--state-dir", str(work / "run-state")]
 
 
 def check_argv(argv: list[str]) -> str:
@@ -312,16 +321,24 @@ def check_argv(argv: list[str]) -> str:
     return "not run (--smoke): command line accepted by the CLI parser"
 
 
-def one_budget_run(paths: tuple[Path, Path, Path], work: Path) -> str:
+def one_budget_run(paths: tuple[Path, Path, Path], work: Path, seconds: int) -> str:
+    """`run --time seconds` with the defaults: wall, first answer, test MRR against the floor's, the manifest's
+    winner (benchmarks/one_budget.py's readers)."""
+    import one_budget as ob
+
     start = time.monotonic()
-    done = subprocess.run(run_argv(paths, work), cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(run_argv(paths, work, seconds), cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - start
+    (work / "run.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         return f"failed (exit {done.returncode}): {(done.stdout + done.stderr)[-300:]!r}"
-    score = subprocess.run([*CLI, "submission", "score", str(work / "run.csv"), "--answers", str(paths[2])],
-                           cwd=ROOT, capture_output=True, text=True).stdout
-    mrr = re.findall(r"mrr\D*([0-9.]+)", score, re.I)
-    return f"wall {wall:.0f} s of {RUN_TIME_S}; test MRR {mrr[0] if mrr else '?'}"
+    first = re.search(r"first answer in ([\d.]+) s", done.stderr)
+    plan = re.findall(r"^(using .*)$", done.stderr, re.M)
+    verdict = ob.winner(work / "run.csv")
+    mrr, floor = ob.score(str(work / "run.csv"), paths[2]), ob.floor_mrr(*paths, work)
+    return (f"wall {wall:.0f} s of {seconds}; first answer {first.group(1) if first else '?'} s; test MRR {mrr:.4f}, "
+            f"floor {floor:.4f}; winner on val: {verdict['winner']} ({verdict['winner_val']}); "
+            f"plan: {plan[0][:120] if plan else '-'}")
 
 
 # ---- the call ----------------------------------------------------------------------------------------------------
@@ -334,35 +351,45 @@ def write_data(work: Path, smoke: bool, images: int | None = None) -> tuple[Path
     return write_synthetic(work / "data", **(sizes | ({"n_images": images} if images else {})), seed=0)
 
 
-def measure(args: argparse.Namespace, work: Path) -> list[tuple[str, str]]:
+class Rows(list):
+    """The table's rows, written to --json as each part ends: a call stopped at its limit keeps what it measured."""
+
+    def __init__(self, path: Path | None):
+        super().__init__()
+        self.path = path
+
+    def __iadd__(self, rows):
+        super().__iadd__(rows)
+        if self.path:
+            self.path.write_text(json.dumps(dict(self), indent=2))
+        return self
+
+    def append(self, row) -> None:
+        self += [row]
+
+
+def measure(args: argparse.Namespace, work: Path) -> Rows:
     import torch
 
     cuda = torch.cuda.is_available() and not args.smoke
-    clock = Clock(args.budget)
-    rows = [] if args.population_only else step_rows("cuda" if cuda else "cpu", args.smoke)
-    rows.append(("(a) took", f"{args.budget - clock.left():.0f} s"))
+    clock, parts, rows = Clock(args.budget), set(args.parts), Rows(args.json)
+    if "a" in parts:
+        rows += step_rows("cuda" if cuda else "cpu", args.smoke)
     start = time.monotonic()
     paths = write_data(work, args.smoke, args.images)
     rows.append(("synthetic data", f"{paths[0].stat().st_size / 2**20:,.0f} MB written in "
                                    f"{time.monotonic() - start:.0f} s"))
     ks = tuple(args.ks or ((1, 2, 4) if args.smoke else POPULATION_KS))
-    rows += population_rows(paths[0], "cuda" if cuda else "cpu", args.smoke, ks, clock)
-    if args.population_only:
-        return rows
-    # (c) before (b): when the budget runs short, the last worker counts are skipped, not the one-budget run
-    if args.smoke:
-        rows.append((f"run --time {RUN_TIME_S}", check_argv(run_argv(paths, work))))
-    elif clock.fits(RUN_TIME_S + 30):
-        rows.append((f"run --time {RUN_TIME_S}", one_budget_run(paths, work)))
-    else:
-        rows.append((f"run --time {RUN_TIME_S}", f"skipped: {clock.left():.0f} s left of the budget"))
-    per_k = args.window + STOP_GRACE_S + 30  # the window, the grace, a typical start-up and the stop
-    for k in args.workers:
-        label = f"study run --workers {k}" + (" (--gpus 0 --per-gpu)" if gpu_flags(k, cuda) else "")
+    if "d" in parts:
+        rows += population_rows(paths[0], "cuda" if cuda else "cpu", args.smoke, ks, clock)
+    if "b" in parts:
+        rows += arm_rows(paths[0], args.window, work, clock, args.smoke)
+    if "c" in parts:
+        label = f"(c) run full.toml --time {args.run_time}, the defaults"
         if args.smoke:
-            rows.append((label, check_argv(study_run_argv(paths[0], k, args.window, work / f"workers-{k}", cuda))))
-        elif clock.fits(per_k):
-            rows.append((label, trials_per_minute(paths[0], k, args.window, work, cuda)))
+            rows.append((label, check_argv(run_argv(paths, work, args.run_time))))
+        elif clock.fits(args.run_time + 40):
+            rows.append((label, one_budget_run(paths, work, args.run_time)))
         else:
             rows.append((label, f"skipped: {clock.left():.0f} s left of the budget"))
     return rows
@@ -375,23 +402,23 @@ def table(rows: list[tuple[str, str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=470, help="seconds for the whole call (default 470)")
-    p.add_argument("--window", type=float, default=30, help="seconds of trials counted per worker count")
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--window", type=float, default=45, help="seconds of trials counted per worker count")
+    p.add_argument("--parts", nargs="+", choices="abcd", default=list("abcd"),
+                   help="(a) step, (d) population, (b) trials per minute, (c) run; run in the order a, d, b, c")
+    p.add_argument("--run-time", type=int, default=300, help="seconds of (c)'s run (default 300)")
     p.add_argument("--work", type=Path, help="keep the data, states and logs here (default: a temp dir)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--ks", type=int, nargs="+", help="population sizes of (d) (default 1 2 4 8 16 32)")
-    p.add_argument("--population-only", action="store_true", help="write the data and run (d) only")
     p.add_argument("--images", type=int, help="images of the synthetic data (default: the challenge's 25,000)")
     p.add_argument("--smoke", action="store_true",
                    help="on CPU in seconds: (a) at toy sizes, tiny data, (b) and (c) command lines parsed, not run")
     args = p.parse_args(argv)
+    sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # latentsweep, and throughput/one_budget beside this file
     if args.smoke:
         args.work = None
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
         rows = measure(args, args.work or Path(tmp))
     print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(dict(rows), indent=2))
     return 0
 
 
