@@ -227,7 +227,9 @@ def population_rows(data_path: Path, device: str, smoke: bool, ks: tuple[int, ..
 
 # ---- (b) trials per minute: the defaults against one trial at a time ----------------------------------------------
 
-ARMS = {"defaults": [], "one at a time": ["--workers", "1", "--population", "1"]}  # issue 38's two arms
+ARMS = {"defaults": [],  # issue 38's arms: the defaults, against one trial at a time; and 8 workers alone
+        "8 workers, population 1": ["--gpus", "0", "--per-gpu", "8", "--workers", "auto", "--population", "1"],
+        "one at a time": ["--workers", "1", "--population", "1"]}
 
 
 def study_run_argv(data: Path, flags: list[str], window: float, state: Path) -> list[str]:
@@ -287,11 +289,14 @@ def trials_per_minute(data: Path, arm: str, window: float, work: Path) -> tuple[
             f"wall {time.monotonic() - start:.0f} s)"), rate
 
 
-def arm_rows(data: Path, window: float, work: Path, clock: Clock, smoke: bool) -> list[tuple[str, str]]:
+def arm_rows(data: Path, arms: list[str], window: float, work: Path, clock: Clock, smoke: bool) \
+        -> list[tuple[str, str]]:
     rows, rates = [], {}
-    for arm in ARMS:
+    for arm in arms:
         label = f"(b) study run full.toml, {arm}" + (f" ({' '.join(ARMS[arm])})" if ARMS[arm] else "")
-        if smoke:
+        if smoke and ARMS[arm] and "--gpus" in ARMS[arm]:
+            rows.append((label, "not run (--smoke): --gpus needs CUDA"))
+        elif smoke:
             rows.append((label, check_argv(study_run_argv(data, ARMS[arm], window, work / arm))))
         elif clock.fits(window + LEAD_S + STOP_GRACE_S + 30):
             text, rates[arm] = trials_per_minute(data, arm, window, work)
@@ -383,7 +388,7 @@ def measure(args: argparse.Namespace, work: Path) -> Rows:
     if "d" in parts:
         rows += population_rows(paths[0], "cuda" if cuda else "cpu", args.smoke, ks, clock)
     if "b" in parts:
-        rows += arm_rows(paths[0], args.window, work, clock, args.smoke)
+        rows += arm_rows(paths[0], args.arms, args.window, work, clock, args.smoke)
     if "c" in parts:
         label = f"(c) run full.toml --time {args.run_time}, the defaults"
         if args.smoke:
@@ -405,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=45, help="seconds of trials counted per worker count")
     p.add_argument("--parts", nargs="+", choices="abcd", default=list("abcd"),
                    help="(a) step, (d) population, (b) trials per minute, (c) run; run in the order a, d, b, c")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="the arms of (b)")
     p.add_argument("--run-time", type=int, default=300, help="seconds of (c)'s run (default 300)")
     p.add_argument("--work", type=Path, help="keep the data, states and logs here (default: a temp dir)")
     p.add_argument("--json", type=Path, help="also write the rows here")

@@ -202,7 +202,35 @@ def test_a_cuda_machine_uses_every_gpu_and_says_so_in_one_line(monkeypatch):
     line = describe_plan(plan, "auto")
     assert "\n" not in line and "2 (0,1)" in line and "2 worker(s)" in line and "population auto" in line
     assert plan_workers(1, None, None) == WorkerPlan(1)  # --workers 1: nothing pinned, nothing said
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # the lent GPU machines: 16 cores
+    assert plan_workers(None, None, None) == WorkerPlan(8, ("0", "1"), 4, machine=True)  # the cores, 2 each
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    plan = plan_workers(None, None, None)
+    assert plan == WorkerPlan(8, ("0",), 8, machine=True)  # GPU_SLOTS_MAX on one GPU
+    assert "8 worker(s) (8 per GPU)" in describe_plan(plan, "auto")
+    assert plan_workers(None, "all", None) == WorkerPlan(1, ("0",), 1)  # --gpus given: the user's plan, 1 per GPU
     assert not plan_workers("auto", None, None).machine  # an option given: the user's plan, not said
+
+
+def test_a_population_claims_no_further_than_the_first_trial_of_another_shape():
+    """Claimed trials of other shapes wait for their group, RUNNING and untrained: the population stops claiming at
+    the first, which then leads the next group (the rest are claimed when its places are free)."""
+    from latentsweep.search.study.population import Population, Seat
+
+    class Claims(Population):
+        def _claim(self, joining=False):
+            seat = Seat(trial=None, beat=None, group=next(groups))
+            self.seats.append(seat)
+            return seat
+
+    groups = iter([1, 1, 2, 3, 3])
+    pop = Claims(study_file=None, spec=None, study=None, runner=None, size=4)
+    pop._fill()
+    assert [s.group for s in pop.seats] == [1, 1, 2]
+    groups = iter([1, 1, 1, 1, 1])
+    pop = Claims(study_file=None, spec=None, study=None, runner=None, size=4)
+    pop._fill()
+    assert [s.group for s in pop.seats] == [1, 1, 1, 1]  # one shape: every place
 
 
 def test_population_auto_is_one_on_a_cpu(synthetic):
