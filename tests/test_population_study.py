@@ -202,13 +202,6 @@ def test_a_cuda_machine_uses_every_gpu_and_says_so_in_one_line(monkeypatch):
     line = describe_plan(plan, "auto")
     assert "\n" not in line and "2 (0,1)" in line and "2 worker(s)" in line and "population auto" in line
     assert plan_workers(1, None, None) == WorkerPlan(1)  # --workers 1: nothing pinned, nothing said
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # the lent GPU machines: 16 cores
-    assert plan_workers(None, None, None) == WorkerPlan(8, ("0", "1"), 4, machine=True)  # the cores, 2 each
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    plan = plan_workers(None, None, None)
-    assert plan == WorkerPlan(8, ("0",), 8, machine=True)  # GPU_SLOTS_MAX on one GPU
-    assert "8 worker(s) (8 per GPU)" in describe_plan(plan, "auto")
-    assert plan_workers(None, "all", None) == WorkerPlan(1, ("0",), 1)  # --gpus given: the user's plan, 1 per GPU
     assert not plan_workers("auto", None, None).machine  # an option given: the user's plan, not said
 
 

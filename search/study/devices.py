@@ -22,13 +22,6 @@ AUTO = "auto"
 # `--workers auto` on a machine without GPUs: one worker per this many cores, the threads each compose worker gets by
 # default (WORKER_THREADS in docker-compose.yml), so auto never asks for more threads than the machine has.
 CPU_THREADS_PER_WORKER = 2
-# Slots per GPU when no device option is given on a CUDA machine (machine_per_gpu): a trial at challenge size keeps a
-# GPU busy for a few percent of its step (kernel launches, issue 38: one H200, full.toml's base MLP at batch 256, 3.1
-# ms a step at 0.03 of the float32 matmul rate), and full.toml's trials differ in shape (batch size, model kind,
-# width, slots), so populations rarely stack them: the card is filled by worker processes, each launching from its
-# own cores. GPU_WORKER_CPUS: the cores each gets (the launching thread and its data and bookkeeping threads);
-# GPU_SLOTS_MAX: the most measured per GPU (docs/gpu.md).
-GPU_WORKER_CPUS, GPU_SLOTS_MAX = 2, 8
 # `--gpus`/`--per-gpu` when not given: so that compose's worker replicas, which share one command, get them from .env.
 GPUS_ENV, PER_GPU_ENV = "LATENTSWEEP_GPUS", "LATENTSWEEP_PER_GPU"
 SLOT_FILE_CHARS = re.compile(r"[^A-Za-z0-9._-]")  # a GPU's UUID or MIG name may hold '/' or ':'
@@ -97,9 +90,9 @@ def check_workers(name: str, value: int, auto: bool = True) -> int:
 def machine_defaults(count: int, workers: int | str | None, gpus: str | None, per_gpu: int | None,
                      population: int | str | None = None) -> tuple[int | str, str | None, int | str]:
     """(workers, gpus, population) of `study run|run` from the CUDA devices seen and the options given (None: not
-    given). With no device option on a machine with GPUs: every GPU, machine_per_gpu workers each (auto),
-    populations sized on each GPU; on a CPU machine one worker, as before. A device option given (--workers, --gpus, --per-gpu) is the
-    user's plan, kept as it is; the population is auto unless given (1 on a CPU: latentsweep.search.study.population)."""
+    given). With no device option on a machine with GPUs: every GPU, one worker each (auto; eight per GPU measured
+    no better on an H200, docs/gpu.md), populations sized on each GPU; on a CPU machine one worker, as before. A
+    device option given (--workers, --gpus, --per-gpu) is the user's plan, kept as it is; the population is auto unless given (1 on a CPU: latentsweep.search.study.population)."""
     population = AUTO if population is None else population
     if workers is None and gpus is None and per_gpu is None:
         return (AUTO, ALL, population) if count > 0 else (1, None, population)
@@ -170,13 +163,6 @@ def assign_slots(gpus: Sequence[str], per_gpu: int, workers: int) -> list[str | 
     return [gpus[i % len(gpus)] for i in range(workers)]
 
 
-def machine_per_gpu(gpus: int, cpus: int) -> int:
-    """Worker slots per GPU of the machine's defaults: the cores shared out at GPU_WORKER_CPUS each, at most
-    GPU_SLOTS_MAX and at least 1, and no more in all than the machine's memory can start (max_workers)."""
-    fit = min(GPU_SLOTS_MAX, cpus // (max(1, gpus) * GPU_WORKER_CPUS), max_workers() // max(1, gpus))
-    return max(1, fit)
-
-
 def auto_workers(gpus: Sequence[str], per_gpu: int, cpus: int) -> int:
     """`--workers auto`: every GPU slot, or on a machine without GPUs one worker per CPU_THREADS_PER_WORKER cores."""
     return len(gpus) * per_gpu if gpus else max(1, cpus // CPU_THREADS_PER_WORKER)
@@ -203,7 +189,7 @@ def plan_workers(workers: int | str | None, gpus: str | None, per_gpu: int | Non
         n = auto_workers((), 1, os.cpu_count() or 1) if auto else workers
         return WorkerPlan(check_workers("--workers", n), seen=count, auto=auto)
     ids = machine_ids(parse_gpus(gpus, count), os.environ.get(VISIBLE_ENV))
-    per_gpu = per_gpu or (machine_per_gpu(len(ids), os.cpu_count() or 1) if machine else 1)
+    per_gpu = per_gpu or 1
     n = check_workers("--workers", auto_workers(ids, per_gpu, os.cpu_count() or 1) if auto else workers)
     assign_slots(ids, per_gpu, n)  # the check: no more workers than slots
     return WorkerPlan(n, ids, per_gpu, machine, seen=count, auto=auto)
