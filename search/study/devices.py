@@ -92,7 +92,8 @@ def machine_defaults(count: int, workers: int | str | None, gpus: str | None, pe
     """(workers, gpus, population) of `study run|run` from the CUDA devices seen and the options given (None: not
     given). With no device option on a machine with GPUs: every GPU, one worker each (auto; eight per GPU measured
     no better on an H200, docs/gpu.md), populations sized on each GPU; on a CPU machine one worker, as before. A
-    device option given (--workers, --gpus, --per-gpu) is the user's plan, kept as it is; the population is auto unless given (1 on a CPU: latentsweep.search.study.population)."""
+    device option given (--workers, --gpus, --per-gpu) is the user's plan, kept as it is; the population is auto
+    unless given (1 on a CPU: latentsweep.search.study.population)."""
     population = AUTO if population is None else population
     if workers is None and gpus is None and per_gpu is None:
         return (AUTO, ALL, population) if count > 0 else (1, None, population)
