@@ -143,6 +143,9 @@ def load_ensemble(picked: PickResult | str, tracking_uri: str | None = None, sta
     from latentsweep.search.tracking.mlflow import load_pyfunc  # imports MLflow: only when an ensemble is loaded
 
     if isinstance(picked, PickResult):
+        if picked.model_uri is None:
+            raise LatentsweepError(f"the pick of {picked.submission} logged no MLflow model (its run could not be "
+                                   "written, or the budget left no time to export it): run `latentsweep pick` again")
         return load_pyfunc(picked.model_uri, picked.tracking_uri)
     uri = tracking_uri or resolve_stores(resolve_state_dir(state_dir, create=False)).tracking_uri
     return load_pyfunc(str(picked), uri)

@@ -271,6 +271,33 @@ def test_mlflow_run_pyfunc_model_reproduces_the_submission_and_is_registered(wor
 
 
 @pytest.mark.slow
+def test_an_export_that_cannot_finish_before_the_deadline_creates_no_model(world, tmp_path):
+    """The members' export starts only when the plan's estimate fits before the deadline (a one-budget job's last
+    seconds): otherwise nothing is exported and nothing is created in the store, not even a FAILED model."""
+    from latentsweep.search.pick.plan import MODEL_EXPORT_S
+    from latentsweep.search.pick.pyfunc_model import ModelCard, log_ensemble, stage_members
+    from latentsweep.search.tracking import make_tracker
+    from latentsweep.trainers.core.deadline import Deadline
+
+    checkpoints = sorted(world.state.glob("**/best.pt"))[:2]
+    pairs, weights = [(f"m{i}", p) for i, p in enumerate(checkpoints)], np.array([0.5, 0.5])
+    assert stage_members(tmp_path / "late", pairs, weights, Deadline.after(MODEL_EXPORT_S - 1)) is None
+    assert not list((tmp_path / "late").glob("*.pt2"))
+    staged = stage_members(tmp_path / "free", pairs, weights, Deadline.never())
+    assert sorted(p.name for p in staged.glob("*.pt2")) == ["member-00.pt2", "member-01.pt2"]
+
+    client = MlflowClient(world.tracking)
+    exp = client.get_experiment_by_name(STUDY).experiment_id
+    before = len(client.search_logged_models([exp]))
+    tracker = make_tracker(world.tracking)
+    run_id = client.create_run(exp).info.run_id
+    card = ModelCard("late-ensemble", {}, {}, {}, "")
+    members = [(name, path, 0.5) for name, path in pairs]
+    assert log_ensemble(tracker, run_id, members, (32, 48), card, deadline=Deadline.after(0.0)) is None
+    assert len(client.search_logged_models([exp])) == before
+
+
+@pytest.mark.slow
 def test_seed_reruns_weighted_and_checkpoint_download(world):
     """--seeds retrains the best configs; a trial whose local best.pt is gone is fetched from its MLflow run."""
     study = optuna.load_study(study_name=STUDY, storage=world.storage)

@@ -86,6 +86,6 @@ def print_result(result) -> None:
     if result.run_id is None:
         print("MLflow: not written (see the warning above); the submission, manifest and report are in place")
         return
-    print(f"MLflow run {result.run_id}; pyfunc model {result.model_uri}"
+    print(f"MLflow run {result.run_id}; pyfunc model {result.model_uri or 'not logged (the budget, said above)'}"
           + (f"; registered {result.registered['name']} v{result.registered['version']}" if result.registered
              else ""))

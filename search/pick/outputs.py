@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from latentsweep.search.tracking.base import NOTE_TAG, PARENT_TAG, ROLE_TAG, STU
 from latentsweep.search.tracking.source import source_tags
 from latentsweep.search.tracking.plots import ensemble_figure
 from latentsweep.trainers.data.sets import TestSet, TrainSet
+from latentsweep.trainers.core.deadline import Deadline
 from latentsweep.trainers.core.io import atomic_path, atomic_write
 from latentsweep.trainers.core.progress import say
 from latentsweep.trainers.eval.submission import check_submission, write_submission
@@ -70,6 +71,7 @@ class PickRun:
     budget: float | None  # the seconds the pick had (None: no bound)
     answer: dict[str, Any] | None = None  # a one-budget job's standings: which answer won on the val split, by how
     # much, against which (latentsweep.search.pick.judge.Standing.record); None for `latentsweep pick`
+    deadline: Deadline = field(default_factory=Deadline.never)  # the pick's (a one-budget job's): the export's bound
 
 
 def _make_dirs(directory: Path) -> list[Path]:
@@ -274,13 +276,17 @@ def _track(tracker: Tracker, r: PickRun) -> dict[str, Any] | None:
         card = ModelCard(model_name(study.study_name), {STUDY_TAG: study.study_name, "latentsweep.method": opts.method},
                          run_params(r), _gain_metrics(sel), note)
         logged = log_ensemble(tracker, run_id, [(m.name, m.checkpoint, m.weight) for m in r.models], r.cands[0].dims,
-                              card, register=opts.register)
+                              card, register=opts.register, deadline=r.deadline)
+        if logged is None:
+            say(f"latentsweep: the ensemble's MLflow model was not logged: {r.deadline.left():.0f} s left of the "
+                f"budget, too few for exporting {len(r.models)} member(s); the submission, its manifest, report and "
+                "MLflow run are in place (`latentsweep pick` with a --budget logs a model)")
         registered = ({"name": logged.registered_name, "version": logged.registered_version}
-                      if logged.registered_name else None)
+                      if logged is not None and logged.registered_name else None)
         tracker.end_run(run_id)
         return {"tracking_uri": redact_url(r.paths.tracking_uri), "experiment_id": exp_id, "run_id": run_id,
-                "model_id": logged.model_id, "model_uri": logged.model_uri, "registered": registered,
-                "refit_runs": refit_runs}
+                "model_id": logged and logged.model_id, "model_uri": logged and logged.model_uri,
+                "registered": registered, "refit_runs": refit_runs}
     except BaseException as exc:
         # Ctrl-C is the user's stop, not a failure: MLflow's KILLED (as `mlflow run` marks an interrupted run)
         release_interrupted(exc)

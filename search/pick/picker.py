@@ -214,7 +214,7 @@ def _pick(opts: PickOptions, inp: PickInputs, deadline: Deadline, device, gate, 
     test_pred = ensemble.combine(ensemble.predict_all([m.model for m in models], test.embeddings, device),
                                  [m.weight for m in models])
     result = write_outputs(inp.tracker, PickRun(opts, paths, inp.study, cands, sel, models, data, test, test_pred,
-                                                clock.budget, answer))
+                                                clock.budget, answer, deadline))
     budget = f" of its {clock.budget:.0f} s budget" if clock.budget is not None else ""
     say(f"latentsweep: pick done in {clock.elapsed:.0f} s{budget}: {len(models)} model(s) in the submission")
     return result

@@ -10,15 +10,19 @@ params, metrics and description; registration creates a version of it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 import re
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from latentsweep.search.pick.plan import MODEL_EXPORT_S
 from latentsweep.search.tracking.base import LoggedModel, ModelSpec, Tracker
+from latentsweep.trainers.core.deadline import Deadline
 from latentsweep.trainers.train.checkpoint import load_model
 
 # The same names as in search/pick/pyfunc_standalone.py (not imported: running it registers its model with MLflow).
@@ -55,16 +59,26 @@ def export_member(checkpoint: Path, path: Path) -> None:
     torch.export.save(program, str(path))
 
 
-def stage_members(directory: Path, members: list[tuple[str, Path]], weights) -> Path:
-    """Export the members with weight > 0 into directory/ with ensemble.json; returns directory."""
+def stage_members(directory: Path, members: list[tuple[str, Path]], weights,
+                  deadline: Deadline = Deadline.never()) -> Path | None:
+    """Export the members with weight > 0 into directory/ with ensemble.json; returns directory, or None when the
+    deadline leaves no room: the first export starts only when the model's measured cost fits
+    (latentsweep.search.pick.plan.MODEL_EXPORT_S), each next one only when the slowest so far, times those left,
+    still fits. A job then ends at most one member's export past its deadline."""
     directory.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for index, ((name, checkpoint), weight) in enumerate(zip(members, weights)):
-        if weight <= 0:
-            continue
+    kept = [(index, name, checkpoint, float(weight))
+            for index, ((name, checkpoint), weight) in enumerate(zip(members, weights)) if weight > 0]
+    if not deadline.fits(MODEL_EXPORT_S):
+        return None
+    entries, slowest = [], 0.0
+    for done, (index, name, checkpoint, weight) in enumerate(kept):
+        if done and not deadline.fits(slowest * (len(kept) - done)):
+            return None
+        start = time.monotonic()
         file = f"member-{index:02d}.pt2"
         export_member(checkpoint, directory / file)
-        entries.append({"name": name, "file": file, "weight": float(weight)})
+        slowest = max(slowest, time.monotonic() - start)
+        entries.append({"name": name, "file": file, "weight": weight})
     (directory / SPEC_FILE).write_text(json.dumps({"members": entries}, indent=2))
     return directory
 
@@ -86,21 +100,24 @@ class ModelCard:
 
 
 def log_ensemble(tracker: Tracker, run_id: str, members: list[tuple[str, Path, float]], dims: tuple[int, int],
-                 card: ModelCard, register: str | None = None) -> LoggedModel:
+                 card: ModelCard, register: str | None = None,
+                 deadline: Deadline = Deadline.never()) -> LoggedModel | None:
     """Log the ensemble of (name, checkpoint, weight) members as a pyfunc model output of run `run_id` (see
-    Tracker.log_model); register it under `register` if given."""
-    def stage(directory: Path) -> dict[str, str]:
-        pairs = [(name, path) for name, path, _ in members]
-        return {ARTIFACT_KEY: str(stage_members(directory / "members", pairs, np.array([w for *_, w in members])))}
-
-    spec = ModelSpec(name=card.name, code=MODEL_CODE, stage=stage, output_dim=dims[1], model_type=MODEL_TYPE,
-                     requirements=requirements(),
-                     metadata={"input": f"caption embeddings [N, {dims[0]}], float32 or float64 "
-                                        "(array, DataFrame or lists)",
-                               "output": f"L2-normalised image-space embeddings float32 [N, {dims[1]}]"},
-                     tags=dict(card.tags), params=dict(card.params), metrics=dict(card.metrics),
-                     description=card.description, registry_description=REGISTRY_DESCRIPTION)
-    return tracker.log_model(run_id, spec, register)
+    Tracker.log_model); register it under `register` if given. None when the members' export does not fit before
+    `deadline` (stage_members): nothing is created in the store then, not even a FAILED model."""
+    with tempfile.TemporaryDirectory(prefix="latentsweep-export-") as tmp:
+        staged = stage_members(Path(tmp) / "members", [(name, path) for name, path, _ in members],
+                               np.array([w for *_, w in members]), deadline)
+        if staged is None:
+            return None
+        spec = ModelSpec(name=card.name, code=MODEL_CODE, stage=lambda directory: {ARTIFACT_KEY: str(staged)},
+                         output_dim=dims[1], model_type=MODEL_TYPE, requirements=requirements(),
+                         metadata={"input": f"caption embeddings [N, {dims[0]}], float32 or float64 "
+                                            "(array, DataFrame or lists)",
+                                   "output": f"L2-normalised image-space embeddings float32 [N, {dims[1]}]"},
+                         tags=dict(card.tags), params=dict(card.params), metrics=dict(card.metrics),
+                         description=card.description, registry_description=REGISTRY_DESCRIPTION)
+        return tracker.log_model(run_id, spec, register)
 
 
 __all__ = ["ModelCard", "log_ensemble", "model_name", "stage_members"]
