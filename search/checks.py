@@ -101,3 +101,13 @@ def check_new_files(option: str, paths: list[Path], force: str = "--force") -> N
     if there:
         raise LatentsweepError(f"{option}: {', '.join(there)} already {'exists' if len(there) == 1 else 'exist'}; "
                                f"pass {force} to replace, or choose another directory")
+
+
+def check_device_option(option: str, name: str) -> None:
+    """A device option (`--device` of `run` and `pick`) names a device of this machine; its error names the option."""
+    from latentsweep.trainers.core.devices import resolve_device  # torch: only when a device is checked
+
+    try:
+        resolve_device(name)
+    except LatentsweepError as exc:
+        raise LatentsweepError(f"{option}: {exc}") from None

@@ -134,7 +134,8 @@ DEVICES = {
     "cuda:1 on one GPU, 2 workers": (1, "cuda:1", ["--workers", "2"], {}, ["'cuda:1'", "1 CUDA device(s)"], []),
     "cuda:1 with --gpus 0": (1, "cuda:1", ["--gpus", "0"], {}, ["'cuda:1'", "as cuda:0"], []),
     "cuda, visible empty": (0, "cuda", [], {VISIBLE: ""}, ["'cuda'", "no CUDA device", f"{VISIBLE}=''"], []),
-    "pick device cuda:1": (1, "auto", ["--device", "cuda:1"], {}, ["'cuda:1'", "1 CUDA device(s)"], []),
+    "pick device cuda:1": (1, "auto", ["--device", "cuda:1"], {}, ["--device: ", "'cuda:1'", "1 CUDA device(s)"], []),
+    "pick device mps": (0, "auto", ["--device", "mps"], {}, ["--device: ", "'mps'", "not one of"], []),
 }
 
 
@@ -148,6 +149,18 @@ def test_a_device_the_machine_lacks_is_one_line_and_stores_nothing(files, tmp_pa
     state = tmp_path / "state"
     line = one_error(*cli(command(files, study, state, "run" if "--device" in extra else "study", extra)))
     assert all(s in line for s in said) and not any(s in line for s in unsaid), line
+    assert not state.exists()
+
+
+def test_a_base_device_that_is_no_device_is_said_once_as_the_bases(files, tmp_path, capsys):
+    """Not under the first [[side]] or [[enqueue]] entry built on [base] (each would repeat it)."""
+    study = tiny_study_file(tmp_path, "dev", n_trials=1, epochs=1, extra='\n[[side]]\nmodel = { kind = "knn" }\n')
+    study.write_text(study.read_text().replace("[base.train]\n", '[base.train]\ndevice = "mps"\n', 1))
+    state = tmp_path / "state"
+    assert main(["study", "run", str(study), "--state-dir", str(state), "--data", str(files["train"])]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[1:] == [f"  {study}: base: an invalid config: train.device='mps' is not one of auto, cpu, cuda, "
+                         "cuda:N"], lines
     assert not state.exists()
 
 

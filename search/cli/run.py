@@ -11,7 +11,7 @@ from pathlib import Path
 from latentsweep.search.cli.pick import print_result
 from latentsweep.search.cli.study import add_worker_args, make_spec, say_plan, warm_args, worker_plan
 from latentsweep.search.cli.study_inspect import liveness_args, stores_args
-from latentsweep.search.checks import check_outputs
+from latentsweep.search.checks import check_device_option, check_outputs
 from latentsweep.search.pick.candidates import test_path_for
 from latentsweep.search.pick.options import out_path, pick_files, pick_outputs
 from latentsweep.search.pick.onebudget import check_pick_inputs, parse_duration, run_one_budget
@@ -19,7 +19,6 @@ from latentsweep.search.pick.picker import PickOptions
 from latentsweep.search.stores import protected_paths, safe_name
 from latentsweep.search.study.preflight import no_new_empty_state_dir, preflight
 from latentsweep.search.redact import redact_url
-from latentsweep.trainers.core.devices import resolve_device
 from latentsweep.trainers.data.sets import load_test_shared
 from latentsweep.trainers.core.progress import say
 
@@ -52,7 +51,7 @@ def check_run_files(spec, args) -> None:
     submission, with the pick's manifest and report beside it, replaces no input and nothing the state needs."""
     test = test_path_for(Path(spec.data_path), args.test)
     load_test_shared(test)  # read once: the floor, the keeper and the pick use this copy
-    resolve_device(args.device)  # the pick's device, before preflight writes the stores' files
+    check_device_option("--device", args.device)  # the pick's device, before preflight writes the stores' files
     out = out_path(PickOptions(study=safe_name(spec.name), out=args.out), Path(spec.state_dir))
     check_outputs("--out", pick_outputs(args.out, out), {"STUDY": spec.study_file, "--data": spec.data_path,
                                                          "--test": test},

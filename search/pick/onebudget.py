@@ -84,8 +84,7 @@ def check_pick_inputs(pick: PickOptions, data_path: str) -> PickOptions:
     """Everything the pick will need, checked before the search stores anything: its options, device, test file
     (read and matched to the training data), output path and tracking store. Returns `pick` with its output and test
     paths resolved (one line, exit 2, for each bad one)."""
-    check_options(pick)
-    resolve_device(pick.device)
+    check_options(pick)  # the device too
     test = test_path_for(Path(data_path), pick.test)
     check_text_dim(load_test_shared(test), load_train_shared(data_path).text.shape[1], "the training captions have")
     out = out_path(pick, Path(pick.state_dir))

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from latentsweep.search.checks import (
-    MAX_REFIT_SEEDS, check_count, check_outputs, check_registry_name, check_seconds, check_seed, check_type,
+    MAX_REFIT_SEEDS, check_count, check_device_option, check_outputs, check_registry_name, check_seconds, check_seed,
+    check_type,
 )
 from latentsweep.search.pick.ensemble import METHODS
 from latentsweep.search.stores import protected_paths, resolve_stores, state_dir, writable_dir
@@ -130,6 +131,7 @@ def check_options(opts: PickOptions) -> None:
         check_type(name, getattr(opts, name), bool)
     for name in ("study", "method", "selection", "fallback", "device"):
         check_type(name, getattr(opts, name), str)
+    check_device_option("--device", opts.device)
     for name in ("state_dir", "storage", "tracking_uri", "data", "test", "out"):
         check_type(name, getattr(opts, name), str, Path, none=True)
     if opts.register is not None:

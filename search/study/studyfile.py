@@ -21,6 +21,7 @@ from latentsweep.trainers.config.tree import Config, coerce, flatten, flatten_tr
 from latentsweep.trainers.data.demo import default_train_path
 from latentsweep.trainers.core.errors import ConfigError, LatentsweepError, closest
 from latentsweep.trainers.config.plugins import load_plugin
+from latentsweep.trainers.config.validate import validate
 
 STUDY_KEYS = {"name", "objective", "direction", "sampler", "pruner", "n_trials", "timeout", "description", "plugins"}
 TOP_KEYS = {"study", "base", "space", "enqueue", "side"}
@@ -58,9 +59,12 @@ def load_study_file(path: str | Path) -> StudyFile:
             errors.append(f"{where}: unknown table [{key}]{closest(key, TOP_KEYS)}")
     study = _study_settings(raw.get("study", {}), path, errors)
     plugins = load_plugins(raw.get("study", {}), path)  # before [base]: their knobs are config keys
+    parsed = len(errors)
     base, fixed = _base(raw.get("base", {}), where, errors)
     if plugins:
         base = with_values(base, {"plugins.files": plugins})
+    if len(errors) == parsed:  # [base] parsed: it must also be a valid config on its own
+        _check_base(base, where, errors)
     space = parse_space(raw.get("space", {}), fixed, errors, where)
     enqueue = [_enqueue_entry(e, i, path, base, space, errors)
                for i, e in enumerate(_tables(raw, "enqueue", where, errors))]
@@ -142,6 +146,16 @@ def _base(table: dict, where: str, errors: list[str]) -> tuple[Config, set[str]]
     except ConfigError as exc:
         errors.append(str(exc))
         return Config(), set()
+
+
+def _check_base(base: Config, where: str, errors: list[str]) -> None:
+    """[base] must be a valid config on its own; if not, its problem is said as [base]'s, once, and nothing built on
+    it is checked (every [[side]] and [[enqueue]] entry would repeat it under its own name)."""
+    try:
+        validate(base)
+    except ConfigError as exc:
+        errors.append(f"{where}: base: an invalid config: {exc}")
+        raise ConfigError(f"{len(errors)} problem(s) in {where}:\n  " + "\n  ".join(errors)) from None
 
 
 def _enqueue_entry(entry: dict, index: int, path: Path, base: Config, space: list[Param],
