@@ -196,6 +196,29 @@ def test_leaderboard_matches_per_gallery_oracle():
     assert 0.2 < got["mrr"] < 0.99               # informative, not trivially perfect
 
 
+@pytest.mark.parametrize("case", range(12))
+def test_leaderboard_alone_ranks_as_the_one_pass_does(case):
+    """evaluate_leaderboard ranks gallery by gallery (its captions against its S images only); evaluate reads the same
+    ranks out of the global pass's blocks, and a Queries input ranks in those blocks: all three agree exactly, with
+    duplicated images (ties), zero and non-finite images and predictions, and odd gallery and chunk sizes."""
+    rng = np.random.default_rng(100 + case)
+    n_img, dim = int(rng.integers(3, 200)), int(rng.integers(2, 12))
+    image = rng.standard_normal((n_img, dim)).astype(np.float32)
+    image[rng.integers(0, n_img, 3)] = image[0]
+    image[rng.integers(0, n_img)] = 0
+    image[rng.integers(0, n_img), 0] = np.nan if case % 2 else np.inf
+    cap2img = rng.integers(0, n_img, int(rng.integers(n_img, 4 * n_img)))
+    pred = image[cap2img] + rng.uniform(0.1, 2) * rng.standard_normal((cap2img.size, dim)).astype(np.float32)
+    pred[rng.integers(0, len(pred), 2)] = 0
+    pred[rng.integers(0, len(pred)), 1] = np.nan
+    size, seed, chunk = int(rng.integers(1, 90)), int(rng.integers(0, 4)), int(rng.integers(1, 40))
+    alone = M.evaluate_leaderboard(pred, image, cap2img, gallery_size=size, seed=seed, chunk=chunk)
+    one_pass = M.evaluate(pred, image, cap2img, gallery_size=size, seed=seed, chunk=chunk)
+    queries = M.Queries(len(pred), dim, torch.device("cpu"), lambda a, b: torch.from_numpy(pred[a:b]))
+    blocks = M.evaluate_leaderboard(queries, image, cap2img, gallery_size=size, seed=seed, chunk=chunk)
+    assert all(alone[k] == one_pass[k] == blocks[k] for k in M.METRIC_KEYS), (alone, one_pass, blocks)
+
+
 def test_five_copies_trap_does_not_occur():
     # 5 consecutive captions per image: cutting captions into chunks of 100 would put 5 copies of an image in a gallery.
     rng = np.random.default_rng(6)
