@@ -129,6 +129,39 @@ def test_the_pick_reserve_follows_the_measured_costs_within_its_bounds():
     assert end.end == pytest.approx(budget.deadline.end - 100.0)
 
 
+def test_refits_are_reserved_only_for_trials_that_beat_the_answer_in_place():
+    """The pick refits only an ensemble that first beat the job's answer in place on the val split: while no trial
+    does (at challenge size on 2 cores the floor beat both trials of a 1200-s run, and half the budget waited for
+    refits that never ran), the search keeps that time; once one does, the refits are reserved again."""
+    from latentsweep.search.study.contract import ANSWER_ATTR, OBJECTIVE_ATTR
+
+    budget = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK)
+    study = _study_with([20.0, 20.0])  # best reported value 0.5 each
+    with_refits = RESERVE_REFITS * 20 + PICK_FIXED_S
+    assert budget.reserve(study, 400, 100) == pytest.approx(with_refits)  # nothing judged yet: as before
+    study.set_user_attr(OBJECTIVE_ATTR, "val/mrr")
+    study.set_user_attr(ANSWER_ATTR, {"source": "the closed-form ridge", "val_mrr": 0.6})
+    assert budget.reserve(study, 400, 100) == RESERVE_MIN_FRACTION * 1000  # the pick's fixed work alone, at least
+    study.set_user_attr(ANSWER_ATTR, {"source": "the closed-form ridge", "val_mrr": 0.4})
+    assert budget.reserve(study, 400, 100) == pytest.approx(with_refits)
+    study.set_user_attr(OBJECTIVE_ATTR, "val/loss")  # another measure than the judge's: not compared
+    study.set_user_attr(ANSWER_ATTR, {"source": "the closed-form ridge", "val_mrr": 0.6})
+    assert budget.reserve(study, 400, 100) == pytest.approx(with_refits)
+
+
+def test_the_candidates_validation_counts_each_trials_own_pass():
+    """A dear side trial (the knn's validation is its predictions over the training set) counts once, not as the
+    mean of every place of the pool; places not filled yet cost the cheapest measured pass."""
+    budget = JobBudget(Deadline.after(2000.0), total_s=2000.0, pick=PICK)
+    study = _study_with([20.0])
+    timing = Timing(0.0, 20.0, 100.0, 400, 100, False)
+    study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.4, params={"x": 0.2},
+                                 distributions={"x": FloatDistribution(0, 1)}, intermediate_values={0: 0.4},
+                                 user_attrs={TIMING_ATTR: timing.as_attrs()}))
+    assert budget.reserve(study, 400, 100) == pytest.approx(
+        RESERVE_REFITS * 20 + PICK_FIXED_S + 100.0 + 0.0 * (PICK.pool - 1))
+
+
 def test_the_reserve_never_shrinks_as_the_machine_slows_down():
     """A loaded machine or bigger data measures dearer refits and validations: the pick's share must not fall (it
     fell from 50% to 10% of the budget once one refit no longer fit in half of it)."""

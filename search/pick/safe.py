@@ -15,7 +15,7 @@ from latentsweep.search.failures import Kind, classify
 from latentsweep.search.pick.candidates import top_trials
 from latentsweep.search.pick.ensemble import predict_all
 from latentsweep.search.pick.judge import Judge, Standing
-from latentsweep.search.study.contract import DamagedStudy, TrialOutputs
+from latentsweep.search.study.contract import ANSWER_ATTR, DamagedStudy, TrialOutputs
 from latentsweep.search.study.report import load_existing_study
 from latentsweep.search.study.storage import dispose, storage_of
 from latentsweep.search.tracking.paths import resolve_in_state
@@ -134,6 +134,8 @@ class Keeper:
             return self.answer
         self.looked.add((best.number, best.value))
         self._consider(best.number, found)
+        if self.standing.score is not None:  # what the search's reserve compares its trials with (budget.py)
+            study.set_user_attr(ANSWER_ATTR, {"source": self.standing.source, "val_mrr": self.standing.score})
         return self.answer
 
     def _consider(self, number: int, checkpoint: Path) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import TrialState
 
-from latentsweep.search.study.contract import read_timing, read_trials
+from latentsweep.search.study.contract import ANSWER_ATTR, OBJECTIVE_ATTR, read_timing, read_trials
 from latentsweep.trainers.core.deadline import Deadline
 
 # What the pick is reserved: this many refits on every labelled image of the best trials' configs. On the held-out
@@ -59,16 +59,22 @@ class JobBudget:
 
     def reserve(self, study: optuna.Study, captions: int, images: int) -> float:
         """Seconds kept for the pick: RESERVE_REFITS refits of the best measured trials on every labelled image
-        (`captions`, `images`) plus the pick's fixed work, within RESERVE_MIN/MAX_FRACTION of the total and never
-        below SAFE_FACTOR x the safe answer. Monotone: a slower machine or bigger data never gets a smaller one."""
-        costs = refit_costs(study, captions, images)
+        (`captions`, `images`), counted only when one of them beats the job's answer in place on the val split
+        (answer_to_beat: the pick refits only an ensemble that beat it first), plus the pick's fixed work and one
+        validation pass per candidate of its pool; within RESERVE_MIN/MAX_FRACTION of the total and never below
+        SAFE_FACTOR x the safe answer. A slower machine or bigger data never gets a smaller one."""
+        costs = refit_costs(study, captions, images, max(RESERVE_TRIALS, self.pick.pool))
         low, high = RESERVE_MIN_FRACTION * self.total_s, RESERVE_MAX_FRACTION * self.total_s
         floor = SAFE_FACTOR * self.floor_s
         if not costs:
             return self.opening_reserve()
-        fixed = self.pick.fixed_s + self.pick.pool * statistics.fmean(c.eval_s for c in costs)
-        wanted = RESERVE_REFITS * statistics.fmean(c.refit_s for c in costs) + fixed
-        return max(min(max(wanted, low), high), floor)
+        pool = costs[:self.pick.pool]  # the candidates so far; places not yet filled cost the cheapest's validation
+        fixed = (self.pick.fixed_s + sum(c.eval_s for c in pool)
+                 + (self.pick.pool - len(pool)) * min(c.eval_s for c in pool))
+        to_beat = answer_to_beat(study)
+        refitted = [c for c in costs[:RESERVE_TRIALS] if to_beat is None or c.value > to_beat]
+        refits = RESERVE_REFITS * statistics.fmean(c.refit_s for c in refitted) if refitted else 0.0
+        return max(min(max(refits + fixed, low), high), floor)
 
     def opening_reserve(self) -> float:
         """The reserve before anything is measured: no trial starts unless more than this is left. The smallest the
@@ -87,9 +93,24 @@ class JobBudget:
 
 @dataclass(frozen=True)
 class TrialCost:
-    """One measured trial, as the reserve reads it: its refit on every labelled image and its validation pass."""
+    """One measured trial, as the reserve reads it: its refit on every labelled image, its validation pass and its
+    best reported value."""
     refit_s: float
     eval_s: float
+    value: float = float("nan")
+
+
+def answer_to_beat(study: optuna.Study) -> float | None:
+    """The val MRR of the job's answer in place (ANSWER_ATTR, written by its keeper), when the study's trials report
+    the same measure (objective val/mrr, maximised); None otherwise, or before the keeper has judged one."""
+    attrs = study.user_attrs
+    answer = attrs.get(ANSWER_ATTR)
+    objective = (study.metric_names or [None])[0] or attrs.get(OBJECTIVE_ATTR)
+    if (objective != "val/mrr" or study.direction != optuna.study.StudyDirection.MAXIMIZE
+            or not isinstance(answer, dict)):
+        return None
+    score = answer.get("val_mrr")
+    return float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None
 
 
 def workers_stop(budget: JobBudget | None, timeout: float | None) -> Deadline:
@@ -99,10 +120,10 @@ def workers_stop(budget: JobBudget | None, timeout: float | None) -> Deadline:
     return hard.sooner(Deadline.after(None if timeout is None else timeout + WATCHDOG_GRACE_S))
 
 
-def refit_costs(study: optuna.Study, captions: int, images: int) -> list[TrialCost]:
-    """For each of the best RESERVE_TRIALS trials that recorded their timings: the estimated seconds of its refit on
-    every labelled image (its best epoch so far + 1 epochs, no validation) and its measured validation pass; running
-    trials count from their first epoch."""
+def refit_costs(study: optuna.Study, captions: int, images: int, n: int = RESERVE_TRIALS) -> list[TrialCost]:
+    """For each of the best `n` trials that recorded their timings, best first: the estimated seconds of its refit on
+    every labelled image (its best epoch so far + 1 epochs, no validation), its measured validation pass and its best
+    reported value; running trials count from their first epoch."""
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
     trials = read_trials(study, states)
     timings = {t.number: read_timing(t, study.study_name) for t in trials}
@@ -110,12 +131,12 @@ def refit_costs(study: optuna.Study, captions: int, images: int) -> list[TrialCo
     sign = 1.0 if study.direction == optuna.study.StudyDirection.MAXIMIZE else -1.0
     done.sort(key=lambda t: -sign * max(sign * v for v in t.intermediate_values.values()))
     out = []
-    for t in done[:RESERVE_TRIALS]:
+    for t in done[:n]:
         values = t.intermediate_values
         best_epoch = max(values, key=lambda e: sign * values[e])
         timing = timings[t.number]
-        out.append(TrialCost(timing.estimate(captions, images, best_epoch + 1), timing.eval_s))
+        out.append(TrialCost(timing.estimate(captions, images, best_epoch + 1), timing.eval_s, values[best_epoch]))
     return out
 
 
-__all__ = ["JobBudget", "PickCost", "TrialCost", "refit_costs", "workers_stop"]
+__all__ = ["JobBudget", "PickCost", "TrialCost", "answer_to_beat", "refit_costs", "workers_stop"]

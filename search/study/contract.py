@@ -38,6 +38,9 @@ DEADLINE_ATTR = "latentsweep.stopped_at_deadline"  # on a trial the deadline cut
 OWNER_ATTR = "latentsweep.worker"  # "host:pid" of the worker running the trial (latentsweep.search.study.owners)
 DEVICE_ATTR = "latentsweep.device"  # the device the trial trained on (also its MLflow tag)
 POPULATION_ATTR = "latentsweep.population"  # {id, size} of the population it trained in (also its MLflow tag)
+# A one-budget job's answer in place as its keeper last judged it: {"source", "val_mrr"} (the leaderboard MRR of the
+# study's val split, latentsweep.search.pick.judge); the search's reserve keeps refits only for trials that beat it.
+ANSWER_ATTR = "latentsweep.answer_in_place"
 WARM_ATTR = "latentsweep.warm_from"  # "NAME:TRIAL" (source study) or "portfolio:INDEX" (also its MLflow tag)
 
 
