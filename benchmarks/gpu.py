@@ -109,122 +109,6 @@ def captured_rate(dev, steps: int, dims, mode: str, eager: float) -> str:
     return f"{rate:,.0f} samples/s = {rate / eager:.2f}x eager (step: {epoch.parts.forward.path})"
 
 
-# ---- (d) population trials -------------------------------------------------------------------------------------
-
-POPULATION_KS = (1, 2, 4, 8, 16, 32)
-POPULATION_STEPS = 10  # timed steps per K (after one untimed step); --smoke: 2
-
-
-def population_cfg(data: Path, device: str):
-    """studies/full.toml's [base] (the MLP of the search's first trials) on `data` and `device`."""
-    import tomllib
-
-    sys.path.insert(0, str(ROOT))
-    from latentsweep.trainers.config.tree import from_dict, with_values
-
-    base = from_dict(tomllib.loads((ROOT / "studies" / "full.toml").read_text())["base"])
-    return with_values(base, {"data.path": str(data), "train.device": device})
-
-
-class _FirstBatches:
-    """A task whose epoch is `n` batches, the task's epochs one after another (the alone step timed over a few
-    steps; a small data set has fewer batches than that in an epoch)."""
-
-    def __init__(self, task, n: int):
-        self.task, self.n = task, n
-
-    def batches(self, gen):
-        import itertools
-
-        epochs = (batch for _ in itertools.count() for batch in self.task.batches(gen))
-        return itertools.islice(epochs, self.n)
-
-
-def alone_step_seconds(cfg, data, steps: int) -> float:
-    """Seconds per step of one run of `cfg` through latentsweep.trainers.train.loop's own step (_train_epoch), after one
-    step."""
-    import dataclasses
-
-    import torch
-    from latentsweep.trainers.train.checkpoint import CenteredModel
-    from latentsweep.trainers.core.devices import resolve_device
-    from latentsweep.trainers.train.loop import _BestCheckpoint, _train_epoch, seed_everything
-    from latentsweep.trainers.models.zoo import build_model
-    from latentsweep.trainers.core.deadline import Deadline
-    from latentsweep.trainers.train.run import RunState
-    from latentsweep.trainers.train.tasks import TASKS
-
-    device = resolve_device(cfg.train.device)
-    gen = seed_everything(0)
-    task = TASKS.get(cfg.data.task)(cfg, data, device)
-    model = CenteredModel(build_model(cfg, task.model_context()), task.text_mean).to(device)
-    run = RunState(cfg, data, device, task, model, gen, time.monotonic(), callback=None, out_dir=None,
-                   progress=False, deadline=Deadline.never, best_pt=_BestCheckpoint(None))
-    run.begin_epoch()
-    _train_epoch(dataclasses.replace(run.parts, task=_FirstBatches(task, 1)), 0)  # float() at its end: synced
-    start = time.perf_counter()
-    _train_epoch(dataclasses.replace(run.parts, task=_FirstBatches(task, steps)), 0)
-    return (time.perf_counter() - start) / steps
-
-
-def exactness(cfg, data) -> str:
-    """Two members (different seeds, learning rates, dropout) trained one epoch stacked and alone: the largest
-    relative difference of their epoch metrics (tests/test_population.py checks the same on CPU)."""
-    from latentsweep.trainers.config.tree import with_values
-    from latentsweep.trainers.train.loop import train
-    from latentsweep.trainers.train.population import Member, train_population
-
-    cfgs = [with_values(cfg, {"train.stop_after": 1, "train.seed": seed, "optim.lr": lr, "model.dropout": drop})
-            for seed, lr, drop in ((0, 1e-3, 0.0), (1, 3e-3, 0.3))]
-    stacked = train_population([Member(c) for c in cfgs], data)
-    worst = 0.0
-    for c, end in zip(cfgs, stacked):
-        if isinstance(end, BaseException):
-            return f"failed: {type(end).__name__}: {str(end)[:120]}"
-        alone = train(c, data).history[0]
-        worst = max(worst, *(abs(end.history[0][k] - v) / max(abs(v), 1e-12) for k, v in alone.items()))
-    return f"largest relative difference of 2 members' epoch metrics: {worst:.1e}"
-
-
-def population_rows(data_path: Path, device: str, smoke: bool, ks: tuple[int, ...], clock: Clock) \
-        -> list[tuple[str, str]]:
-    """(label, value) rows of part (d)."""
-    import throughput as tp
-    import torch
-    from latentsweep.trainers.data.sets import load_train
-    from latentsweep.trainers.train.population import measure
-
-    dev = torch.device(device)
-    cfg = population_cfg(data_path, device)
-    data = load_train(data_path)
-    steps = 2 if smoke else POPULATION_STEPS
-    hidden, batch = cfg.model.hidden, cfg.train.batch_size
-    widths = (data.text.shape[1], *hidden, data.image.shape[1])
-    flops = 3 * 2 * sum(a * b for a, b in zip(widths[:-1], widths[1:]))  # forward + backward matmuls per sample
-    peak = tp.matmul_rate(dev, 128 if smoke else 8192)
-    alone = alone_step_seconds(cfg, data, steps)
-    rows = [("(d) population: config", f"studies/full.toml [base], MLP {'-'.join(map(str, widths))}, batch {batch}, "
-                                       f"amp {cfg.train.amp and dev.type == 'cuda'}, {len(data.text):,} captions"),
-            ("(d) one run alone (the loop's step)", f"{alone * 1e3:.1f} ms/step = {batch / alone:,.0f} samples/s = "
-                                                    f"{batch * flops / alone / 1e9 / peak:.2f} of the matmul rate")]
-    rows.append(("(d) stacked = alone on this device", exactness(cfg, data)))
-    for k in ks:
-        if not clock.fits(30):
-            rows.append((f"(d) population K={k}", f"skipped: {clock.left():.0f} s left of the budget"))
-            continue
-        try:
-            seconds, peak_bytes = measure(cfg, data, k, steps)
-        except Exception as exc:  # noqa: BLE001 - out of memory at a large K is a measurement
-            rows.append((f"(d) population K={k}", f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
-            break
-        rate = k * batch / seconds
-        memory = f"; peak {peak_bytes / 2**30:.2f} GiB" if dev.type == "cuda" else ""
-        rows.append((f"(d) population K={k}", f"{seconds * 1e3:.1f} ms/step, {rate:,.0f} samples/s summed "
-                                              f"({rate / (batch / alone):.2f}x one alone) = "
-                                              f"{rate * flops / 1e9 / peak:.2f} of the matmul rate{memory}"))
-    return rows
-
-
 # ---- (b) trials per minute: the defaults against one trial at a time ----------------------------------------------
 
 ARMS = {"defaults": [],  # issue 38's arms: the defaults, against one trial at a time; and 8 workers alone
@@ -384,9 +268,11 @@ def measure(args: argparse.Namespace, work: Path) -> Rows:
     paths = write_data(work, args.smoke, args.images)
     rows.append(("synthetic data", f"{paths[0].stat().st_size / 2**20:,.0f} MB written in "
                                    f"{time.monotonic() - start:.0f} s"))
-    ks = tuple(args.ks or ((1, 2, 4) if args.smoke else POPULATION_KS))
+    ks = tuple(args.ks or ((1, 2, 4) if args.smoke else (1, 2, 4, 8, 16, 32)))
     if "d" in parts:
-        rows += population_rows(paths[0], "cuda" if cuda else "cpu", args.smoke, ks, clock)
+        import population_step
+
+        rows += population_step.population_rows(paths[0], "cuda" if cuda else "cpu", args.smoke, ks, clock)
     if "b" in parts:
         rows += arm_rows(paths[0], args.arms, args.window, work, clock, args.smoke)
     if "c" in parts:
