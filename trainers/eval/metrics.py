@@ -29,6 +29,8 @@ read out of the same blocks as the global ones, so `evaluate` gets both protocol
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -219,21 +221,49 @@ def leaderboard_galleries(cap2img, n_images: int, gallery_size: int = GALLERY_SI
     return galleries, owner, views
 
 
-def _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, fn):
-    """Global ranks [Q] and leaderboard ranks [Q] of every caption (one pass), plus the galleries' views and owner."""
+def _checked_inputs(pred, image, cap2img, chunk: int, fn: str):
+    """(pred, image, cap2img) as float32 tensors on the prediction's device and an int64 index, checked for `fn`."""
     p = _as_tensor(pred)
     img = _as_tensor(image, p.device)
     c2i = _as_index(cap2img)
     _check_pairing(p, img, c2i, fn)
     if chunk < 1:
         raise ValueError(f"{fn}: chunk must be >= 1, got {chunk}")
-    galleries, owner, views = leaderboard_galleries(c2i, img.shape[0], gallery_size, seed)
-    # A caption's leaderboard gallery is its image's (fixed across views): rank every caption once, views only select.
-    gal_of = np.full(img.shape[0], -1, dtype=np.int64)                # owning gallery of each captioned image
+    return p, img, c2i
+
+
+class CaptionGalleries(NamedTuple):
+    """Where each caption is ranked in the leaderboard protocol: the gallery owning its image, gallery [Q], and that
+    image's column in it, column [Q]; and the captions grouped by gallery, gallery b's at
+    order[bounds[b]:bounds[b + 1]]."""
+    gallery: np.ndarray
+    column: np.ndarray
+    order: np.ndarray
+    bounds: np.ndarray
+
+
+def caption_galleries(galleries: np.ndarray, owner: np.ndarray, cap2img: np.ndarray, n_images: int) \
+        -> CaptionGalleries:
+    """CaptionGalleries of `leaderboard_galleries`' (galleries, owner) for captions cap2img [Q] of n_images images.
+    A caption's gallery is its image's, fixed across views: a caption is ranked once, the views only select."""
+    gal_of = np.full(n_images, -1, dtype=np.int64)                    # owning gallery of each captioned image
     gal_of[galleries[owner]] = np.nonzero(owner)[0]
+    col_of = np.full(n_images, -1, dtype=np.int64)                    # its column in that gallery
+    col_of[galleries[owner]] = np.nonzero(owner)[1]
+    gallery = gal_of[cap2img]
+    order = np.argsort(gallery, kind="stable")
+    return CaptionGalleries(gallery, col_of[cap2img], order,
+                            np.searchsorted(gallery[order], np.arange(len(galleries) + 1)))
+
+
+def _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, fn):
+    """Global ranks [Q] and leaderboard ranks [Q] of every caption (one pass), plus the galleries' views and owner."""
+    p, img, c2i = _checked_inputs(pred, image, cap2img, chunk, fn)
+    galleries, owner, views = leaderboard_galleries(c2i, img.shape[0], gallery_size, seed)
+    where = caption_galleries(galleries, owner, c2i, img.shape[0])
     dev = p.device
     glob, lb = _block_ranks(p, img, *_gallery_norms(img), torch.from_numpy(c2i).to(dev), chunk,
-                            torch.from_numpy(galleries).to(dev), torch.from_numpy(gal_of[c2i]).to(dev))
+                            torch.from_numpy(galleries).to(dev), torch.from_numpy(where.gallery).to(dev))
     return glob.cpu().numpy(), lb.cpu().numpy(), views, owner
 
 
@@ -263,32 +293,22 @@ def _leaderboard_ranks(pred, image, cap2img, gallery_size: int, seed: int, chunk
     global protocol's [Q, G] similarities never made (at challenge size S / G = 1/50 of its arithmetic: the pick
     scored 61 ensembles of the val split in 133 s on 2 cores that way). The same galleries, views, rank rule,
     degenerate rows and true similarity gathered from its own row as `_block_ranks`. Returns (ranks, views, owner)."""
-    p = _as_tensor(pred)
-    img = _as_tensor(image, p.device)
-    c2i = _as_index(cap2img)
-    _check_pairing(p, img, c2i, "evaluate_leaderboard")
-    if chunk < 1:
-        raise ValueError(f"evaluate_leaderboard: chunk must be >= 1, got {chunk}")
+    p, img, c2i = _checked_inputs(pred, image, cap2img, chunk, "evaluate_leaderboard")
     galleries, owner, views = leaderboard_galleries(c2i, img.shape[0], gallery_size, seed)
+    where = caption_galleries(galleries, owner, c2i, img.shape[0])
     g_norm, g_ok = _gallery_norms(img)
-    gal_of = np.full(img.shape[0], -1, dtype=np.int64)                # owning gallery of each captioned image
-    gal_of[galleries[owner]] = np.nonzero(owner)[0]
-    slot = np.full(img.shape[0], -1, dtype=np.int64)                  # its column in that gallery
-    slot[galleries[owner]] = np.nonzero(owner)[1]
-    order = np.argsort(gal_of[c2i], kind="stable")                    # captions grouped by gallery
-    bounds = np.searchsorted(gal_of[c2i][order], np.arange(len(galleries) + 1))
     step = max(chunk, chunk * img.shape[0] // galleries.shape[1])     # a block holds what _block_ranks' does
     out = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
     for b, cols in enumerate(torch.from_numpy(galleries).to(p.device)):
-        members = order[bounds[b]:bounds[b + 1]]
+        members = where.order[where.bounds[b]:where.bounds[b + 1]]
         gallery, norms = img.index_select(0, cols), g_norm[cols]      # [S, D], [S]
         for start in range(0, len(members), step):
-            rows = torch.from_numpy(members[start:start + step]).to(p.device)
+            caps = members[start:start + step]
+            rows = torch.from_numpy(caps).to(p.device)
             block = p.index_select(0, rows)                           # [n, D]
             sims = (block @ gallery.T).div_(norms)                    # [n, S]
-            target = torch.from_numpy(slot[c2i[members[start:start + step]]]).to(p.device)
-            true = sims.gather(1, target[:, None])                    # [n, 1], same row as the comparison
-            bad = ~_usable(block)[1] | ~g_ok[torch.from_numpy(c2i[members[start:start + step]]).to(p.device)]
+            true = sims.gather(1, torch.from_numpy(where.column[caps]).to(p.device)[:, None])  # [n, 1], same row
+            bad = ~_usable(block)[1] | ~g_ok[torch.from_numpy(c2i[caps]).to(p.device)]
             out[rows] = torch.where(bad, galleries.shape[1], rank_against(sims, true))
     return out.cpu().numpy(), views, owner
 
@@ -332,7 +352,8 @@ def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GA
 
 
 __all__ = ["Queries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "evaluate",
-           "leaderboard_galleries", "leaderboard_from_ordered", "METRIC_KEYS", "GALLERY_SIZE", "DEFAULT_CHUNK"]
+           "leaderboard_galleries", "caption_galleries", "CaptionGalleries", "leaderboard_from_ordered", "METRIC_KEYS",
+           "GALLERY_SIZE", "DEFAULT_CHUNK"]
 
 
 def label_retrieval(emb, labels, k: int = 10, chunk: int = DEFAULT_CHUNK) -> dict[str, float]:

@@ -7,7 +7,7 @@ import torch
 
 from latentsweep.trainers.data.sets import TrainSet
 from latentsweep.trainers.core.heap import release_free_heap
-from latentsweep.trainers.eval.metrics import GALLERY_SIZE, leaderboard_galleries, rank_against
+from latentsweep.trainers.eval.metrics import GALLERY_SIZE, caption_galleries, leaderboard_galleries, rank_against
 from latentsweep.trainers.models.ridge import ALPHAS, Moments, Ridge, solve
 from latentsweep.trainers.data.splits import captions_of, split_by_hash
 
@@ -64,13 +64,7 @@ def held_out_mrr(ridge: Ridge, text: np.ndarray, image: np.ndarray, cap2img: np.
     norm = torch.linalg.vector_norm(g, dim=1)
     ok = torch.isfinite(norm) & (norm > 0)  # [G] usable images
     norm = torch.where(ok, norm, torch.full_like(norm, float("nan")))  # an unusable image's cosines are NaN
-    gal_of = np.full(len(image), -1, np.int64)
-    gal_of[galleries[owner]] = np.nonzero(owner)[0]
-    slot = np.full(len(image), -1, np.int64)  # each owned image's column in its gallery
-    slot[galleries[owner]] = np.nonzero(owner)[1]
-    query_gallery = gal_of[cap2img]
-    order = np.argsort(query_gallery, kind="stable")
-    bounds = np.searchsorted(query_gallery[order], np.arange(len(galleries) + 1))
+    where = caption_galleries(galleries, owner, cap2img, len(image))
     mx = ridge.mx.float()
     slots = torch.from_numpy(galleries.reshape(-1))
     gal = g[slots] / norm[slots, None]  # [B * S, Dy] unit images of the galleries
@@ -79,12 +73,12 @@ def held_out_mrr(ridge: Ridge, text: np.ndarray, image: np.ndarray, cap2img: np.
     offset = (gal @ ridge.my.float()).view(galleries.shape)
     rr = np.zeros(len(cap2img))
     for b, cols in enumerate(galleries):
-        rows = order[bounds[b]:bounds[b + 1]]
+        rows = where.order[where.bounds[b]:where.bounds[b + 1]]
         if len(rows) == 0:
             continue
         xc = torch.from_numpy(np.ascontiguousarray(text[caps[rows]], np.float32)) - mx  # [n, Dx]
         sims = xc @ through[b].T + offset[b]  # [n, S]: cosine up to each query's norm
-        target = torch.from_numpy(slot[cap2img[rows]])[:, None]  # [n, 1]
+        target = torch.from_numpy(where.column[rows])[:, None]  # [n, 1]
         rank = rank_against(sims, sims.gather(1, target))
         rank = torch.where(ok[torch.from_numpy(cap2img[rows])], rank, len(cols))
         rr[rows] = 1.0 / rank.double().numpy()
