@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import TrialState
 
-from latentsweep.search.study.contract import ANSWER_ATTR, OBJECTIVE_ATTR, read_timing, read_trials
+from latentsweep.search.study.contract import StudyRecord, read_timing, read_trials
 from latentsweep.trainers.core.deadline import Deadline
 
 # What the pick is reserved: this many refits on every labelled image of the best trials' configs. On the held-out
@@ -103,13 +103,10 @@ class TrialCost:
 def answer_to_beat(study: optuna.Study) -> float | None:
     """The val MRR of the job's answer in place (ANSWER_ATTR, written by its keeper), when the study's trials report
     the same measure (objective val/mrr, maximised); None otherwise, or before the keeper has judged one."""
-    attrs = study.user_attrs
-    answer = attrs.get(ANSWER_ATTR)
-    objective = (study.metric_names or [None])[0] or attrs.get(OBJECTIVE_ATTR)
-    if (objective != "val/mrr" or study.direction != optuna.study.StudyDirection.MAXIMIZE
-            or not isinstance(answer, dict)):
+    record = StudyRecord.of(study)
+    if record.objective != "val/mrr" or not record.maximize or record.answer is None:
         return None
-    score = answer.get("val_mrr")
+    score = record.answer.get("val_mrr")
     return float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None
 
 

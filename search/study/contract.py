@@ -160,12 +160,13 @@ class TrialRecord:
 
 @dataclass(frozen=True)
 class StudyRecord:
-    """What the pick reads of the study itself: its name, objective metric and direction, and its MLflow parent run
-    (None when absent or damaged: a pick's run then stands alone)."""
+    """What the pick and the one-budget job read of the study itself: its name, objective metric and direction, its
+    MLflow parent run (None when absent or damaged: a pick's run then stands alone) and the job's answer in place."""
     name: str
     objective: str | None
     maximize: bool
     parent_run_id: str | None
+    answer: Mapping[str, Any] | None = None  # a one-budget job's answer in place (ANSWER_ATTR), None when absent
 
     @classmethod
     def of(cls, study: optuna.Study) -> "StudyRecord":
@@ -173,7 +174,8 @@ class StudyRecord:
         attrs = study_attrs(study)
         objective = (study.metric_names or [None])[0] or _checked(attrs, OBJECTIVE_ATTR, str, study.study_name)
         return cls(study.study_name, objective, study.direction == StudyDirection.MAXIMIZE,
-                   _checked(attrs, PARENT_ATTR, str, study.study_name))
+                   _checked(attrs, PARENT_ATTR, str, study.study_name),
+                   _checked(attrs, ANSWER_ATTR, dict, study.study_name))
 
 
 def study_attrs(study: optuna.Study) -> dict[str, Any]:
