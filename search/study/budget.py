@@ -97,7 +97,7 @@ class TrialCost:
     best reported value."""
     refit_s: float
     eval_s: float
-    value: float = float("nan")
+    value: float
 
 
 def answer_to_beat(study: optuna.Study) -> float | None:
