@@ -2,9 +2,10 @@
 on its own."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import optuna
 from optuna.trial import TrialState
@@ -15,9 +16,12 @@ from latentsweep.search.process import raise_if_interrupted
 from latentsweep.search.study import worker
 from latentsweep.search.study.devices import AUTO
 from latentsweep.search.study.objective import Started, TrialRunner
+from latentsweep.search.study.samplers import fixing
+from latentsweep.search.study.space import Param
 from latentsweep.search.study.storage import storage_of, trial_id
 from latentsweep.search.study.studyfile import StudyFile
-from latentsweep.trainers.config.tree import with_values
+from latentsweep.trainers.config.tree import Config, with_values
+from latentsweep.trainers.core.errors import LatentsweepError
 from latentsweep.trainers.data.sets import TrainSet
 from latentsweep.trainers.core.devices import resolve_device
 from latentsweep.trainers.train.population import Member, stack_key
@@ -44,6 +48,7 @@ class Seat:
     key: tuple | None = None
     group: int = 0  # the train_population call it trains in (its population's id, with the worker's)
     ended: bool = False
+    shape: dict[str, Any] | None = None  # as a group's first: {parameter: its value} a joiner shares (shape_params)
 
 
 @dataclass
@@ -83,7 +88,9 @@ class Population:
                         continue
                     self._fill()
                     continue
-                self._train([s for s in waiting if s.group == waiting[0].group])
+                if len({s.group for s in waiting}) == 1:  # a trial of another shape the last group left waiting:
+                    self._fill()  # its places, claimed with its shape (a group keeps the places it starts with)
+                self._train([s for s in self.seats if s.group == self.seats[0].group])
         except BaseException as exc:
             self._end_all(exc)
             raise
@@ -100,8 +107,30 @@ class Population:
                 return
 
     def _claim(self, joining: bool = False) -> Seat | None:
-        """Claim a trial when one fits (budget, search's end), start it and place it in a group; None when none. A
-        trial that fails to start (a config that cannot sample) is told at once and its place claimed again."""
+        """Claim a trial when one fits (budget, search's end), start it and place it in a group; None when none. It
+        is asked with the shape of the group whose place it fills (`_shape`: the group in training when it joins,
+        else the first waiting one's), so that it stacks there."""
+        leader = self.current if joining else (self.seats[0] if self.seats else None)
+        with fixing(self.study, self._shape(leader)):
+            return self._claim_started(joining)
+
+    def _shape(self, leader: Seat | None) -> dict[str, Any]:
+        """{parameter: value} of `leader`'s trial that a trial asked for its group shares (shape_params), once per
+        group; the first time, said in one line."""
+        if leader is None or leader.started is None or leader.key is None:
+            return {}
+        if leader.shape is None:
+            leader.shape = shape_params(leader.started.cfg, leader.trial.params, self.study_file.space)
+        if leader.shape:
+            say(f"population: a trial that fills a place of a group is asked with the group's shape fixed to its first "
+                f"trial's values (here {', '.join(leader.shape)} of trial {leader.trial.number}), so it trains stacked "
+                f"there; the other knobs are sampled, an enqueued trial keeps its own values",
+                once=("population-shape", self.study.study_name))
+        return leader.shape
+
+    def _claim_started(self, joining: bool) -> Seat | None:
+        """_claim's claim: a trial that fails to start (a config that cannot sample) is told at once and its place
+        claimed again."""
         while self.stop is None and self.runner.next_trial_fits(self.study):
             try:
                 trial = worker.claim_trial(self.study, self.spec.n_trials)
@@ -219,6 +248,53 @@ class Population:
             say(f"could not close the runs of a stopping population ({inner})")
 
 
+# Where a continuous float knob is probed, as fractions of its range (of its log range when log): inside it only,
+# since a sampled value never lands on a bound (a loss weight of exactly 0 turns the all-images bank off, which a
+# float sampled in [0, 1] never does). A discrete knob (int, stepped float) is probed at every value up to MAX_GRID,
+# else at its bounds and these fractions.
+INTERIOR = (0.25, 0.5, 0.75)
+MAX_GRID = 16
+
+
+def shape_params(cfg: Config, params: dict[str, Any], space) -> dict[str, Any]:
+    """{parameter: value} of `params` (a trial's, `cfg` its config) that a trial must share to stack with it: those
+    of the space for which another value it can propose gives `cfg` another stack_key, one knob at a time. Derived
+    from stack_key itself, no list of knobs beside it. In full.toml's space: model kind, width, slots and batch size,
+    and a loss weight where it turns a batch entry on or off at the trial's values (the all-images bank at 0)."""
+    key = stack_key(cfg)
+    if key is None:
+        return {}
+    return {p.name: params[p.name] for p in space if p.name in params and _splits(cfg, key, p)}
+
+
+def _splits(cfg: Config, key: tuple, param: Param) -> bool:
+    for value in _probes(param):
+        try:
+            other = stack_key(with_values(cfg, {param.key: value}))
+        except (LatentsweepError, ValueError, TypeError):  # no config of the group holds it: not a member's value
+            return True
+        if other != key:
+            return True
+    return False
+
+
+def _probes(param: Param) -> list:
+    """The values of `param` its keys are compared at (INTERIOR, MAX_GRID)."""
+    if param.type == "categorical":
+        return list(param.choices)
+    low, high = param.low, param.high
+    step = param.step or (1 if param.type == "int" else None)
+    if step is not None and (high - low) / step < MAX_GRID:
+        return [low + i * step for i in range(int(math.floor((high - low) / step + 1e-9)) + 1)]
+    if param.log:
+        inside = [math.exp(math.log(low) + q * (math.log(high) - math.log(low))) for q in INTERIOR]
+    else:
+        inside = [low + q * (high - low) for q in INTERIOR]
+    if step is None:
+        return inside
+    return [low, high] + [low + round((v - low) / step) * step for v in inside]
+
+
 def _stop_beat(seat: Seat) -> None:
     if seat.beat.thread.ident is not None:  # started (a thread that never started cannot be joined)
         seat.beat.__exit__()
@@ -230,4 +306,4 @@ def population_loop(study_file: StudyFile, spec, study: optuna.Study, runner: Tr
     return Population(study_file, spec, study, runner, size, on_trial).run()
 
 
-__all__ = ["Population", "population_loop", "population_size", "TrialState"]
+__all__ = ["Population", "population_loop", "population_size", "shape_params", "TrialState"]

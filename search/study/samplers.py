@@ -1,12 +1,13 @@
 """Sampler and pruner registries: `[study.sampler]` / `[study.pruner]` tables (name + keyword settings) to Optuna
-objects."""
+objects, and the study's sampler with some parameters fixed (`fixing`)."""
 from __future__ import annotations
 
 import hashlib
 import inspect
 import os
 import warnings
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import optuna
 
@@ -108,3 +109,60 @@ def build_sampler(table: dict[str, Any], per_worker: bool = False, history: int 
 def build_pruner(table: dict[str, Any]) -> optuna.pruners.BasePruner:
     settings = {k: v for k, v in table.items() if k != "name"}
     return PRUNERS.get(table.get("name", DEFAULT["pruner"]))(**settings)
+
+
+class FixedWhereItFits(optuna.samplers.PartialFixedSampler):
+    """Optuna's PartialFixedSampler around `base` (the study's sampler), except that a fixed value the parameter's
+    distribution does not hold (a categorical without it, a number out of range) is sampled by `base` as if unfixed:
+    PartialFixedSampler raises for the categorical and records the out-of-range number with a warning.
+
+    Relative sampling (TPE multivariate, group) models the unfixed parameters jointly and never proposes a fixed
+    one: PartialFixedSampler drops the fixed names from the relative search space, and a relative value returned
+    for one anyway is dropped here (TPE with group=True returned them until Optuna's fix for optuna/optuna#6427; a
+    relative value wins over sample_independent's fixed one in Trial._suggest). An enqueued trial's own values
+    (its fixed_params) win over any sampler, so it keeps them."""
+
+    def __init__(self, fixed: dict[str, Any], base: optuna.samplers.BaseSampler):
+        with warnings.catch_warnings():  # experimental since Optuna 2.4 and unchanged since: not the user's concern
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            super().__init__(dict(fixed), base)
+        self.fixed, self.base = dict(fixed), base
+        self.unfit: set[str] = set()  # the fixed names sampled by `base` because their value did not fit
+
+    def sample_relative(self, study, trial, search_space):
+        params = super().sample_relative(study, trial, search_space)
+        return {name: value for name, value in params.items() if name not in self.fixed}
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        if param_name in self.fixed and not fits(param_distribution, self.fixed[param_name]):
+            self.unfit.add(param_name)
+            return self.base.sample_independent(study, trial, param_name, param_distribution)
+        return super().sample_independent(study, trial, param_name, param_distribution)
+
+
+def fits(distribution: optuna.distributions.BaseDistribution, value: Any) -> bool:
+    """Whether `distribution` can hold `value` as it is (a choice of a categorical, a number within a range)."""
+    if isinstance(distribution, optuna.distributions.CategoricalDistribution):
+        return any(type(c) is type(value) and c == value for c in distribution.choices)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    step = getattr(distribution, "step", None)  # Optuna's own grid test (FloatDistribution._contains)
+    on_grid = step is None or abs((value - distribution.low) / step - round((value - distribution.low) / step)) < 1e-8
+    return distribution.low <= value <= distribution.high and on_grid
+
+
+@contextmanager
+def fixing(study: optuna.Study, fixed: dict[str, Any]) -> Iterator[FixedWhereItFits | None]:
+    """The study asks and samples with `fixed` ({parameter: value}) held (FixedWhereItFits) inside the block: the
+    sampler must stay in place from the ask (before_trial) through the suggestions (the relative sampling is lazy,
+    at the first suggest). Nothing is swapped when `fixed` is empty."""
+    if not fixed:
+        yield None
+        return
+    base = study.sampler
+    study.sampler = FixedWhereItFits(fixed, base)
+    try:
+        yield study.sampler
+    finally:
+        study.sampler = base
+
