@@ -35,9 +35,10 @@ from latentsweep.trainers.core.devices import resolve_device
 from latentsweep.trainers.core.heap import release_free_heap
 from latentsweep.trainers.train.loop import TrainingDiverged, _BestCheckpoint, seed_everything, torch_threads, train
 from latentsweep.trainers.models.zoo import build_model
-from latentsweep.trainers.train.population_step import Live, own_rng, rng_state, stacked_step
+from latentsweep.trainers.train.population_step import Live, own_rng, rng_state, slot_of, stacked_step
 from latentsweep.trainers.train.run import DeadlineReached, EpochReport, RunState, TrainResult, now_past
 from latentsweep.trainers.train.stack import NotStackable, Stack, stack_key
+from latentsweep.trainers.train.stacked_optim import StackedOptim, uncovered
 from latentsweep.trainers.train.tasks import TASKS
 from latentsweep.trainers.config.validate import validate
 
@@ -70,13 +71,17 @@ class Member:
 class _Population:
     """The members in training, their stack, and the ends handed back."""
 
-    def __init__(self, data: TrainSet, progress: bool):
-        self.data, self.progress = data, progress
+    def __init__(self, data: TrainSet, progress: bool, stacked_optim: str | None = "auto"):
+        # stacked_optim: the stacked optimiser's Adam backend (latentsweep.trainers.train.stacked_optim.ADAM_BACKENDS,
+        # or "auto"); None: every member steps its own optimiser (the path before the stacked optimiser; kept for
+        # members it does not cover, and for benchmarks/population_step.py's comparison)
+        self.data, self.progress, self.stacked_optim = data, progress, stacked_optim
         self.live: list[Live] = []
         self.ends: list[TrainResult | BaseException | None] = []
         self.key: tuple | None = None
         self.task = None
         self.stack: Stack | None = None
+        self.optim: StackedOptim | None = None
         self.device: torch.device | None = None
 
     def alone(self, member: Member) -> None:
@@ -118,6 +123,7 @@ class _Population:
                            out_dir=member.out_dir, progress=self.progress, deadline=member.deadline, best_pt=best_pt)
             if self.stack is None:
                 self.stack = Stack(model, self.device, run.parts.amp, cfg.train.batch_size, self.task.dim_in)
+                self.optim = StackedOptim(self.stack, self.stacked_optim or "auto")
         except NotStackable:
             self.ends.pop()
             return False
@@ -125,19 +131,23 @@ class _Population:
             best_pt.write(quiet=True)
             self._hand(member, slot, exc)
             return True
-        self.live.append(Live(member, slot, run, best_pt, rng_state(self.cuda, full=True)))
+        stacked = self.stacked_optim is not None and uncovered(slot_of(run.parts)) is None
+        self.live.append(Live(member, slot, run, best_pt, rng_state(self.cuda, full=True), stacked=stacked))
         self.rebind()
         return True
 
     def rebind(self) -> None:
-        """The members changed: stack their tensors again (each one's average re-paired with its moved tensors)."""
+        """The members changed: stack their tensors and optimiser state again (each one's average re-paired with
+        its moved tensors)."""
         self.stack.bind([lv.run.model for lv in self.live])
+        self.optim.bind([slot_of(lv.run.parts) if lv.stacked else None for lv in self.live])
         for lv in self.live:
             lv.run.parts.average.rebind(lv.run.model)
 
     def finish(self, lv: Live, end: TrainResult | BaseException | None = None) -> None:
         """The member leaves: its own storage back, its result (or `end`), its done hook."""
         Stack.release(lv.run.model)
+        StackedOptim.release(slot_of(lv.run.parts))
         lv.run.parts.average.rebind(lv.run.model)
         if end is None:
             try:
@@ -211,12 +221,13 @@ class _Population:
 
 
 def train_population(members: Sequence[Member], data: TrainSet, *, join: Callable[[], Member | None] | None = None,
-                     progress: bool = False) -> list[TrainResult | BaseException]:
+                     progress: bool = False, stacked_optim: str | None = "auto") -> list[TrainResult | BaseException]:
     """Train `members` (and those `join` adds, at epoch boundaries, each from its own epoch 0) and return each
     one's end in the order they started. Members of one stack_key share a stacked step; the places are
-    len(members) (at least 1)."""
+    len(members) (at least 1). `stacked_optim`: the stacked optimiser's Adam backend ("auto", "kernel", "math");
+    None steps each member's own optimiser."""
     places = max(1, len(members))
-    pop = _Population(data, progress)
+    pop = _Population(data, progress, stacked_optim)
     queue = list(members)
     threads = members[0].cfg.train.threads if members else 0
     try:
@@ -241,13 +252,14 @@ def train_population(members: Sequence[Member], data: TrainSet, *, join: Callabl
     return [end for end in pop.ends if end is not None]
 
 
-def measure(cfg: Config, data: TrainSet, k: int, steps: int = MEASURE_STEPS) -> tuple[float, int]:
+def measure(cfg: Config, data: TrainSet, k: int, steps: int = MEASURE_STEPS, stacked_optim: str | None = "auto") \
+        -> tuple[float, int]:
     """(seconds per stacked step, peak device bytes) of K members of `cfg` (seeds 0..K-1) over `steps` steps after
-    one untimed step; bytes are CUDA's peak allocation (0 on a CPU)."""
+    one untimed step; bytes are CUDA's peak allocation (0 on a CPU). `stacked_optim`: as train_population's."""
     gc.collect()  # an earlier measure's population (its stack and vmapped forward refer to each other) is freed now
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    pop = _Population(data, progress=False)
+    pop = _Population(data, progress=False, stacked_optim=stacked_optim)
     for seed in range(k):
         if not pop.start(Member(replace(cfg, train=replace(cfg.train, seed=seed)))):
             raise ValueError("this config does not stack (stack_key is None)")

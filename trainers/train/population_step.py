@@ -10,7 +10,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from latentsweep.trainers.train.run import RunState, TrainResult, now_past
+from latentsweep.trainers.train.run import RunState, StepParts, TrainResult, now_past
+from latentsweep.trainers.train.stacked_optim import Slot
 
 
 @dataclass(eq=False)
@@ -25,6 +26,7 @@ class Live:
     sums: dict = field(default_factory=dict)
     steps: int = 0
     cut: bool = False  # its deadline passed during this epoch: no more steps
+    stacked: bool = False  # its optimiser steps in the stacked optimiser (stacked_optim.uncovered is None)
     end: TrainResult | BaseException | None = None
 
 
@@ -121,10 +123,44 @@ def stacked_step(pop, batches: list[dict | None]) -> None:
         for k in taken:
             pop.finish(pop.live[k], exc)
         return
+    stepping = {}
     for k, (out_k, loss, terms, used) in taken.items():
         lv = pop.live[k]
-        if lv.end is None:
+        if lv.end is None and lv.stacked:
+            stepping[k] = stack.reached_names(used)
+        elif lv.end is None:  # its own optimiser, first: the stacked step then reads the grads it leaves alone
             _after_backward(lv, k, stack, cuda, batches[k], (out_k, loss, terms, used), pop)
+    if stepping:
+        try:
+            pop.optim.step(stepping)
+        except Exception as exc:  # noqa: BLE001 - the shared optimiser step: its members' end
+            for k in stepping:
+                pop.finish(pop.live[k], exc)
+            return
+        for k in stepping:
+            _after_stacked(pop.live[k], k, cuda, batches[k], taken[k], pop)
+
+
+def slot_of(p: StepParts) -> Slot:
+    """What the stacked optimiser (latentsweep.trainers.train.stacked_optim) steps of one member."""
+    return Slot(p.model, p.opt, p.scaler, p.average, p.cfg.train.grad_clip)
+
+
+def _after_stacked(lv: Live, k: int, cuda: torch.device | None, real: dict, taken: tuple, pop) -> None:
+    """Member k (`lv`) after the stacked optimiser stepped it (clipping, scaler, optimiser and EMA included): its own
+    optimiser for parameters outside the model (a learnable temperature: the model's grads are None there), its
+    schedule, its loss state and its epoch sums."""
+    p, (out_k, loss, terms, _) = lv.run.parts, taken
+    try:
+        with own_rng(lv, cuda, full=False):
+            if pop.optim.extras[k]:
+                p.opt.step()
+            p.schedule.after_step()
+            p.criterion.after_step(out_k, real)
+    except Exception as exc:  # noqa: BLE001 - this member's end
+        pop.finish(lv, exc)
+        return
+    _add_sums(lv, loss, terms)
 
 
 def _reads(out: dict[str, torch.Tensor]) -> set[str]:
@@ -155,6 +191,10 @@ def _after_backward(lv: Live, k: int, stack, cuda: torch.device | None, real: di
     except Exception as exc:  # noqa: BLE001 - this member's end
         pop.finish(lv, exc)
         return
+    _add_sums(lv, loss, terms)
+
+
+def _add_sums(lv: Live, loss: torch.Tensor, terms: dict) -> None:
     # Summed on the device: no host sync per step (the .item() happens once per epoch).
     for name, v in {"loss": loss.detach(), **terms}.items():
         lv.sums[name] = lv.sums.get(name, 0) + v.detach().float()

@@ -140,15 +140,19 @@ class Stack:
         for leaf in self.params.values():
             leaf.grad = None
 
+    def reached_names(self, used: set[str]) -> set[str]:
+        """The names of the parameters that the outputs `used` depend on (what a backward from them reaches)."""
+        key = frozenset(used)
+        if key not in self.reached:
+            self.reached[key] = set().union(*(self.reach.get(name, ()) for name in used))
+        return self.reached[key]
+
     def grads_to(self, k: int, used: set[str]) -> None:
         """Member k's .grad: views of its slice of the stacked grads, for the parameters its own backward reaches:
         those the outputs its loss read (`used`) depend on and that it trains now. The others get None, as in its
         own backward (a frozen one, or the slot head under a loss that reads no slot): its optimiser then skips them,
         weight decay and moments included, where a zero grad would step them."""
-        key = frozenset(used)
-        if key not in self.reached:
-            self.reached[key] = set().union(*(self.reach.get(name, ()) for name in used))
-        reached = self.reached[key]
+        reached = self.reached_names(used)
         for n, p in self.named[k]:
             g = self.params[n].grad
             p.grad = g[k] if (p.requires_grad and g is not None and n in reached) else None
