@@ -1,21 +1,30 @@
 """Warm start (search/study/warm.py): a new study first tries the best configurations of earlier studies on the same
-data, translated into its space, with their source recorded; the portfolio when there are none; off with a flag."""
+data, translated into its space, with their source recorded, and its sampler learns from their trials; the portfolio
+when there are none; off with a flag."""
 from __future__ import annotations
 
 import fnmatch
+import math
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 from mlflow import MlflowClient
 from optuna.distributions import FloatDistribution
 
 from conftest import tiny_study_file
-from latentsweep.search.cli.main import main
+from latentsweep.search.cli.main import build_parser, main
+from latentsweep.search.cli.study import make_spec
 from latentsweep.search.study.report import study_table
+from latentsweep.search.study.samplers import PastTrialsSampler
+from latentsweep.search.study.space import sample
 from latentsweep.search.study.studyfile import load_study_file
-from latentsweep.search.study.warm import IDENTITY_ATTR, PORTFOLIO, WARM_ATTR, identity, portfolio
+from latentsweep.search.study.warm import IDENTITY_ATTR, PORTFOLIO, WARM_ATTR, identity, portfolio, warm_sources
+from latentsweep.search.study.worker import load_or_create
+from latentsweep.search.tracking import make_tracker
+from latentsweep.trainers.data.demo import default_train_path
 from latentsweep.trainers.data.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,3 +169,127 @@ def test_a_second_study_run_starts_from_the_first_with_no_flag(tmp_path, data, c
     run = MlflowClient(f"sqlite:///{state / 'mlflow.db'}").get_run(trial.user_attrs["mlflow_run_id"])
     assert run.data.tags[WARM_ATTR] == f"first:{first.best_trial.number}"
     assert "from study 'first'" in capsys.readouterr().err
+
+
+# The sampler learns from the earlier trials (samplers.PastTrialsSampler). The earlier study's value is a clear
+# optimum in one knob: 1 - |log10(lr / OPT_LR)|, the triplet weight noise; OPT_LR sits 0.2 decades from the low end.
+OPT_LR, N_EARLIER, N_SAMPLED = 1.5e-4, 30, 5
+
+
+def synthetic_value(params: dict) -> float:
+    return 1.0 - abs(math.log10(params[LR] / OPT_LR))
+
+
+def synthetic_earlier(state: Path, train: Path, sf: Path) -> None:
+    """A finished study 'earlier' of N_EARLIER random trials on `train` (the identity of study file `sf`)."""
+    state.mkdir(parents=True, exist_ok=True)
+    study = optuna.create_study(study_name="earlier", storage=f"sqlite:///{state / 'optuna.db'}",
+                                direction="maximize", sampler=optuna.samplers.RandomSampler(seed=7))
+    study.set_user_attr(IDENTITY_ATTR, identity(load_study_file(sf), str(train)))
+    space = load_study_file(sf).space
+    for _ in range(N_EARLIER):
+        trial = study.ask()
+        sample(trial, space, {WEIGHT: 0.0})
+        study.tell(trial, synthetic_value(trial.params))
+
+
+def opened(sf: Path, state: Path, train: Path, *flags: str, create: bool = True) -> optuna.Study:
+    """The study as `study run` opens it (worker.load_or_create: its sampler included); no trial runs."""
+    spec = make_spec(build_parser().parse_args(["study", "run", str(sf), "--data", str(train), "--state-dir",
+                                                str(state), *flags]))
+    return load_or_create(load_study_file(sf), spec, make_tracker(spec.tracking_uri, spec.artifact_root),
+                          create=create)
+
+
+def search(study: optuna.Study, sf: Path) -> list[float]:
+    """Run the queued trials, then N_SAMPLED proposals, on the synthetic value; the proposals' lr."""
+    space, proposed = load_study_file(sf).space, []
+    while True:
+        trial = study.ask()
+        queued = "fixed_params" in trial._cached_frozen_trial.system_attrs
+        sample(trial, space, {WEIGHT: 0.0})
+        study.tell(trial, synthetic_value(trial.params))
+        if not queued:
+            proposed.append(trial.params[LR])
+            if len(proposed) == N_SAMPLED:
+                return proposed
+
+
+def decades(lrs: list[float]) -> float:
+    return float(np.mean([abs(math.log10(lr / OPT_LR)) for lr in lrs]))
+
+
+def slow_start_file(tmp_path: Path, name: str, **file) -> Path:
+    """The tiny study file with 10 start-up trials: more than the 5 queued, so a sampler that learnt only from the
+    study's own trials would still draw at random after them."""
+    sf = tiny_study_file(tmp_path, name, **file)
+    sf.write_text(sf.read_text().replace("n_startup_trials = 2", "n_startup_trials = 10"))
+    return sf
+
+
+def test_the_sampler_learns_from_the_earlier_trials_without_the_study_holding_them(tmp_path, capsys):
+    train = default_train_path()  # the demo data
+    synthetic_earlier(tmp_path / "state", train, slow_start_file(tmp_path, "earlier"))
+    sf = slow_start_file(tmp_path, "second")
+    warm_study = opened(sf, tmp_path / "state", train)
+    cold_study = opened(slow_start_file(tmp_path, "cold"), tmp_path / "state", train, "--no-warm-start")
+    assert isinstance(warm_study.sampler, PastTrialsSampler) and len(warm_study.sampler.past) == N_EARLIER
+    assert not isinstance(cold_study.sampler, PastTrialsSampler)
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warm start: 5 configuration(s)")]
+    assert line and line[0].endswith(f"the sampler learns from {N_EARLIER} finished trial(s) of theirs on the "
+                                     f"same validation split")
+    warm_lrs, cold_lrs = search(warm_study, sf), search(cold_study, sf)
+    # The first proposal after the 5 queued configurations is already the model's: near the earlier optimum, where
+    # the cold study's start-up draws spread over the 2 decades of the range.
+    assert decades(warm_lrs) < 0.35 < decades(cold_lrs), (warm_lrs, cold_lrs)
+    trials = warm_study.get_trials()
+    assert [t.number for t in trials] == list(range(5 + N_SAMPLED))  # its own trials only
+    assert len(study_table(warm_study, varying_only=False)) == 5 + N_SAMPLED  # `study status`
+    assert warm_study.best_trial.number < 5 + N_SAMPLED
+    stored = optuna.load_study(study_name="second", storage=f"sqlite:///{tmp_path / 'state' / 'optuna.db'}")
+    assert len(stored.trials) == 5 + N_SAMPLED
+
+
+def test_a_resumed_study_or_a_joining_worker_learns_too_and_the_switch_turns_it_off(tmp_path, capsys, monkeypatch):
+    train = default_train_path()
+    sf = slow_start_file(tmp_path, "earlier")
+    synthetic_earlier(tmp_path / "state", train, sf)
+    opened(slow_start_file(tmp_path, "second"), tmp_path / "state", train)
+    capsys.readouterr()
+    sf = tmp_path / "second.toml"
+    resumed = opened(sf, tmp_path / "state", train)
+    assert len(resumed.sampler.past) == N_EARLIER and "learns from 30 finished trial(s)" in capsys.readouterr().err
+    joined = opened(sf, tmp_path / "state", train, create=False)
+    assert len(joined.sampler.past) == N_EARLIER and "warm start" not in capsys.readouterr().err  # said once
+    assert not isinstance(opened(sf, tmp_path / "state", train, "--no-warm-start").sampler, PastTrialsSampler)
+    monkeypatch.setenv("LATENTSWEEP_WARM_START", "off")
+    assert not isinstance(opened(sf, tmp_path / "state", train).sampler, PastTrialsSampler)
+
+
+def test_a_changed_space_learns_the_translated_trials(tmp_path, capsys):
+    train = default_train_path()
+    synthetic_earlier(tmp_path / "state", train, slow_start_file(tmp_path, "earlier"))
+    # lr narrowed to [1e-4, 1e-3], the margin removed, dropout added
+    sf = slow_start_file(tmp_path, "changed", extra='"model.dropout" = { type = "float", low = 0.0, high = 0.3 }\n')
+    sf.write_text(sf.read_text().replace("high = 1e-2", "high = 1e-3").replace(
+        '"loss.triplet.margin" = { type = "float", low = 0.05, high = 0.4, when = "loss.triplet.weight > 0.5" }', ""))
+    study = opened(sf, tmp_path / "state", train)
+    past = study.sampler.past
+    assert len(past) == N_EARLIER and all(set(t.params) == {LR, WEIGHT} and t.params[LR] <= 1e-3 for t in past)
+    assert "clipped into this study's range: optim.lr" in capsys.readouterr().err
+    lrs = search(study, sf)  # dropout, which no earlier trial has, is proposed beside them
+    assert decades(lrs) < 0.35 and all("model.dropout" in t.params for t in study.get_trials())
+
+
+def test_another_split_queues_but_does_not_learn_and_other_data_takes_nothing(tmp_path, capsys):
+    train = default_train_path()
+    synthetic_earlier(tmp_path / "state", train, slow_start_file(tmp_path, "earlier"))
+    sf = slow_start_file(tmp_path, "resplit")
+    sf.write_text(sf.read_text().replace("val_ratio = 0.25", "val_ratio = 0.2"))
+    study = opened(sf, tmp_path / "state", train)
+    assert not isinstance(study.sampler, PastTrialsSampler) and len(warm(study)) == 5  # values not comparable
+    assert "the sampler learns from 0 finished trial(s)" in capsys.readouterr().err
+    other, _, _ = write_synthetic(tmp_path / "other", 120, dim_text=16, dim_image=16)
+    study = opened(slow_start_file(tmp_path, "elsewhere"), tmp_path / "state", other)
+    assert not isinstance(study.sampler, PastTrialsSampler)
+    assert all(s.startswith("portfolio:") for s in warm_sources(study).values())

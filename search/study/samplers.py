@@ -1,7 +1,9 @@
 """Sampler and pruner registries: `[study.sampler]` / `[study.pruner]` tables (name + keyword settings) to Optuna
-objects, and the study's sampler with some parameters fixed (`fixing`)."""
+objects, the study's sampler with some parameters fixed (`fixing`), and a sampler that learns from other studies'
+trials too (`PastTrialsSampler`)."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import os
@@ -166,3 +168,74 @@ def fixing(study: optuna.Study, fixed: dict[str, Any]) -> Iterator[FixedWhereItF
     finally:
         study.sampler = base
 
+
+# The samplers that model a study's past trials, read through Study._get_trials (TPE: its start-up count, its
+# search space and its Parzen estimators; GP: its start-up count and its Gaussian process). Random and QMC learn
+# nothing from them; CMA-ES keeps its state in its own trials' system attributes (its warm start would be
+# `source_trials`, not done), so none of those is wrapped.
+LEARNS_FROM_PAST = ("tpe", "gp")
+
+
+class _PastView:
+    """The study as a wrapped sampler sees it: the past trials (numbered 0..N-1) before the study's own (renumbered
+    from N: Optuna's IntersectionSearchSpace caches by trial number and assumes trials in number order). Everything
+    else (directions, storage, study id) is the study itself; nothing is written to it."""
+
+    def __init__(self, study: optuna.Study, past: tuple[optuna.trial.FrozenTrial, ...]):
+        self._study, self._past = study, past
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._study, name)
+
+    def _get_trials(self, deepcopy: bool = True, states=None, use_cache: bool = False) -> list:
+        own = self._study._get_trials(deepcopy=False, states=states, use_cache=use_cache)
+        trials = [t for t in self._past if states is None or t.state in states]
+        trials += [shifted(t, len(self._past)) for t in own]
+        return copy.deepcopy(trials) if deepcopy else trials
+
+    def get_trials(self, deepcopy: bool = True, states=None) -> list:
+        return self._get_trials(deepcopy, states, use_cache=False)
+
+    @property
+    def trials(self) -> list:
+        return self.get_trials()
+
+
+def shifted(trial: optuna.trial.FrozenTrial, by: int) -> optuna.trial.FrozenTrial:
+    """A shallow copy of `trial` numbered `by` higher (its id, params and attributes shared)."""
+    out = copy.copy(trial)
+    out.number = trial.number + by
+    return out
+
+
+class PastTrialsSampler(optuna.samplers.BaseSampler):
+    """`inner`, learning from `past` (finished trials of other studies, already in this study's distributions) as if
+    they were this study's first trials, without adding them to it: study.trials, its storage and every reader of
+    them (budget, status, pick, MLflow) see only the study's own. The past counts toward the inner sampler's start-up
+    trials, so its first proposal is already model-based. The current trial is passed renumbered like the study's
+    own (TPE's constant liar leaves it out by number); its id is unchanged, so what the sampler stores lands on it."""
+
+    def __init__(self, inner: optuna.samplers.BaseSampler, past: list[optuna.trial.FrozenTrial]):
+        self.inner = inner
+        self.past = tuple(shifted(t, i - t.number) for i, t in enumerate(past))
+
+    def _view(self, study, trial):
+        return _PastView(study, self.past), shifted(trial, len(self.past))
+
+    def infer_relative_search_space(self, study, trial):
+        return self.inner.infer_relative_search_space(*self._view(study, trial))
+
+    def sample_relative(self, study, trial, search_space):
+        return self.inner.sample_relative(*self._view(study, trial), search_space)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self.inner.sample_independent(*self._view(study, trial), param_name, param_distribution)
+
+    def before_trial(self, study, trial) -> None:  # the study itself: these hooks write to its trial
+        self.inner.before_trial(study, trial)
+
+    def after_trial(self, study, trial, state, values) -> None:
+        self.inner.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self.inner.reseed_rng()

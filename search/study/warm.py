@@ -1,4 +1,5 @@
-"""Warm start: a new study first tries the best configurations of earlier studies on the same data, else the portfolio.
+"""Warm start: a new study first tries the best configurations of earlier studies on the same data, else the portfolio,
+and its sampler learns from their finished trials.
 
 Same data means the same training file contents: the sha256 fingerprint of its bytes
 (latentsweep.trainers.data.sets.fingerprint), which
@@ -11,10 +12,12 @@ from (WARM_ATTR, and the MLflow tag of the same name). Without any source, the b
 written by benchmarks/portfolio.py) is enqueued after the recipes. Done once, when the study is created
 (search/study/worker.py load_or_create).
 
-Not done: adding the earlier trials themselves to the new study (Optuna's add_trials) so the sampler models them.
-Every reader of a study's trials (the budget count, `study status`, the best trial, the pick's candidates, the
-one-budget reserve's trial timings) would have to tell them apart; the enqueued configurations, once run, are the new
-study's own trials, and the sampler learns from them.
+The sampler (TPE or GP: samplers.LEARNS_FROM_PAST) also learns from the sources' COMPLETE trials whose values are
+comparable: the same validation split too (SPLIT_KEYS), each translated as above. They are not added to the study
+(Optuna's add_trials would make every reader of its trials, the budget count, `study status`, the best trial, the
+pick's candidates, the one-budget reserve's trial timings, tell them apart): samplers.PastTrialsSampler shows them to
+the sampler only, as the study's first trials. Every process that opens the study (created, resumed, a worker
+joining) reads them once, unless warm start is off for it.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from optuna.trial import TrialState
 
 from latentsweep.search.redact import redact_url
 from latentsweep.search.study.contract import ENQUEUED_ATTR, IDENTITY_ATTR, WARM_ATTR, read_side
+from latentsweep.search.study.samplers import DEFAULT, LEARNS_FROM_PAST, PastTrialsSampler
 from latentsweep.search.study.space import Param, config_key
 from latentsweep.search.study.storage import StorageSettings, dispose, open_storage, storage_of
 from latentsweep.search.study.studyfile import StudyFile
@@ -83,6 +87,15 @@ def same_objective(mine: dict, theirs: Any) -> bool:
                                                                                  "direction"))
 
 
+@dataclass(frozen=True)
+class Found:
+    """A COMPLETE trial of an earlier study on the same data and objective."""
+    label: str  # where: "study 'NAME'" (and " in SOURCE" for a --warm-from)
+    study: str
+    trial: optuna.trial.FrozenTrial
+    same_split: bool  # its value is comparable with this study's: the sampler may learn from it
+
+
 def source_storages(warm_from: tuple[str, ...]) -> list[tuple[str, str]]:
     """(label, Optuna storage URL) of each --warm-from: a URL as given, a state directory's optuna.db read-only."""
     out = []
@@ -99,18 +112,32 @@ def source_storages(warm_from: tuple[str, ...]) -> list[tuple[str, str]]:
     return out
 
 
-def earlier_trials(storage, mine: dict, exclude: str, where: str) -> list[tuple[str, str, optuna.trial.FrozenTrial]]:
-    """(source label, study name, trial) of the COMPLETE trials of every study in `storage` on the same data and
-    objective, except study `exclude` (the new study itself); side trials (no parameters) are left out."""
+def earlier_trials(storage, mine: dict, exclude: str, where: str) -> list[Found]:
+    """The COMPLETE trials of every study in `storage` on the same data and objective, except study `exclude` (the
+    new study itself); side trials (no parameters) are left out."""
     found = []
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
-        if summary.study_name == exclude or not same_objective(mine, summary.user_attrs.get(IDENTITY_ATTR)):
+        theirs = summary.user_attrs.get(IDENTITY_ATTR)
+        if summary.study_name == exclude or not same_objective(mine, theirs):
             continue
         label = f"study '{summary.study_name}'" + (f" in {where}" if where else "")
+        same_split = all(theirs.get(k) == mine.get(k) for k in SPLIT_KEYS)
         study_id = storage.get_study_id_from_name(summary.study_name)
         trials = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
-        found += [(label, summary.study_name, t) for t in trials
+        found += [Found(label, summary.study_name, t, same_split) for t in trials
                   if t.value is not None and t.params and read_side(t, summary.study_name) is None]
+    return found
+
+
+def find_earlier(study: optuna.Study, mine: dict, warm_from: tuple[str, ...]) -> list[Found]:
+    """The earlier trials of the study's own storage, then of each --warm-from source."""
+    found = earlier_trials(storage_of(study), mine, study.study_name, "")
+    for label, url in source_storages(warm_from):
+        storage = open_storage(StorageSettings(url))
+        try:
+            found += earlier_trials(storage, mine, study.study_name if url == storage_of(study).url else "", label)
+        finally:
+            dispose(storage)
     return found
 
 
@@ -155,10 +182,49 @@ def fit_range(p: Param, value: float) -> float | int:
     return value
 
 
-def ranked(trials: list[tuple[str, str, optuna.trial.FrozenTrial]], direction: str) -> list:
-    """(label, study name, trial) best first in `direction`; ties by source and trial number (a stable order)."""
+def ranked(found: list[Found], direction: str) -> list[Found]:
+    """Best first in `direction`; ties by source and trial number (a stable order)."""
     sign = -1.0 if direction == "maximize" else 1.0
-    return sorted(trials, key=lambda found: (sign * found[2].value, found[0], found[2].number))
+    return sorted(found, key=lambda f: (sign * f.trial.value, f.label, f.trial.number))
+
+
+def past_trials(found: list[Found], study_file: StudyFile, changes: Changes) -> list[optuna.trial.FrozenTrial]:
+    """The earlier trials on the same split as COMPLETE trials of this study's space (translated as for the queue,
+    with its distributions), oldest first as a study's own trials come (TPE weighs its older trials less), each
+    once (a source found in the storage and again through --warm-from)."""
+    space, base = {p.name: p for p in study_file.space}, flatten(study_file.base)
+    out, seen = [], set()
+    for f in sorted((f for f in found if f.same_split),
+                    key=lambda f: (f.trial.datetime_complete is None, f.trial.datetime_complete or 0, f.label,
+                                   f.trial.number)):
+        values = translate(f.trial.params, study_file.space, base, changes)
+        key = (f.study, f.trial.number, f.trial.value, json.dumps(values, sort_keys=True, default=str))
+        if not values or key in seen:
+            continue
+        seen.add(key)
+        try:
+            out.append(optuna.trial.create_trial(
+                params=values, distributions={name: space[name].distribution() for name in values},
+                value=f.trial.value, user_attrs={WARM_ATTR: f"{f.study}:{f.trial.number}"}))
+        except ValueError:  # a translated value its distribution does not hold (off a float step by rounding)
+            continue
+    return out
+
+
+def learn(study: optuna.Study, study_file: StudyFile, past: list[optuna.trial.FrozenTrial]) -> int | None:
+    """Make the study's sampler learn from `past` (PastTrialsSampler); how many trials, None when its sampler is
+    not one that learns from past trials."""
+    if study_file.sampler.get("name", DEFAULT["sampler"]) not in LEARNS_FROM_PAST:
+        return None
+    if past:
+        study.sampler = PastTrialsSampler(study.sampler, past)
+    return len(past)
+
+
+def learned_text(study_file: StudyFile, learned: int | None, of: str) -> str:
+    if learned is None:
+        return f"sampler '{study_file.sampler.get('name')}' does not learn from earlier trials"
+    return f"the sampler learns from {learned} finished trial(s) of {of} on the same validation split"
 
 
 def portfolio() -> list[dict[str, Any]]:
@@ -180,39 +246,52 @@ def enqueue(study: optuna.Study, values: dict[str, Any], source: str) -> bool:
 def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabled: bool | None = None,
                warm_from: tuple[str, ...] = (), k: int = WARM_K) -> bool:
     """Record the study's identity, then (when `enabled`; None: WARM_ENV decides, on by default) queue the best
-    distinct configurations of earlier studies on the same data, saying what it took in one line (and one per kind
-    of change to them). Called before the study file's recipes are queued: the earlier studies ran those recipes on
-    this data too and ranked them with the rest, so the best known configuration runs first. Returns whether the
-    portfolio is due (enabled, nothing found): it goes after the recipes (queue_portfolio)."""
+    distinct configurations of earlier studies on the same data and make the sampler learn from their trials,
+    saying what it took in one line (and one per kind of change to them). Called before the study file's recipes
+    are queued: the earlier studies ran those recipes on this data too and ranked them with the rest, so the best
+    known configuration runs first. Returns whether the portfolio is due (enabled, nothing found): it goes after
+    the recipes (queue_portfolio)."""
     mine = identity(study_file, data_path)
     study.set_user_attr(IDENTITY_ATTR, mine)
     if not (on_by_default() if enabled is None else enabled):
         return False
-    found = earlier_trials(storage_of(study), mine, study.study_name, "")
-    for label, url in source_storages(warm_from):
-        storage = open_storage(StorageSettings(url))
-        try:
-            found += earlier_trials(storage, mine, study.study_name if url == storage_of(study).url else "", label)
-        finally:
-            dispose(storage)
+    found = find_earlier(study, mine, warm_from)
     if not found:
         return True
     changes, taken, seen = Changes(), {}, set()
-    for label, name, trial in ranked(found, study_file.direction):
-        values = translate(trial.params, study_file.space, flatten(study_file.base), changes)
+    for f in ranked(found, study_file.direction):
+        values = translate(f.trial.params, study_file.space, flatten(study_file.base), changes)
         text = json.dumps(values, sort_keys=True, default=str)
         if values and text not in seen:
             seen.add(text)
-            if enqueue(study, values, f"{name}:{trial.number}"):
-                taken[label] = taken.get(label, 0) + 1
+            if enqueue(study, values, f"{f.study}:{f.trial.number}"):
+                taken[f.label] = taken.get(f.label, 0) + 1
         if sum(taken.values()) >= k:
             break
+    learned = learn(study, study_file, past_trials(found, study_file, changes))
     what = ", ".join(f"{n} from {label}" for label, n in taken.items())
     say(f"warm start: {sum(taken.values())} configuration(s) of earlier studies on the same data "
-        f"({mine['fingerprint']}) first: {what or 'none (each one is queued already or none fits this space)'}")
+        f"({mine['fingerprint']}) first: {what or 'none (each one is queued already or none fits this space)'}; "
+        f"{learned_text(study_file, learned, 'theirs')}")
     for line in changes.lines():
         say(line)
     return False
+
+
+def learn_from_earlier(study: optuna.Study, study_file: StudyFile, data_path: str, enabled: bool | None = None,
+                       warm_from: tuple[str, ...] = (), quiet: bool = False) -> None:
+    """A study opened again (resumed, or a worker joining it): nothing is queued, but its sampler learns from the
+    earlier studies' trials as at creation (read again: a source may have finished more since). One line unless
+    `quiet` (a joining worker: the process that created or resumed the study said it)."""
+    if not (on_by_default() if enabled is None else enabled):
+        return
+    mine = identity(study_file, data_path)  # this run's data and split (a sha256 of the train file: fast)
+    found = find_earlier(study, mine, warm_from)
+    if not found:
+        return
+    learned = learn(study, study_file, past_trials(found, study_file, Changes()))
+    if not quiet:
+        say(f"warm start: {learned_text(study_file, learned, 'earlier studies')} and data ({mine['fingerprint']})")
 
 
 def queue_portfolio(study: optuna.Study, study_file: StudyFile) -> None:
@@ -251,5 +330,5 @@ def warm_column(study: optuna.Study, frame) -> list[str]:
     return ["warm_from"]
 
 
-__all__ = ["IDENTITY_ATTR", "WARM_ATTR", "WARM_K", "identity", "portfolio", "queue_portfolio", "translate",
-           "warm_column", "warm_sources", "warm_start", "warm_tags"]
+__all__ = ["IDENTITY_ATTR", "WARM_ATTR", "WARM_K", "identity", "learn_from_earlier", "portfolio", "queue_portfolio",
+           "translate", "warm_column", "warm_sources", "warm_start", "warm_tags"]

@@ -15,10 +15,8 @@ from latentsweep.search.failures import Kind, StudyHalted, classify, release_int
 from latentsweep.search.process import raise_if_interrupted
 from latentsweep.search.redact import redact_url
 from latentsweep.search.study.budget import JobBudget
-from latentsweep.search.study.contract import (
-    ENQUEUED_ATTR, ERROR_ATTR, HALT_ATTR, OBJECTIVE_ATTR, OWNER_ATTR, PARENT_ATTR, PLUGINS_ATTR, TrialOutputs,
-    WARM_ATTR, study_attrs,
-)
+from latentsweep.search.study.contract import (ENQUEUED_ATTR, ERROR_ATTR, HALT_ATTR, OBJECTIVE_ATTR, OWNER_ATTR,
+                                               PARENT_ATTR, PLUGINS_ATTR, TrialOutputs, WARM_ATTR, study_attrs)
 from latentsweep.search.study.objective import TrialRunner
 from latentsweep.search.study.owners import gone, worker_id
 from latentsweep.search.study.samplers import DEFAULT, build_pruner, build_sampler
@@ -28,7 +26,7 @@ from latentsweep.search.study.storage import (
 )
 from latentsweep.search.stores import safe_name
 from latentsweep.search.study.studyfile import StudyFile, load_study_file
-from latentsweep.search.study.warm import queue_portfolio, warm_start
+from latentsweep.search.study.warm import learn_from_earlier, queue_portfolio, warm_start
 from latentsweep.search.tracking import make_tracker
 from latentsweep.search.tracking.base import REAPED_TAG, SEARCHED_SETTING, VIEW_TAGS_SETTING, Tracker
 from latentsweep.trainers.core.errors import LatentsweepError
@@ -146,6 +144,8 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
         if portfolio_due:  # nothing earlier on this data (latentsweep.search.study.warm)
             queue_portfolio(study, study_file)
         study.set_user_attr(ENQUEUED_ATTR, True)
+    else:  # resumed or joined: nothing queued, but the sampler learns from the earlier studies as at creation
+        learn_from_earlier(study, study_file, spec.data_path, spec.warm_start, spec.warm_from, quiet=not create)
     study.set_user_attr(OBJECTIVE_ATTR, study_file.objective)
     if study.metric_names != [study_file.objective]:
         study.set_metric_names([study_file.objective])  # optuna-dashboard labels the value with it, not "Objective 0"
