@@ -16,7 +16,8 @@ from latentsweep.search.cli.main import main
 from latentsweep.search.pick.judge import Standing, make_judge
 from latentsweep.search.pick.onebudget import _gate
 from latentsweep.search.pick.safe import Keeper, SafeAnswer, best_trial, local_checkpoint, ridge_answer
-from latentsweep.search.study.budget import answer_to_beat
+from latentsweep.search.study.budget import answer_to_beat, judged_seconds
+from latentsweep.search.study.contract import StudyRecord
 from latentsweep.search.study.studyfile import load_study_file
 from latentsweep.trainers.train.checkpoint import load_model
 from latentsweep.trainers.models.closed_form import fit_ridge, held_out_mrr, moments, solve
@@ -115,7 +116,10 @@ def test_a_worse_trial_leaves_the_floor_in_place(world, tmp_path, capsys):
     assert keeper.standing.record()["margin_val_mrr"] > 0
     # the search's reserve reads the answer to beat from the study (refits only for trials above it)
     study = optuna.load_study(study_name="better", storage=f"sqlite:///{world.state / 'optuna.db'}")
-    assert answer_to_beat(study) == keeper.standing.score > best.value
+    assert answer_to_beat(StudyRecord.of(study)) == keeper.standing.score > best.value
+    # and what scoring each trial's checkpoint took, the pick's cost of that candidate
+    assert set(judged_seconds(StudyRecord.of(study))) == {n for n, _ in keeper.looked} and \
+        all(0 < s < 60 for s in judged_seconds(StudyRecord.of(study)).values())
 
 
 @pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared

@@ -121,7 +121,7 @@ def test_the_budget_leaves_out_a_trial_whose_timing_is_damaged():
                                                   user_attrs={TIMING_ATTR: timing}))
     with progress_to(None):
         costs = refit_costs(study, captions=8, images=4)
-    assert costs == [TrialCost(Timing(**TIMING).estimate(8, 4, 1), TIMING["eval_s"], 0.5)]
+    assert costs == [TrialCost(0, Timing(**TIMING).estimate(8, 4, 1), TIMING["eval_s"], 0.5)]
 
 
 def test_a_study_whose_trials_left_no_checkpoint_is_one_line_naming_it(tmp_path):

@@ -162,6 +162,28 @@ def test_the_candidates_validation_counts_each_trials_own_pass():
         RESERVE_REFITS * 20 + PICK_FIXED_S + 100.0 + 0.0 * (PICK.pool - 1))
 
 
+def test_a_candidate_the_keeper_scored_counts_what_scoring_it_took():
+    """The keeper's load and score of a trial's checkpoint is what the pick pays for that candidate: at challenge size
+    a knn side trial's validation (its predictions, 122 s on 2 cores) is a memo read for the pick (seconds), and
+    counting the validation ended a `run --time 1200` 258 s early. Unjudged trials still count their validation; a
+    damaged entry is left out."""
+    from latentsweep.search.study.contract import ANSWER_ATTR, JUDGED_KEY
+
+    budget = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK)
+    study = _study_with([20.0])  # trial 0: validation 0
+    timing = Timing(0.0, 20.0, 100.0, 400, 100, False)
+    study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.4, params={"x": 0.2},
+                                 distributions={"x": FloatDistribution(0, 1)}, intermediate_values={0: 0.4},
+                                 user_attrs={TIMING_ATTR: timing.as_attrs()}))  # trial 1: validation 100 s
+    refits = RESERVE_REFITS * 20
+    assert budget.reserve(study, 400, 100) == pytest.approx(refits + PICK_FIXED_S + 100.0)
+    study.set_user_attr(ANSWER_ATTR, {"source": "floor", "val_mrr": None, JUDGED_KEY: {"1": 3.0}})
+    assert budget.reserve(study, 400, 100) == pytest.approx(refits + PICK_FIXED_S + 3.0)
+    for damaged in ({"1": "slow"}, {"1": -1.0}, {"x": 3.0}, [3.0], {"1": True}):
+        study.set_user_attr(ANSWER_ATTR, {"source": "floor", "val_mrr": None, JUDGED_KEY: damaged})
+        assert budget.reserve(study, 400, 100) == pytest.approx(refits + PICK_FIXED_S + 100.0)
+
+
 def test_the_reserve_never_shrinks_as_the_machine_slows_down():
     """A loaded machine or bigger data measures dearer refits and validations: the pick's share must not fall (it
     fell from 50% to 10% of the budget once one refit no longer fit in half of it)."""

@@ -15,7 +15,7 @@ from latentsweep.search.failures import Kind, classify
 from latentsweep.search.pick.candidates import top_trials
 from latentsweep.search.pick.ensemble import predict_all
 from latentsweep.search.pick.judge import Judge, Standing
-from latentsweep.search.study.contract import ANSWER_ATTR, DamagedStudy, TrialOutputs
+from latentsweep.search.study.contract import ANSWER_ATTR, JUDGED_KEY, DamagedStudy, TrialOutputs
 from latentsweep.search.study.report import load_existing_study
 from latentsweep.search.study.storage import dispose, storage_of
 from latentsweep.search.tracking.paths import resolve_in_state
@@ -95,6 +95,9 @@ class Keeper:
         self.standing = standing or Standing(answer.source, None)
         self.looked: set[tuple[int, float | None]] = set()  # (trial, value) already scored
         self.missing: set[int] = set()  # trials whose missing checkpoint was said (once each)
+        # trial -> seconds its checkpoint took to load and score on the val split: what the pick pays per candidate
+        # (the search's reserve reads them, latentsweep.search.study.budget)
+        self.judged: dict[int, float] = {}
         self.study: optuna.Study | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="latentsweep-keeper", daemon=True)
@@ -135,7 +138,8 @@ class Keeper:
         self.looked.add((best.number, best.value))
         self._consider(best.number, found)
         if self.standing.score is not None:  # what the search's reserve compares its trials with (budget.py)
-            study.set_user_attr(ANSWER_ATTR, {"source": self.standing.source, "val_mrr": self.standing.score})
+            study.set_user_attr(ANSWER_ATTR, {"source": self.standing.source, "val_mrr": self.standing.score,
+                                              JUDGED_KEY: {str(n): s for n, s in self.judged.items()}})
         return self.answer
 
     def _consider(self, number: int, checkpoint: Path) -> None:
@@ -144,6 +148,7 @@ class Keeper:
         model, _, _ = load_model(checkpoint, self.device, rng_free=True)
         source = f"trial {number}'s checkpoint"
         score = None if self.judge is None else self.judge.score_models([model], [1.0], self.device)
+        self.judged[number] = time.monotonic() - started
         in_place = self.standing.source
         if not self.standing.offer(source, score):
             say(f"latentsweep: {self.standing.lost_line(source, score)}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import TrialState
 
-from latentsweep.search.study.contract import StudyRecord, read_timing, read_trials
+from latentsweep.search.study.contract import JUDGED_KEY, StudyRecord, read_timing, read_trials
 from latentsweep.trainers.core.deadline import Deadline
 
 # What the pick is reserved: this many refits on every labelled image of the best trials' configs. On the held-out
@@ -68,10 +68,13 @@ class JobBudget:
         floor = SAFE_FACTOR * self.floor_s
         if not costs:
             return self.opening_reserve()
-        pool = costs[:self.pick.pool]  # the candidates so far; places not yet filled cost the cheapest's validation
-        fixed = (self.pick.fixed_s + sum(c.eval_s for c in pool)
-                 + (self.pick.pool - len(pool)) * min(c.eval_s for c in pool))
-        to_beat = answer_to_beat(study)
+        record = StudyRecord.of(study)
+        # the candidates so far, each at what the keeper measured the pick pays for it (load and score) or else its
+        # trial's validation pass; places not yet filled cost the cheapest
+        judged = judged_seconds(record)
+        pool = [judged.get(c.number, c.eval_s) for c in costs[:self.pick.pool]]
+        fixed = self.pick.fixed_s + sum(pool) + (self.pick.pool - len(pool)) * min(pool)
+        to_beat = answer_to_beat(record)
         refitted = [c for c in costs[:RESERVE_TRIALS] if to_beat is None or c.value > to_beat]
         refits = RESERVE_REFITS * statistics.fmean(c.refit_s for c in refitted) if refitted else 0.0
         return max(min(max(refits + fixed, low), high), floor)
@@ -93,21 +96,31 @@ class JobBudget:
 
 @dataclass(frozen=True)
 class TrialCost:
-    """One measured trial, as the reserve reads it: its refit on every labelled image, its validation pass and its
-    best reported value."""
+    """One measured trial, as the reserve reads it: its number, its refit on every labelled image, its validation
+    pass and its best reported value."""
+    number: int
     refit_s: float
     eval_s: float
     value: float
 
 
-def answer_to_beat(study: optuna.Study) -> float | None:
+def answer_to_beat(record: StudyRecord) -> float | None:
     """The val MRR of the job's answer in place (ANSWER_ATTR, written by its keeper), when the study's trials report
     the same measure (objective val/mrr, maximised); None otherwise, or before the keeper has judged one."""
-    record = StudyRecord.of(study)
     if record.objective != "val/mrr" or not record.maximize or record.answer is None:
         return None
     score = record.answer.get("val_mrr")
     return float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None
+
+
+def judged_seconds(record: StudyRecord) -> dict[int, float]:
+    """trial number -> seconds the keeper took to load and score its checkpoint on the val split (JUDGED_KEY of the
+    answer in place); an entry that is not a number of seconds is left out (its trial counts its validation)."""
+    judged = (record.answer or {}).get(JUDGED_KEY)
+    if not isinstance(judged, dict):
+        return {}
+    return {int(n): float(s) for n, s in judged.items() if isinstance(n, str) and n.isdigit()
+            and isinstance(s, (int, float)) and not isinstance(s, bool) and 0 <= s < float("inf")}
 
 
 def workers_stop(budget: JobBudget | None, timeout: float | None) -> Deadline:
@@ -132,8 +145,9 @@ def refit_costs(study: optuna.Study, captions: int, images: int, n: int = RESERV
         values = t.intermediate_values
         best_epoch = max(values, key=lambda e: sign * values[e])
         timing = timings[t.number]
-        out.append(TrialCost(timing.estimate(captions, images, best_epoch + 1), timing.eval_s, values[best_epoch]))
+        out.append(TrialCost(t.number, timing.estimate(captions, images, best_epoch + 1), timing.eval_s,
+                             values[best_epoch]))
     return out
 
 
-__all__ = ["JobBudget", "PickCost", "TrialCost", "answer_to_beat", "refit_costs", "workers_stop"]
+__all__ = ["JobBudget", "PickCost", "TrialCost", "answer_to_beat", "judged_seconds", "refit_costs", "workers_stop"]

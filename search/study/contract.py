@@ -41,6 +41,9 @@ POPULATION_ATTR = "latentsweep.population"  # {id, size} of the population it tr
 # A one-budget job's answer in place as its keeper last judged it: {"source", "val_mrr"} (the leaderboard MRR of the
 # study's val split, latentsweep.search.pick.judge); the search's reserve keeps refits only for trials that beat it.
 ANSWER_ATTR = "latentsweep.answer_in_place"
+# ANSWER_ATTR's map of trial number (a string: JSON keys) -> seconds the keeper took to load that trial's checkpoint
+# and score it on the val split, which is what the pick pays per candidate (latentsweep.search.study.budget)
+JUDGED_KEY = "judged_s"
 WARM_ATTR = "latentsweep.warm_from"  # "NAME:TRIAL" (source study) or "portfolio:INDEX" (also its MLflow tag)
 
 
