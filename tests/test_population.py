@@ -296,3 +296,52 @@ def test_population_size_on_cuda_follows_measured_memory_and_step_time(data, mon
 
     card(oom_past_2)
     assert population_size(base, data, cuda) == 2
+
+
+def _stacked_members(cfgs: list[Config], data) -> list[bool]:
+    """Whether each config, started in one population, steps in the stacked optimiser (not its own)."""
+    from latentsweep.trainers.train.population import _Population
+
+    pop = _Population(data, progress=False)
+    assert all(pop.start(Member(cfg)) for cfg in cfgs)
+    return [lv.stacked for lv in pop.live]
+
+
+def test_every_stackable_recipe_steps_in_the_stacked_optimiser(data):
+    for name in sorted(RECIPES):
+        base, variations = RECIPES[name]
+        assert all(_stacked_members([with_values(base, v) for v in variations], data)), name
+    sgd = recipe("baseline_mse", **{"model.hidden": "32", "optim.name": "sgd"})
+    assert _stacked_members([sgd, with_values(sgd, {"optim.name": "adamw"})], data) == [False, True]
+
+
+def test_stacked_optimiser_members_clip_decay_join_late_and_fail_alone(data, tmp_path):
+    """Clipping, weight decay 0, a slot head no member but one gets a grad for, EMA, a joiner whose step counts
+    start when the others are an epoch in, and a NaN member (AdamW, lr 1e6): each computes what it computes alone,
+    and the NaN one fails alone."""
+    base = recipe("full", **{"model.kind": "moco_mlp", "model.hidden": "32", "slots.k": 2, "slots.hidden": 16,
+                             "train.epochs": 3})
+    variations = [{"train.seed": 0, "train.grad_clip": 0.5, "loss.slot_infonce.weight": 0.5},
+                  {"train.seed": 1, "optim.weight_decay": 0.0},
+                  {"train.seed": 2, "optim.lr": 1e6, "train.grad_clip": 1.0},
+                  {"train.seed": 3, "train.average": "ema", "train.ema_decay": 0.9, "optim.weight_decay": 0.1}]
+    runs = [(with_values(base, v), tmp_path / "stacked" / f"m{i}") for i, v in enumerate(variations)]
+    assert all(_stacked_members([cfg for cfg, _ in runs], data))
+    alone = alone_runs(runs, data, tmp_path)
+    assert isinstance(alone[2], TrainingDiverged)
+    joiner = [Member(runs[3][0], out_dir=runs[3][1])]
+    ends = train_population([Member(cfg, out_dir=out) for cfg, out in runs[:3]], data,
+                            join=lambda: joiner.pop() if joiner else None)
+    assert isinstance(ends[2], TrainingDiverged)
+    for i in (0, 1, 3):
+        assert_same_run(alone[i], ends[i], tmp_path / "alone" / f"m{i}", runs[i][1])
+
+
+@pytest.mark.parametrize("backend", [None, "math"])
+def test_other_optimiser_paths_compute_what_members_compute_alone(backend, data, tmp_path):
+    """The per-member path (None) and the [K]-column Adam ("math", the fused kernel's arithmetic to float
+    rounding) on a recipe without a chaotic parameter."""
+    runs = members_of("full_mlp", tmp_path / "stacked")
+    ends = train_population([Member(cfg, out_dir=out) for cfg, out in runs], data, stacked_optim=backend)
+    for (cfg, out), alone, end in zip(runs, alone_runs(runs, data, tmp_path), ends):
+        assert_same_run(alone, end, tmp_path / "alone" / out.name, out)

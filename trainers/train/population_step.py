@@ -102,7 +102,8 @@ def stacked_step(pop, batches: list[dict | None]) -> None:
             with own_rng(lv, cuda, full=False):
                 out_k = {name: v[k] for name, v in out.items()}  # member k's outputs [B, ...]
                 loss, terms = p.criterion(out_k, inputs[k])
-                p.opt.zero_grad(set_to_none=True)
+                if not lv.stacked or pop.optim.extras[k]:  # a stacked member's model grads are never set
+                    p.opt.zero_grad(set_to_none=True)
                 scaled = p.scaler.scale(loss)
                 if not scaled.requires_grad:  # its own backward would raise this: it fails alone, as alone
                     raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")

@@ -34,16 +34,18 @@ HYPER = ("lr", "wd_decoupled", "wd_l2", "beta1", "beta2", "eps")
 COEFFS = ("l2", "decay", "w1", "b2", "c2", "bc2s", "eps", "neg_size")
 
 
-# How the Adam update runs over the stack (everything else, found-inf, unscale, clipping, step counts, scaler and EMA,
-# is stacked either way):
-# - "math": the [K]-column update above, a fixed number of ops per leaf for all K members. Its float32 arithmetic is
-#   torch's single-tensor/foreach Adam's (the same bits, tests/test_stacked_optim.py); torch's fused kernels contract
-#   some of it into FMAs, so it agrees with a fused member to float rounding only.
-# - "kernel": torch's own fused Adam kernel (torch._fused_adam_/_fused_adamw_, what a member's fused optimiser calls)
-#   once per member and param group on the member's slice views: the same bits as the member alone, one op per
-#   member. A chaotic parameter (two_head's scale row, whose grad is float noise that Adam normalises to a full
-#   step) turns any rounding difference into a different trajectory, so CPU runs, which the exactness tests
-#   compare with runs alone, use it.
+# How the Adam update runs over the stack (everything else, found-inf, unscale, clipping, step counts, scaler update
+# and EMA, is stacked either way):
+# - "kernel" (the default): torch's own fused Adam kernel (torch._fused_adam_/_fused_adamw_, what a member's fused
+#   optimiser calls) once per member and param group on the member's slice views: the same bits as the member alone
+#   on the same device, one op per member, one pass over its memory. A chaotic parameter (two_head's scale row,
+#   whose grad is float noise that Adam normalises to a full step) turns any rounding difference into another
+#   trajectory, so bit-equality is what keeps a member's run the same as alone.
+# - "math": the [K]-column update (COEFFS), a fixed number of ops per leaf for all K members, whatever K. Its float32
+#   arithmetic is torch's single-tensor/foreach Adam's (the same bits, tests/test_stacked_optim.py); torch's fused
+#   kernels contract some of it into FMAs, so it agrees with a fused member to float rounding only. About 11 passes
+#   over [K, ...] tensors instead of one: it wins where launches bound the step (small layers), loses where memory
+#   bandwidth does (docs/gpu.md, "Stacked optimiser").
 ADAM_BACKENDS = ("math", "kernel")
 
 
@@ -101,11 +103,11 @@ class StackedOptim:
     """The stacked optimiser state of the members bound to `stack` and its one step for all of them."""
 
     def __init__(self, stack, adam: str = "auto"):
-        # adam: how the Adam update itself runs (ADAM_BACKENDS); "auto": "kernel" on a CPU, "math" elsewhere
+        # adam: how the Adam update itself runs (ADAM_BACKENDS); "auto": "kernel"
         if adam not in ("auto", *ADAM_BACKENDS):
             raise ValueError(f"adam must be auto or one of {ADAM_BACKENDS}, not {adam!r}")
         self.stack = stack
-        self.adam = adam if adam != "auto" else ("kernel" if stack.device.type == "cpu" else "math")
+        self.adam = "kernel" if adam == "auto" else adam
         self.slots: list[Slot | None] = []
 
     def bind(self, slots: list[Slot | None]) -> None:
@@ -121,6 +123,7 @@ class StackedOptim:
         self.started = np.zeros((n_leaves, k_all), dtype=bool)  # the member's torch state exists (stepped once)
         self.group = np.zeros((n_leaves, k_all), dtype=np.int64)  # index of leaf l's param group in member k
         self.extras = [False] * k_all  # member k's optimiser has parameters outside the model (stepped by it)
+        self.by_group: list[list[list[int]]] = [[] for _ in slots]  # member k's leaves of each of its param groups
         with torch.no_grad():
             for k, slot in enumerate(slots):
                 if slot is not None:
@@ -142,6 +145,8 @@ class StackedOptim:
                 self.steps[l, k] = state["step"]
                 self.started[l, k] = True
         self.extras[k] = len(index) > len(self.stack.named[k])
+        self.by_group[k] = [[l for l in range(len(self.stack.named[k])) if self.group[l, k] == g]
+                            for g in range(len(slot.opt.param_groups))]
 
     def _view(self, l: int, k: int) -> None:
         """Member k's torch state of leaf l as views of the stacked tensors (created as torch creates it: at the
@@ -251,8 +256,10 @@ class StackedOptim:
                 live = torch.from_numpy(on).to(device)
             grads = {l: self._masked(leaves[l].grad, live[l] > 0, on[l].all() and not self.amp, l) for l in active}
             if clip.any():
-                self._clip(grads, torch.from_numpy(clip).to(device))
-            if self.adam == "math":
+                self._clip(grads, torch.from_numpy(clip.astype(np.float32)).to(device))
+            if not grads:
+                pass
+            elif self.adam == "math":
                 self._adam(leaves, grads, coef, hyper)
             else:
                 self._kernels(stepping, on, grads, found if self.amp else None)
@@ -287,10 +294,11 @@ class StackedOptim:
         """clip_grad_norm_ per member: the 2-norm of its per-leaf 2-norms over its own (reached) grads, then its
         grads times min(1, max_norm / (norm + CLIP_EPS)); members without clipping keep factor 1."""
         k_all = max_norm.shape[0]
-        norms = torch.stack([torch.linalg.vector_norm(g.reshape(k_all, -1), dim=1) for g in grads.values()])
-        total = torch.linalg.vector_norm(norms, dim=0)  # [K]
-        factor = torch.where(max_norm > 0, torch.clamp(max_norm / (total + CLIP_EPS), max=1.0), 1.0)
-        factor = factor.to(next(iter(grads.values())).dtype)
+        # [K, L]: each member's leaf norms contiguous, reduced as torch reduces the stack of one member's norms
+        norms = torch.stack([torch.linalg.vector_norm(g.reshape(k_all, -1), dim=1) for g in grads.values()], dim=1)
+        total = torch.linalg.vector_norm(norms, dim=1)  # [K]
+        # float32 as torch computes max_norm / (total + 1e-6): a Python number over a tensor is reciprocal() * number
+        factor = torch.where(max_norm > 0, torch.clamp((total + CLIP_EPS).reciprocal() * max_norm, max=1.0), 1.0)
         torch._foreach_mul_(list(grads.values()), [factor.view(self.bshape[l]) for l in grads])
 
     def _adam(self, leaves, grads: dict[int, torch.Tensor], coef: torch.Tensor, hyper: np.ndarray) -> None:
@@ -320,18 +328,18 @@ class StackedOptim:
         skips a member whose found-inf is set)."""
         skip = found.float() if found is not None else None
         for k in stepping:
-            opt = self.slots[k].opt
-            for g, group in enumerate(opt.param_groups):
-                ls = [l for l in grads if on[l, k] and self.group[l, k] == g]
+            groups = self.slots[k].opt.param_groups
+            for g, ls in enumerate(self.by_group[k]):
+                ls = [l for l in ls if on[l, k]]
                 if not ls:
                     continue
-                params = [self.stack.named[k][l][1] for l in ls]
+                group = groups[g]
                 fused = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
-                fused(params, [grads[l][k] for l in ls], [self.exp_avg[l][k] for l in ls],
-                      [self.exp_avg_sq[l][k] for l in ls], [], [self.steps[l, k] for l in ls], amsgrad=False,
-                      lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, grad_scale=None,
-                      found_inf=skip[k:k + 1] if skip is not None else None)
+                fused([self.stack.named[k][l][1] for l in ls], [grads[l][k] for l in ls],
+                      [self.exp_avg[l][k] for l in ls], [self.exp_avg_sq[l][k] for l in ls], [],
+                      [self.steps[l, k] for l in ls], amsgrad=False, lr=group["lr"], beta1=group["betas"][0],
+                      beta2=group["betas"][1], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                      grad_scale=None, found_inf=skip[k:k + 1] if skip is not None else None)
 
     def _update_scale(self, found: torch.Tensor, stepping: dict[int, set[str]]) -> None:
         """GradScaler.update for each AMP member that stepped (torch._amp_update_scale_'s rule, per member):
