@@ -22,13 +22,14 @@ from latentsweep.trainers.data.synthetic import write_synthetic
 POP = "latentsweep.population"
 SHAPE = ("train.batch_size", "model.hidden")
 
-# Batch size and width searched (two values each: four shapes), the learning rate beside them. Trial 0 is enqueued
-# with one shape and trial 1 with another: trial 1 must keep its own values, wait, and lead the next group, whose
-# places are asked with its shape.
+# Batch size and width searched (two values each: four shapes), the learning rate and epochs beside them. Trial 0 is
+# enqueued with one shape and trials 1-3 with another (trial 4 is sampled): trial 1 must keep its own values, wait
+# and lead the next group, whose places are asked with its shape; it trains 5 epochs and trials 2 and 3 two, so
+# trials join the group (asked with its shape) while trial 1 still trains.
 SHAPES = """
 [study]
 name = "{name}"
-n_trials = 7
+n_trials = 8
 sampler = {{ name = "tpe", seed = 0, n_startup_trials = 2, multivariate = true, group = true }}
 pruner = {{ name = "none" }}
 
@@ -50,14 +51,28 @@ batch_size = 64
 "train.batch_size" = {{ type = "categorical", choices = [32, 64] }}
 "model.hidden" = {{ type = "categorical", choices = ["16", "32"] }}
 "optim.lr" = {{ type = "float", low = 1e-4, high = 1e-2, log = true }}
+"train.epochs" = {{ type = "categorical", choices = [2, 5] }}
 
 [[enqueue]]
 "train.batch_size" = 64
 "model.hidden" = "16"
+"train.epochs" = 2
 
 [[enqueue]]
 "train.batch_size" = 32
 "model.hidden" = "32"
+"train.epochs" = 5
+
+[[enqueue]]
+"train.batch_size" = 32
+"model.hidden" = "32"
+"train.epochs" = 2
+
+[[enqueue]]
+"train.batch_size" = 32
+"model.hidden" = "32"
+"train.epochs" = 2
+"optim.lr" = 0.003
 """
 
 
@@ -87,17 +102,21 @@ def test_joiners_take_their_groups_shape_stack_and_keep_their_own_params(synthet
     assert main(["study", "run", str(sf), "--data", str(synthetic), "--state-dir", str(state), "--quiet",
                  "--no-warm-start", "--population", "4"]) == 0
     got = trials(state, "shapes")
-    assert len(got) == 7 and {t.state.name for t in got} == {"COMPLETE"}
+    assert len(got) == 8 and {t.state.name for t in got} == {"COMPLETE"}
     shape = {t.number: tuple(t.params[k] for k in SHAPE) for t in got}
     assert shape[0] == (64, "16") and shape[1] == (32, "32")  # enqueued: their own values, not a group's
     groups: dict[str, list] = {}
     for t in got:
         groups.setdefault(t.user_attrs[POP]["id"], []).append(t)
     led = next(g for g in groups.values() if g[0].number == 1)
-    assert [t.number for t in led] == [1, 2, 3, 4, 5, 6]  # trial 1's group: its places filled, then joins
-    assert {shape[t.number] for t in led} == {(32, "32")}  # every one asked with trial 1's shape
+    founders, joined = led[:4], led[4:]
+    assert [t.number for t in founders] == [1, 2, 3, 4]  # trial 1's places filled before it trains
+    assert {shape[t.number] for t in founders} == {(32, "32")}  # trial 4 sampled with trial 1's shape
     assert most_at_once(led) == 4  # trained stacked: the population's 4 places
-    lrs = [t.params["optim.lr"] for t in led[1:]]
+    last = max(t.datetime_complete for t in founders)
+    while_founders = [t for t in joined if t.datetime_start < last]
+    assert len(while_founders) >= 2 and {shape[t.number] for t in while_founders} == {(32, "32")}
+    lrs = [t.params["optim.lr"] for t in got if t.number >= 4]
     assert len(set(lrs)) == len(lrs)  # the sampler's proposals for the other knobs still vary
     client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
     exp = client.get_experiment_by_name("shapes")
@@ -166,3 +185,30 @@ def test_a_fixed_value_its_distribution_does_not_hold_is_sampled_instead():
         objective_space(trial)  # neither raises (7 is no choice) nor records 3.0 out of [0, 1]
     assert isinstance(fixed, FixedWhereItFits) and fixed.unfit == {"x", "y"}
     assert trial.params["x"] in (1, 2, 3) and 0.0 <= trial.params["y"] <= 1.0
+
+
+def test_a_join_takes_the_groups_shape_while_a_trial_it_started_with_trains():
+    """After the last of them ends, a joiner is asked freely: a group of one shape must not take every trial."""
+    from latentsweep.search.study.population import Population, Seat
+
+    asked = []
+
+    class Asks(Population):
+        def _shape(self, leader):
+            asked.append(leader)
+            return {}
+
+        def _claim_started(self, joining):
+            return None
+
+    first, second, waiting = (Seat(trial=None, beat=None, group=g) for g in (1, 1, 2))
+    pop = Asks(study_file=None, spec=None, study=None, runner=None, size=2)
+    pop.current, pop.founders = first, [first, second]
+    pop._claim(joining=True)
+    first.ended = True  # the group's first ended: the other it started with still trains
+    pop._claim(joining=True)
+    second.ended = True
+    pop._claim(joining=True)
+    pop.seats = [waiting]
+    pop._claim()  # between groups: the waiting group's first
+    assert asked == [first, first, None, waiting]

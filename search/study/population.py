@@ -67,6 +67,7 @@ class Population:
     stop: BaseException | None = None  # the first failure that stops this worker, raised once its group is done
     groups: int = 0
     current: Seat | None = None  # a seat of the group in training (its key and group id), None between groups
+    founders: list[Seat] = field(default_factory=list)  # the seats the group in training started with
 
     def run(self) -> int:
         """Claim, train and tell until the budget is reached or the next trial would not fit; how many it ran."""
@@ -108,9 +109,16 @@ class Population:
 
     def _claim(self, joining: bool = False) -> Seat | None:
         """Claim a trial when one fits (budget, search's end), start it and place it in a group; None when none. It
-        is asked with the shape of the group whose place it fills (`_shape`: the group in training when it joins,
-        else the first waiting one's), so that it stacks there."""
-        leader = self.current if joining else (self.seats[0] if self.seats else None)
+        is asked with the shape of the group whose place it fills (`_shape`), so that it stacks there: the first
+        waiting group's, or when it joins, the group in training's while one of the trials that group started with
+        still trains. Once the pruner has ended all of those, a joiner is asked freely, as the group's first was,
+        and one of another shape lets the group drain: a group that always took joiners of its shape would give
+        one worker's every later trial its first shape (on full.toml's space at --population 4, trials 3 to 10 of
+        a two-minute study all took enqueued trial 3's)."""
+        if joining:
+            leader = self.current if any(not s.ended for s in self.founders) else None
+        else:
+            leader = self.seats[0] if self.seats else None
         with fixing(self.study, self._shape(leader)):
             return self._claim_started(joining)
 
@@ -124,8 +132,8 @@ class Population:
         if leader.shape:
             say(f"population: a trial that fills a place of a group is asked with the group's shape fixed to its first "
                 f"trial's values (here {', '.join(leader.shape)} of trial {leader.trial.number}), so it trains stacked "
-                f"there; the other knobs are sampled, an enqueued trial keeps its own values",
-                once=("population-shape", self.study.study_name))
+                f"there, while a trial the group started with trains; the other knobs are sampled, an enqueued trial "
+                f"keeps its own values", once=("population-shape", self.study.study_name))
         return leader.shape
 
     def _claim_started(self, joining: bool) -> Seat | None:
@@ -175,7 +183,7 @@ class Population:
 
     def _train(self, group: list[Seat]) -> None:
         """Train one group, its free places filled by `join` while no other group waits."""
-        self.current = group[0]
+        self.current, self.founders = group[0], list(group)
 
         def join() -> Member | None:
             if self.stop is not None or any(s.group != self.current.group for s in self.seats):
@@ -199,7 +207,7 @@ class Population:
             for seat in [s for s in self.seats if s.group == gid]:  # trial alone would (a bug counts and halts)
                 self._told(seat, exc)
         finally:
-            self.current = None
+            self.current, self.founders = None, []
         lost = [s for s in self.seats if s.group == gid]
         if lost:  # a member train_population never ended: our bug or its, said loudly, its trial failed
             raise RuntimeError(f"train_population ended without ending trial(s) "
