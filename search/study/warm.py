@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
 from latentsweep.search.redact import redact_url
