@@ -122,7 +122,7 @@ def test_the_pick_reserve_follows_the_measured_costs_within_its_bounds():
     assert budget.reserve(_study_with([]), 400, 100) == RESERVE_MIN_FRACTION * 1000 == budget.opening_reserve()
     assert budget.reserve(_study_with([1.0]), 400, 100) == RESERVE_MIN_FRACTION * 1000  # cheap refits
     assert budget.reserve(_study_with([20.0, 20.0]), 400, 100) == pytest.approx(RESERVE_REFITS * 20 + PICK_FIXED_S)
-    # the candidates' validation is part of the pick's fixed work
+    # the candidates' predictions are part of the pick's fixed work
     assert budget.reserve(_study_with([20.0], eval_s=2.0), 400, 100) == pytest.approx(
         RESERVE_REFITS * 20 + PICK_FIXED_S + PICK.pool * 2.0)
     end = budget.search_end(_study_with([1.0]), 400, 100)
@@ -208,3 +208,36 @@ def test_durations(text, seconds):
 def test_bad_durations_are_one_line_errors(text):
     with pytest.raises(LatentsweepError, match="--time"):
         parse_duration(text)
+
+
+def test_a_run_times_what_predicting_its_val_split_again_costs(data):  # noqa: F811 - test_loop's fixture
+    """What the pick pays per candidate is one prediction of the val split, timed once after the first validation:
+    a knn model reads it back from its memo (at challenge size its validation took 122 s on 2 cores, and the reserve
+    counted that for the pick), an MLP runs one forward again. A timing recorded before predict_s existed reads as
+    before and counts its validation pass."""
+    knn_run = train(small_cfg(**{"model.kind": "knn"}), data)
+    computed = knn_run.model.inner.computed
+    assert knn_run.timing.predict_s is not None and 0 <= knn_run.timing.predict_s < knn_run.timing.eval_s
+    assert knn_run.model.inner.computed == computed  # nothing predicted twice: its memo answered
+    mlp = train(small_cfg(**{"train.epochs": 2}), data)
+    assert mlp.timing.predict_s > 0 and mlp.timing.pick_s() == mlp.timing.predict_s
+    old = {k: v for k, v in mlp.timing.as_attrs().items() if k != "predict_s"}
+    assert Timing.from_attrs(old).pick_s() == mlp.timing.eval_s
+    assert Timing.from_attrs({**old, "predict_s": "soon"}) is None and Timing.from_attrs({**old, "x": 1}) is None
+
+
+def test_a_side_trial_is_not_the_typical_trial_the_search_claims_next():
+    """The knn side trial's cost grows with the captions squared: at challenge size its 266 s, taken as the typical
+    trial, ended a `run --time 1200` search with 784 s left and no MLP trial tried."""
+    from latentsweep.search.study.contract import SIDE_ATTR
+    from latentsweep.search.study.objective import typical_trial_s
+
+    study = optuna.create_study(direction="maximize")
+    side = Timing(200.0, 0.0, 66.0, 400, 100, False)
+    study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.4, intermediate_values={0: 0.4},
+                                 user_attrs={TIMING_ATTR: side.as_attrs(), SIDE_ATTR: '{"model.kind": "knn"}'}))
+    assert typical_trial_s(study) is None  # nothing claimable measured yet
+    mlp = Timing(2.0, 10.0, 3.0, 400, 100, False)
+    study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.5, intermediate_values={0: 0.5},
+                                 user_attrs={TIMING_ATTR: mlp.as_attrs()}))
+    assert typical_trial_s(study) == pytest.approx(15.0)

@@ -96,8 +96,8 @@ def plan(cost_of: Callable[[int, int, int], float], top: int, folds: int, seeds:
 # - the clock keeps the export's share of the budget free when it admits a job;
 # - a one-budget job starts the pick only with PICK_MIN_S left (with less it would overrun the budget to replace a
 #   submission already in place);
-# - and its search reserves PICK_FIXED_S for that work (the measurement's top, with a margin), besides one validation
-#   pass per candidate of the pool (latentsweep.search.study.budget.PickCost).
+# - and its search reserves PICK_FIXED_S for that work (the measurement's top, with a margin), besides one prediction
+#   of the val split per candidate of the pool (latentsweep.search.study.budget.PickCost).
 EXPORT_FIXED_S, EXPORT_PER_MODEL_S = 10.0, 1.0
 # The MLflow model alone (search/pick/pyfunc_model.log_ensemble: torch.export of each member, the pyfunc saved, logged
 # and registered), the part of the export admitted by the deadline itself: 3.5-3.7 s for two of the tests' members on

@@ -39,9 +39,9 @@ RESERVE_TRIALS = 3
 class PickCost:
     """What the pick after the search costs besides its refits, as the pick decides it (the one-budget job passes
     latentsweep.search.pick.plan.PICK_FIXED_S and the pool of latentsweep.search.pick.options.pool_size): its fixed work
-    in seconds, and one
-    validation pass per candidate of its pool, each as long as the best trials' measured validation (what the pick's
-    predictions of the val split cost on this machine and data: at challenge size, most of the pick's own work)."""
+    in seconds, and one prediction of the val split per candidate of its pool, each at what the keeper measured
+    loading and scoring it took, or what its trial measured predicting the val split again (at challenge size most of
+    the pick's own work)."""
     fixed_s: float
     pool: int
 
@@ -61,7 +61,7 @@ class JobBudget:
         """Seconds kept for the pick: RESERVE_REFITS refits of the best measured trials on every labelled image
         (`captions`, `images`), counted only when one of them beats the job's answer in place on the val split
         (answer_to_beat: the pick refits only an ensemble that beat it first), plus the pick's fixed work and one
-        validation pass per candidate of its pool; within RESERVE_MIN/MAX_FRACTION of the total and never below
+        prediction of the val split per candidate of its pool; within RESERVE_MIN/MAX_FRACTION of the total and never below
         SAFE_FACTOR x the safe answer. A slower machine or bigger data never gets a smaller one."""
         costs = refit_costs(study, captions, images, max(RESERVE_TRIALS, self.pick.pool))
         low, high = RESERVE_MIN_FRACTION * self.total_s, RESERVE_MAX_FRACTION * self.total_s
@@ -69,10 +69,10 @@ class JobBudget:
         if not costs:
             return self.opening_reserve()
         record = StudyRecord.of(study)
-        # the candidates so far, each at what the keeper measured the pick pays for it (load and score) or else its
-        # trial's validation pass; places not yet filled cost the cheapest
+        # the candidates so far, each at what the keeper measured the pick pays for it (load and score) or else what
+        # its trial measured predicting the val split again; places not yet filled cost the cheapest
         judged = judged_seconds(record)
-        pool = [judged.get(c.number, c.eval_s) for c in costs[:self.pick.pool]]
+        pool = [judged.get(c.number, c.pick_s) for c in costs[:self.pick.pool]]
         fixed = self.pick.fixed_s + sum(pool) + (self.pick.pool - len(pool)) * min(pool)
         to_beat = answer_to_beat(record)
         refitted = [c for c in costs[:RESERVE_TRIALS] if to_beat is None or c.value > to_beat]
@@ -96,11 +96,11 @@ class JobBudget:
 
 @dataclass(frozen=True)
 class TrialCost:
-    """One measured trial, as the reserve reads it: its number, its refit on every labelled image, its validation
-    pass and its best reported value."""
+    """One measured trial, as the reserve reads it: its number, its refit on every labelled image, what predicting the
+    val split costs the pick for it (Timing.pick_s) and its best reported value."""
     number: int
     refit_s: float
-    eval_s: float
+    pick_s: float
     value: float
 
 
@@ -115,7 +115,7 @@ def answer_to_beat(record: StudyRecord) -> float | None:
 
 def judged_seconds(record: StudyRecord) -> dict[int, float]:
     """trial number -> seconds the keeper took to load and score its checkpoint on the val split (JUDGED_KEY of the
-    answer in place); an entry that is not a number of seconds is left out (its trial counts its validation)."""
+    answer in place); an entry that is not a number of seconds is left out (its trial's own measure counts)."""
     judged = (record.answer or {}).get(JUDGED_KEY)
     if not isinstance(judged, dict):
         return {}
@@ -132,8 +132,8 @@ def workers_stop(budget: JobBudget | None, timeout: float | None) -> Deadline:
 
 def refit_costs(study: optuna.Study, captions: int, images: int, n: int = RESERVE_TRIALS) -> list[TrialCost]:
     """For each of the best `n` trials that recorded their timings, best first: the estimated seconds of its refit on
-    every labelled image (its best epoch so far + 1 epochs, no validation), its measured validation pass and its best
-    reported value; running trials count from their first epoch."""
+    every labelled image (its best epoch so far + 1 epochs, no validation), what predicting the val split costs the
+    pick for it and its best reported value; running trials count from their first epoch."""
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
     trials = read_trials(study, states)
     timings = {t.number: read_timing(t, study.study_name) for t in trials}
@@ -145,7 +145,7 @@ def refit_costs(study: optuna.Study, captions: int, images: int, n: int = RESERV
         values = t.intermediate_values
         best_epoch = max(values, key=lambda e: sign * values[e])
         timing = timings[t.number]
-        out.append(TrialCost(t.number, timing.estimate(captions, images, best_epoch + 1), timing.eval_s,
+        out.append(TrialCost(t.number, timing.estimate(captions, images, best_epoch + 1), timing.pick_s(),
                              values[best_epoch]))
     return out
 

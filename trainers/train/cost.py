@@ -17,6 +17,9 @@ class Timing:
     captions: int  # training captions of that run
     images: int  # training images of that run
     per_image: bool  # a step's cost grows with the number of training images (loss.all_images_infonce)
+    # seconds the trained model takes to predict the val split again (what the pick pays per candidate, besides its
+    # load; latentsweep.trainers.train.tasks.Task.predict_again_s); None in timings recorded before it existed
+    predict_s: float | None = None
 
     def as_attrs(self) -> dict:
         """A JSON-able dict (Optuna user attrs, manifests)."""
@@ -26,15 +29,23 @@ class Timing:
     def from_attrs(cls, attrs) -> "Timing | None":
         """The Timing stored by as_attrs, or None for anything else (trials written before timings existed)."""
         names = {f.name for f in fields(cls)}
-        if not isinstance(attrs, dict) or set(attrs) != names:
+        if not isinstance(attrs, dict) or not names - {"predict_s"} <= set(attrs) <= names:
             return None
+        attrs = {"predict_s": None, **attrs}
         kinds = {f.name: (bool,) if f.type in (bool, "bool") else (int, float) for f in fields(cls)}
         for name, value in attrs.items():  # a study edited by hand or damaged: wrong types read as no timing
+            if name == "predict_s" and value is None:
+                continue
             numeric = kinds[name] != (bool,)
             if not isinstance(value, kinds[name]) or (numeric and (isinstance(value, bool) or not
                                                                    math.isfinite(value) or value < 0)):
                 return None
         return cls(**attrs)
+
+    def pick_s(self) -> float:
+        """What predicting the val split costs the pick for this trial's model: predict_s, else (an older record)
+        the whole validation pass, an upper bound."""
+        return self.eval_s if self.predict_s is None else self.predict_s
 
     def estimate(self, captions: int, images: int, epochs: int, validate: bool = False) -> float:
         """Estimated seconds of the same config trained `epochs` epochs on `captions` captions of `images` images."""

@@ -126,6 +126,7 @@ def _fit_untrained(cfg: Config, data: TrainSet, task, model: CenteredModel, out_
     clock.trained()
     metrics = {**task.evaluate(model), "lr": 0.0}
     clock.evaluated()
+    clock.predicted(task, model)
     log = EpochLog(out_dir)
     ckpt = _save_best(out_dir, model, cfg, task, data, 0, metrics, None)
     log.append(0, metrics)

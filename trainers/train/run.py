@@ -162,6 +162,7 @@ class RunState:
         if self.cfg.train.monitor == "val/loss" and validated:
             metrics["val/loss"] = val_loss(task, judged, p.criterion)
         self.clock.evaluated()
+        self.clock.predicted(task, judged)
         # Without validation every epoch counts as the best (the last one is kept), and the schedule and early
         # stopping watch the training loss instead.
         score = metrics.get(task.metric_key, -metrics["train/loss"])
@@ -206,6 +207,7 @@ class RunClock:
         self.setup: float | None = None
         self.train: list[float] = []
         self.eval: list[float] = []
+        self.predict_s: float | None = None  # Task.predict_again_s, timed once (a model's cost does not change)
         self.mark = started
 
     def epoch_start(self) -> None:
@@ -224,6 +226,12 @@ class RunClock:
         self.eval.append(now - self.mark)
         self.mark = now
 
+    def predicted(self, task, model: torch.nn.Module) -> None:
+        """Time predicting the val split again (what the pick pays per candidate) after the first validation, outside
+        the epoch's parts."""
+        if self.predict_s is None:
+            self.predict_s = task.predict_again_s(model)
+
     def last_epoch(self) -> float | None:
         """Seconds of the last epoch, training and validation (None before any)."""
         if not self.train:
@@ -231,7 +239,8 @@ class RunClock:
         return self.train[-1] + (self.eval[-1] if self.eval else 0.0)
 
     def timing(self) -> Timing:
-        return Timing(self.setup or 0.0, mean_epoch(self.train), mean_epoch(self.eval), *self.size, self.per_image)
+        return Timing(self.setup or 0.0, mean_epoch(self.train), mean_epoch(self.eval), *self.size, self.per_image,
+                      self.predict_s)
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 import numpy as np
@@ -23,6 +24,9 @@ TASKS: Registry = Registry("task")
 
 # Rows per forward pass at evaluation time: bounds activation memory (4096 x 2048 floats = 32 MB per layer).
 EVAL_CHUNK = 4096
+# Val rows a finished run predicts again to time what the pick pays per candidate (predict_again_s): one EVAL_CHUNK
+# forward, milliseconds for an MLP; the knn model reads them from its memo as the pick does.
+AGAIN_ROWS = EVAL_CHUNK
 
 
 def split_images(cfg: Config, data: TrainSet) -> tuple[np.ndarray, np.ndarray]:
@@ -113,6 +117,19 @@ class Task:
     def val_batches(self) -> Iterator[dict]:
         """Validation batches (fixed order, train.batch_size rows) for the validation loss (train.monitor)."""
         raise NotImplementedError
+
+    def predict_again_s(self, model: torch.nn.Module) -> float:
+        """Seconds `model` takes to predict the val inputs again, as the pick does with a candidate (its checkpoint
+        loaded aside): the first AGAIN_ROWS timed, scaled to all. At challenge size a knn trial's validation took
+        122 s on 2 cores and predicting again reads its memo; an MLP's is a forward of 25,000 rows."""
+        x = getattr(self, "val_x", None)  # a plugin's task may hold none
+        if x is None or len(x) == 0:
+            return 0.0
+        rows = min(AGAIN_ROWS, len(x))
+        started = time.perf_counter()
+        with eval_mode(model):
+            model(x[:rows])["pred"].sum().item()  # .item(): the work done on a GPU too, not only queued
+        return (time.perf_counter() - started) * len(x) / rows
 
     # Ranks [Nval] of the last evaluate() for the rank-distribution plot (read by the loop for its best epoch, so
     # that plot costs no second validation pass); None where the task has no single true item or nothing is held out.
