@@ -98,7 +98,8 @@ class Population:
         return self.ran
 
     def _fill(self) -> None:
-        """Claim up to `size` trials for the first group, stopping at the first trial of another shape: it waits as
+        """Claim up to `size` trials for the first group, each asked with its first trial's shape (`_claim`),
+        stopping at the first trial of another shape (an enqueued or retried trial keeps its own values): it waits as
         the next group's first. Claiming on past it would hold trials RUNNING, untrained, while the groups train one
         after another (on a GPU at challenge size, a population of 16 in full.toml's space, where batch size, model
         kind, width and slots give each trial its own group, left 12 of its 16 trials without an epoch in 48 s)."""
