@@ -221,7 +221,7 @@ def one_budget_run(paths: tuple[Path, Path, Path], work: Path, seconds: int) -> 
     (work / "run.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         return f"failed (exit {done.returncode}): {(done.stdout + done.stderr)[-300:]!r}"
-    first = re.search(r"first answer in ([\d.]+) s", done.stderr)
+    first = re.search(r"first answer ([\d.]+) s into the job", done.stderr)
     plan = re.findall(r"^(using .*)$", done.stderr, re.M)
     verdict = ob.winner(work / "run.csv")
     mrr, floor = ob.score(str(work / "run.csv"), paths[2]), ob.floor_mrr(*paths, work)

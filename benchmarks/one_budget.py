@@ -45,7 +45,7 @@ def run_once(study: Path, train: Path, test: Path, budget: int, loaded: bool, wo
     wall = time.monotonic() - start
     loadavg = (os.getloadavg()[0] + load_before) / 2  # 1-min load average, at the start and the end
     (work / "log.txt").write_text(proc.stdout + proc.stderr)
-    first = re.search(r"first answer in ([\d.]+) s", proc.stderr)
+    first = re.search(r"first answer ([\d.]+) s into the job", proc.stderr)
     submission = work / "state" / "picks" / study.stem / "submission.csv"
     return {"budget": budget, "load": "loaded" if loaded else "quiet", "loadavg": loadavg, "rc": proc.returncode,
             "wall": wall, "first_s": float(first.group(1)) if first else None, "pick": "pick done" in proc.stderr,

@@ -4,6 +4,7 @@ CSV in place, and slow setup, validation, closes and end-work on a loaded machin
 budget. Delays are injected below the code under test (the MLflow client, the metrics), never into it."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -112,6 +113,9 @@ def test_a_short_budget_whose_start_took_most_of_it_still_starts_a_trial(world, 
     # COMPLETE, or PRUNED at the search's end where a loaded machine made its epochs slow: started, not skipped
     assert "no search" not in err and [t.state.name for t in _trials(tmp_path)][:1] in (["COMPLETE"], ["PRUNED"]), err
     assert wall <= 25.0 * (1 + SLACK_FRACTION) + SLACK_S
+    # the first answer's line counts the job's clock, its start-up included, not only the closed form's seconds
+    into = float(re.search(r"first answer ([\d.]+) s into the job \(the closed form took ([\d.]+) s\)", err)[1])
+    assert into >= 35.0
 
 
 @pytest.mark.slow  # 10-13 s: the suite's 10 minutes on 2 cores; .ci/run's slow step runs it

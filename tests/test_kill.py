@@ -111,7 +111,7 @@ class Job:
         if event == "start":
             return True
         if event == "floor":
-            return "first answer in" in text
+            return "first answer " in text
         if event == "search done":
             return "search done" in text
         if event == "pick":
@@ -215,7 +215,7 @@ def test_run_killed_at_every_phase_resumes_and_answers(world, tmp_path, moments)
         assert sig == K or code != -sig or err == "" or (
             sig == I and err.strip().splitlines()[-1] == "latentsweep: interrupted"), moment
         sent = code != 0
-        _check_out(out, test, "first answer in" in err)
+        _check_out(out, test, "first answer " in err)
         gone = time.time() + 60  # after SIGKILL the workers close their trials on their own (their parent died)
         while job.alive_kids() and time.time() < gone:
             time.sleep(0.5)

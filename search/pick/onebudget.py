@@ -19,6 +19,7 @@ import json
 import math
 import re
 import time
+from typing import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
     say(f"latentsweep: {describe_split(total)}")
     test, out = load_test_shared(pick.test), Path(pick.out)
     data = load_train_shared(spec.data_path)
-    answer = _floor(data, test, out)
+    answer = _floor(data, test, out, lambda: total - deadline.left())
     judge, standing = _judge(spec, data, answer)
     job_budget = JobBudget(deadline, total, PickCost(PICK_FIXED_S, pool_size(pick)), floor_s=answer.seconds)
     if deadline.left() <= job_budget.opening_reserve():
@@ -203,15 +204,18 @@ def _judge(spec: RunSpec, data, answer: SafeAnswer) -> tuple[Judge | None, Stand
     return judge, standing
 
 
-def _floor(data, test, out: Path) -> SafeAnswer:
-    """The closed-form ridge's answer; when degenerate data makes its solve fail, the job goes on without a floor."""
+def _floor(data, test, out: Path, into_job: Callable[[], float]) -> SafeAnswer:
+    """The closed-form ridge's answer; when degenerate data makes its solve fail, the job goes on without a floor.
+    Its line says when it came in the job's clock (`into_job`: start-up and the data's read included, as the user
+    waits for it) and what the closed form itself took."""
     try:
         answer = ridge_answer(data, test, out)
     except (RuntimeError, DataError) as exc:  # torch.linalg.LinAlgError is a RuntimeError
         say(f"latentsweep: warning: no closed-form answer ({first_line(exc)}); the first trial's answer will be the "
             "first")
         return SafeAnswer(out, "no answer yet (the closed form failed)", 0.0)
-    say(f"latentsweep: first answer in {answer.seconds:.1f} s: {answer.source} -> {answer.path}")
+    say(f"latentsweep: first answer {into_job():.1f} s into the job (the closed form took {answer.seconds:.1f} s): "
+        f"{answer.source} -> {answer.path}")
     return answer
 
 
