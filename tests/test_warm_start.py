@@ -18,7 +18,7 @@ from conftest import tiny_study_file
 from latentsweep.search.cli.main import build_parser, main
 from latentsweep.search.cli.study import make_spec
 from latentsweep.search.study.report import study_table
-from latentsweep.search.study.samplers import PastTrialsSampler
+from latentsweep.search.study.samplers import PastTrialsSampler, fixing
 from latentsweep.search.study.space import sample
 from latentsweep.search.study.studyfile import load_study_file
 from latentsweep.search.study.warm import IDENTITY_ATTR, PORTFOLIO, WARM_ATTR, identity, portfolio, warm_sources
@@ -293,3 +293,43 @@ def test_another_split_queues_but_does_not_learn_and_other_data_takes_nothing(tm
     study = opened(slow_start_file(tmp_path, "elsewhere"), tmp_path / "state", other)
     assert not isinstance(study.sampler, PastTrialsSampler)
     assert all(s.startswith("portfolio:") for s in warm_sources(study).values())
+
+
+X_OPT = 3.0  # the optimum of the in-memory studies below: value -|x - 3| - |y - 5| over x, y in [-10, 10]
+
+
+def in_memory_past(n: int = 40) -> list[optuna.trial.FrozenTrial]:
+    dist = FloatDistribution(-10.0, 10.0)
+    points = np.random.default_rng(0).uniform(-10.0, 10.0, (n, 2))
+    return [optuna.trial.create_trial(params={"x": x, "y": y}, distributions={"x": dist, "y": dist},
+                                      value=-abs(x - X_OPT) - abs(y - 5.0)) for x, y in points]
+
+
+@pytest.mark.parametrize("sampler", [
+    lambda: optuna.samplers.TPESampler(seed=0, n_startup_trials=10, multivariate=False),
+    lambda: optuna.samplers.TPESampler(seed=0, n_startup_trials=10, multivariate=True, group=True),
+    lambda: optuna.samplers.TPESampler(seed=0, n_startup_trials=10, multivariate=True, constant_liar=True),
+    lambda: optuna.samplers.GPSampler(seed=0, n_startup_trials=10),
+], ids=["tpe", "tpe-group", "tpe-constant-liar", "gp"])
+def test_each_learning_sampler_proposes_near_the_past_optimum_from_its_first_trial(sampler):
+    study = optuna.create_study(direction="maximize", sampler=PastTrialsSampler(sampler(), in_memory_past()))
+    proposed = []
+    for _ in range(3):
+        trial = study.ask()
+        proposed.append(trial.suggest_float("x", -10.0, 10.0))
+        study.tell(trial, -abs(proposed[-1] - X_OPT) - abs(trial.suggest_float("y", -10.0, 10.0) - 5.0))
+    # 0.26 to 0.90 here; each sampler alone draws its 3 start-up trials at random: 2.5 from the optimum (seed 0)
+    assert np.mean([abs(x - X_OPT) for x in proposed]) < 1.25, proposed
+    assert [t.number for t in study.trials] == [0, 1, 2]
+
+
+def test_a_population_joiners_fixed_knobs_hold_and_the_rest_still_learns():
+    study = optuna.create_study(direction="maximize", sampler=PastTrialsSampler(
+        optuna.samplers.TPESampler(seed=0, n_startup_trials=10, multivariate=True, group=True), in_memory_past()))
+    for _ in range(3):
+        with fixing(study, {"x": 1.0}):  # search/study/population.py's joiners: the group's shape held
+            trial = study.ask()
+            x, y = trial.suggest_float("x", -10.0, 10.0), trial.suggest_float("y", -10.0, 10.0)
+        assert x == 1.0 and abs(y - 5.0) < 1.5, y
+        study.tell(trial, -abs(x - X_OPT) - abs(y - 5.0))
+    assert isinstance(study.sampler, PastTrialsSampler)
