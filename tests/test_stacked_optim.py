@@ -131,7 +131,8 @@ def _same(slot: Slot, alone: Slot) -> None:
 
 @pytest.mark.parametrize("adam,amp", [("kernel", False), ("kernel", True), ("math", False), ("math", True)])
 def test_each_member_steps_as_its_own_optimiser_scaler_clip_and_ema(adam, amp):
-    """"kernel" against fused torch optimisers, "math" against single-tensor ones: the same bits; under AMP member 2's grads hold an inf at step 3: it alone skips that step and backs its scale off."""
+    """"kernel" against fused torch optimisers, "math" against single-tensor ones: the same bits; under AMP member
+    2's grads hold an inf at step 3: it alone skips that step and backs its scale off."""
     slots, stack, alone, gen = _pair(fused=adam == "kernel", amp=amp)
     optim = StackedOptim(stack, adam)
     optim.bind(slots)

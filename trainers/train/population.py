@@ -12,7 +12,9 @@ Members of one `stack_key` train in one stacked step (latentsweep.trainers.train
 builds its run (seeded, its model, its latentsweep.trainers.train.run.RunState: criterion, optimiser, schedule, scaler,
 average,
 augmentation, checkpoint), keeps its own global RNG state (swapped in around everything it does: its dropout masks
-are drawn in its own order) and its own batch order; the forward and backward are one for all. A member whose key
+are drawn in its own order) and its own batch order; the forward and backward are one for all, and so is the
+optimiser step (latentsweep.trainers.train.stacked_optim: clipping, scaler, Adam/AdamW and EMA of every member it
+covers, each member's torch state kept as views of the stacked state). A member whose key
 is None, or differs from the stack's, trains alone through `train`. Each member computes what it computes alone
 (tests/test_population.py compares histories, best epochs, pruning points and best.pt).
 """

@@ -176,7 +176,9 @@ def _reads(out: dict[str, torch.Tensor]) -> set[str]:
 
 def _after_backward(lv: Live, k: int, stack, cuda: torch.device | None, real: dict, taken: tuple, pop) -> None:
     """Member k's grads (views of its slice; `taken`: its outputs, loss, terms and the outputs its loss read), then
-    its own clipping, optimiser, scaler, schedule, average and loss state, as latentsweep.trainers.train.loop._train_epoch runs them."""
+    its own clipping, optimiser, scaler, schedule, average and loss state, as
+    latentsweep.trainers.train.loop._train_epoch runs them (the per-member path: a member the stacked optimiser
+    does not cover)."""
     p, (out_k, loss, terms, used) = lv.run.parts, taken
     try:
         stack.grads_to(k, used)

@@ -210,7 +210,8 @@ class StackedOptim:
 
     def _hyper(self, stepping: dict[int, set[str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(on [L, K], hyper [F, L, K], clip [K], ema weight [K]) of this step, from the members' param groups as
-        their schedules left them; advances each EMA member's update count as its after_step would."""
+        their schedules left them (hyper only for the "math" backend: the kernel reads the groups itself); advances
+        each EMA member's update count as its after_step would."""
         n_leaves, k_all = self.group.shape
         on = np.zeros((n_leaves, k_all), dtype=bool)
         hyper = np.zeros((len(HYPER), n_leaves, k_all))
@@ -219,10 +220,8 @@ class StackedOptim:
         for k, reached in stepping.items():
             slot = self.slots[k]
             on[:, k] = [p.requires_grad and n in reached for n, p in self.stack.named[k]]
-            per_group = np.array([[g["lr"], g["weight_decay"] if g["decoupled_weight_decay"] else 0.0,
-                                   0.0 if g["decoupled_weight_decay"] else g["weight_decay"], *g["betas"], g["eps"]]
-                                  for g in slot.opt.param_groups])  # [G, F]
-            hyper[:, :, k] = per_group[self.group[:, k]].T
+            if self.adam == "math":
+                hyper[:, :, k] = self._groups(slot)[self.group[:, k]].T
             clip[k] = slot.max_norm
             if isinstance(slot.average, EMA):
                 ema[k] = 1.0 - slot.average.decay()
@@ -232,6 +231,13 @@ class StackedOptim:
             self.started[l, k] = True
             self._view(int(l), int(k))
         return on, hyper, clip, ema
+
+    @staticmethod
+    def _groups(slot: Slot) -> np.ndarray:
+        """[G, F]: the HYPER values of each of the member's param groups."""
+        return np.array([[g["lr"], g["weight_decay"] if g["decoupled_weight_decay"] else 0.0,
+                          0.0 if g["decoupled_weight_decay"] else g["weight_decay"], *g["betas"], g["eps"]]
+                         for g in slot.opt.param_groups])
 
     def step(self, stepping: dict[int, set[str]]) -> None:
         """One optimiser step of each member k in `stepping` (k -> the parameter names its own backward reaches,
@@ -246,14 +252,18 @@ class StackedOptim:
                 live, found = self._unscale(stepping, on, leaves, active)
                 self.steps.add_(live)
                 coef = coefficients(torch, live.double(), torch.from_numpy(hyper).to(device),
-                                    self.steps.double()).float()
-            else:
+                                    self.steps.double()).float() if self.adam == "math" else None
+            elif self.adam == "math":
                 self.host_steps += on
                 steps = self.host_steps
                 coef = torch.from_numpy(np.concatenate([coefficients(np, on.astype(float), hyper, steps),
                                                         steps[None]]).astype(np.float32)).to(device)
                 self.steps.copy_(coef[-1])
                 live = torch.from_numpy(on).to(device)
+            else:  # the kernel reads only the step counts
+                self.host_steps += on
+                self.steps.copy_(torch.from_numpy(self.host_steps))
+                coef, live = None, torch.from_numpy(on).to(device)
             grads = {l: self._masked(leaves[l].grad, live[l] > 0, on[l].all() and not self.amp, l) for l in active}
             if clip.any():
                 self._clip(grads, torch.from_numpy(clip.astype(np.float32)).to(device))
