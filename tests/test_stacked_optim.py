@@ -46,10 +46,11 @@ class Spec:
     reads: tuple = ("pred", "slots")
     frozen: bool = False
     before: int = 0
+    tau: bool = False  # a parameter outside the model in its optimiser (a learnable temperature)
 
 
 SPECS = [Spec(lr=1e-2, wd=0.01, clip=0.05, ema=True),  # clipped most steps
-         Spec(lr=3e-3, wd=0.0, reads=("pred",)),  # its head gets no grad: not decayed, no moments
+         Spec(lr=3e-3, wd=0.0, reads=("pred",), tau=True),  # its head gets no grad: not decayed, no moments
          Spec(adam=torch.optim.Adam, lr=5e-3, wd=0.1, clip=10.0, ema=True),  # Adam's coupled decay
          Spec(lr=2e-2, wd=0.05, frozen=True, before=3)]  # joins with 3 steps taken, its trunk frozen
 
@@ -62,22 +63,30 @@ class _Cfg:
 def _slot(spec: Spec, seed: int, fused: bool, amp: bool) -> Slot:
     torch.manual_seed(seed)
     model = Net()
-    opt = spec.adam(model.parameters(), lr=spec.lr, weight_decay=spec.wd, fused=fused, foreach=False if not fused
-                    else None)
+    groups = [{"params": list(model.parameters())}]
+    if spec.tau:  # outside the model, as a criterion's learnable temperature: not stacked
+        groups.append({"params": [nn.Parameter(torch.ones(()))], "weight_decay": 0.0})
+    opt = spec.adam(groups, lr=spec.lr, weight_decay=spec.wd, fused=fused, foreach=False if not fused else None)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2, enabled=amp)
     average = EMA(_Cfg, model) if spec.ema else WeightAverage(_Cfg, model)
     return Slot(model, opt, scaler, average, spec.clip)
 
 
+def _tau(slot: Slot) -> nn.Parameter | None:
+    groups = slot.opt.param_groups
+    return groups[1]["params"][0] if len(groups) > 1 else None
+
+
 def _grads(model: nn.Module, spec: Spec, gen: torch.Generator, scale: float, inf: bool) -> dict[str, torch.Tensor]:
-    """Member grads as its own backward leaves them (None where it does not reach), times its loss scale."""
-    out = {}
+    """Member grads as its own backward leaves them (None where it does not reach), times its loss scale; "tau":
+    its parameter outside the model."""
+    out = {"tau": torch.randn((), generator=gen) * scale} if spec.tau else {}
     for name, p in model.named_parameters():
         reached = name.startswith(("trunk", "out")) if spec.reads == ("pred",) else True
         if reached and p.requires_grad:
             out[name] = torch.randn(p.shape, generator=gen) * 0.1 * scale
     if inf:
-        out["out.weight"][0, 0] = float("inf")
+        out["tau" if spec.tau else "out.weight"].view(-1)[0] = float("inf")
     return out
 
 
@@ -87,6 +96,8 @@ def _step_alone(slot: Slot, grads: dict[str, torch.Tensor]) -> None:
     slot.scaler.scale(torch.zeros(()))
     for name, p in slot.model.named_parameters():
         p.grad = grads[name].clone() if name in grads else None
+    if _tau(slot) is not None:
+        _tau(slot).grad = grads["tau"].clone()
     if slot.max_norm > 0:
         slot.scaler.unscale_(slot.opt)
         torch.nn.utils.clip_grad_norm_(slot.model.parameters(), slot.max_norm)
@@ -118,6 +129,7 @@ def _same(slot: Slot, alone: Slot) -> None:
     """The same bits: parameters, optimiser state (step counts included), scale and growth tracker, EMA copy."""
     tol = {"rtol": 0, "atol": 0}
     torch.testing.assert_close(dict(slot.model.named_parameters()), dict(alone.model.named_parameters()), **tol)
+    torch.testing.assert_close(_tau(slot), _tau(alone), **tol)
     s, a = slot.opt.state_dict(), alone.opt.state_dict()
     assert s["state"].keys() == a["state"].keys()  # a parameter never stepped has no state, as alone
     torch.testing.assert_close(s["state"], a["state"], **tol)
@@ -129,42 +141,59 @@ def _same(slot: Slot, alone: Slot) -> None:
         torch.testing.assert_close(slot.average.avg.state_dict(), alone.average.avg.state_dict(), **tol)
 
 
+def _step_stacked(optim: StackedOptim, stack: Stack, slots: list[Slot], per_member: list[dict]) -> None:
+    """The population's step after its shared backward: the stacked grads, each member's grads outside the model,
+    the stacked step, then each member's own step of those (latentsweep.trainers.train.population_step)."""
+    for name, leaf in stack.params.items():
+        leaf.grad = torch.stack([g.get(name, torch.zeros(leaf.shape[1:])) for g in per_member])
+    for slot, grads in zip(slots, per_member):
+        if _tau(slot) is not None:
+            _tau(slot).grad = grads["tau"].clone()
+    optim.step({k: stack.reached_names(set(spec.reads)) for k, spec in enumerate(SPECS)})
+    for k in range(len(slots)):
+        if optim.extras[k]:
+            optim.step_extras(k)
+
+
+# Under AMP: (member, step) whose grads hold an inf, member 1's in its parameter outside the model.
+INFS = {(2, 3), (1, 4)}
+
+
 @pytest.mark.parametrize("adam,amp", [("kernel", False), ("kernel", True), ("math", False), ("math", True)])
 def test_each_member_steps_as_its_own_optimiser_scaler_clip_and_ema(adam, amp):
-    """"kernel" against fused torch optimisers, "math" against single-tensor ones: the same bits; under AMP member
-    2's grads hold an inf at step 3: it alone skips that step and backs its scale off."""
+    """"kernel" against fused torch optimisers, "math" against single-tensor ones: the same bits; under AMP a
+    member whose grads hold an inf (INFS) alone skips that step, model and temperature, and backs its scale off."""
     slots, stack, alone, gen = _pair(fused=adam == "kernel", amp=amp)
     optim = StackedOptim(stack, adam)
     optim.bind(slots)
     for s in slots:
         s.average.rebind(s.model)
-    skipped = None
+    skipped = []
     for step in range(STEPS):
-        per_member = [_grads(s.model, spec, gen, s.scaler.get_scale() if amp else 1.0, amp and k == 2 and step == 3)
+        per_member = [_grads(s.model, spec, gen, s.scaler.get_scale() if amp else 1.0, amp and (k, step) in INFS)
                       for k, (s, spec) in enumerate(zip(alone, SPECS))]
-        before = copy.deepcopy(dict(slots[2].model.named_parameters()))
+        before = [copy.deepcopy([*s.model.parameters(), *([_tau(s)] if _tau(s) is not None else [])])
+                  for s in slots]
         for k, grads in enumerate(per_member):
             _step_alone(alone[k], grads)
-        for name, leaf in stack.params.items():
-            leaf.grad = torch.stack([g.get(name, torch.zeros(leaf.shape[1:])) for g in per_member])
-        optim.step({k: stack.reached_names(set(spec.reads)) for k, spec in enumerate(SPECS)})
-        if amp and step == 3:
-            skipped = before
-            torch.testing.assert_close(dict(slots[2].model.named_parameters()), skipped, rtol=0, atol=0)
+        _step_stacked(optim, stack, slots, per_member)
+        for k, s in enumerate(slots):
+            if amp and (k, step) in INFS:
+                skipped.append(k)
+                torch.testing.assert_close([*s.model.parameters(), *([_tau(s)] if _tau(s) is not None else [])],
+                                           before[k], rtol=0, atol=0)
         for s, a in zip(slots, alone):
             _same(s, a)
     assert "head.weight" not in {n for n, p in slots[1].model.named_parameters() if p in slots[1].opt.state}
-    assert not amp or skipped is not None
-    assert not amp or slots[2].scaler.get_scale() < slots[0].scaler.get_scale()  # backed off once, alone
+    assert not amp or sorted(skipped) == [1, 2]
+    assert not amp or max(slots[1].scaler.get_scale(), slots[2].scaler.get_scale()) < slots[0].scaler.get_scale()
 
 
 def test_a_member_leaving_gets_its_own_storage_and_keeps_its_state():
     slots, stack, alone, gen = _pair(fused=True, amp=False)
     optim = StackedOptim(stack)
     optim.bind(slots)
-    for name, leaf in stack.params.items():
-        leaf.grad = torch.randn(leaf.shape, generator=gen)
-    optim.step({k: stack.reached_names(set(spec.reads)) for k, spec in enumerate(SPECS)})
+    _step_stacked(optim, stack, slots, [_grads(s.model, spec, gen, 1.0, False) for s, spec in zip(slots, SPECS)])
     kept = copy.deepcopy(slots[0].opt.state_dict())
     Stack.release(slots[0].model)
     StackedOptim.release(slots[0])
@@ -187,9 +216,7 @@ def test_a_member_rebound_continues_from_its_own_state():
         per_member = [_grads(a.model, spec, gen, 1.0, False) for a, spec in zip(alone, SPECS)]
         for k, grads in enumerate(per_member):
             _step_alone(alone[k], grads)
-        for name, leaf in stack.params.items():
-            leaf.grad = torch.stack([g.get(name, torch.zeros(leaf.shape[1:])) for g in per_member])
-        optim.step({k: stack.reached_names(set(spec.reads)) for k, spec in enumerate(SPECS)})
+        _step_stacked(optim, stack, slots, per_member)
     for s, a in zip(slots, alone):
         _same(s, a)
 
@@ -207,6 +234,6 @@ def test_configurations_it_does_not_cover_keep_their_own_step():
     extra = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": [tau]}])
     assert uncovered(Slot(model, extra, scaler, plain.average, 0.0)) is None  # stepped by its own optimiser
     amp = torch.amp.GradScaler("cpu", enabled=True)
-    assert "AMP" in uncovered(Slot(model, extra, amp, plain.average, 0.0))
+    assert uncovered(Slot(model, extra, amp, plain.average, 0.0)) is None
     with pytest.raises(ValueError):
         StackedOptim(Stack(model, torch.device("cpu"), False, 4, DIM_IN), "sgd")

@@ -155,7 +155,7 @@ def _after_stacked(lv: Live, k: int, cuda: torch.device | None, real: dict, take
     try:
         with own_rng(lv, cuda, full=False):
             if pop.optim.extras[k]:
-                p.opt.step()
+                pop.optim.step_extras(k)
             p.schedule.after_step()
             p.criterion.after_step(out_k, real)
     except Exception as exc:  # noqa: BLE001 - this member's end

@@ -75,8 +75,6 @@ def uncovered(slot: Slot) -> str | None:
     model = [id(p) for p in slot.model.parameters()]
     if len(set(grouped)) != len(grouped) or not set(model) <= set(grouped):
         return "a model parameter in no param group, or in two"
-    if set(grouped) != set(model) and slot.scaler.is_enabled():
-        return "parameters outside the model (a learnable temperature) under AMP"
     if type(slot.average) not in (WeightAverage, EMA, SWA):
         return f"weight average {type(slot.average).__name__}"
     if isinstance(slot.average, EMA) and slot.average.others:
@@ -122,7 +120,7 @@ class StackedOptim:
         self.steps = torch.zeros(n_leaves, k_all, dtype=torch.float32, device=device)  # [L, K] torch's state["step"]
         self.started = np.zeros((n_leaves, k_all), dtype=bool)  # the member's torch state exists (stepped once)
         self.group = np.zeros((n_leaves, k_all), dtype=np.int64)  # index of leaf l's param group in member k
-        self.extras = [False] * k_all  # member k's optimiser has parameters outside the model (stepped by it)
+        self.extras: list[list] = [[] for _ in slots]  # member k's parameters outside the model (stepped by it)
         self.by_group: list[list[list[int]]] = [[] for _ in slots]  # member k's leaves of each of its param groups
         with torch.no_grad():
             for k, slot in enumerate(slots):
@@ -144,7 +142,8 @@ class StackedOptim:
                 self.exp_avg_sq[l][k].copy_(state["exp_avg_sq"])
                 self.steps[l, k] = state["step"]
                 self.started[l, k] = True
-        self.extras[k] = len(index) > len(self.stack.named[k])
+        model = {id(p) for _, p in self.stack.named[k]}
+        self.extras[k] = [p for group in slot.opt.param_groups for p in group["params"] if id(p) not in model]
         self.by_group[k] = [[l for l in range(len(self.stack.named[k])) if self.group[l, k] == g]
                             for g in range(len(slot.opt.param_groups))]
 
@@ -294,8 +293,15 @@ class StackedOptim:
         for l in active:
             rows = ~torch.isfinite(leaves[l].grad).reshape(len(self.slots), -1).all(dim=1)
             bad |= rows & on_t[l]
-        live = on_t & ~bad
         inv = self.scale.double().reciprocal().float()  # GradScaler.unscale_'s inv_scale
+        for k in stepping:  # parameters outside the model: checked and unscaled as GradScaler does, per member
+            grads = [p.grad for p in self.extras[k] if p.grad is not None]
+            if grads:
+                found = torch.zeros(1, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv[k:k + 1])
+                bad[k:k + 1] |= found > 0
+        self.found = bad  # [K]: the member skips its whole step (step_extras too)
+        live = on_t & ~bad
         for l in active:
             leaves[l].grad.mul_(inv.view(self.bshape[l]))
         return live.float(), bad
@@ -350,6 +356,22 @@ class StackedOptim:
                       [self.steps[l, k] for l in ls], amsgrad=False, lr=group["lr"], beta1=group["betas"][0],
                       beta2=group["betas"][1], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
                       grad_scale=None, found_inf=skip[k:k + 1] if skip is not None else None)
+
+    def step_extras(self, k: int) -> None:
+        """Member k's parameters outside the model (a learnable temperature), after `step`: its own optimiser, whose
+        model grads are None; under AMP its found-inf (model and extras) handed to its fused step as its scaler
+        hands it, so it skips them when the stacked step skipped the rest."""
+        opt = self.slots[k].opt
+        if not self.amp:
+            opt.step()
+        elif getattr(opt, "_step_supports_amp_scaling", False):  # fused: it skips on found_inf, no host sync
+            opt.grad_scale, opt.found_inf = None, self.found[k].float()  # grads already unscaled (_unscale)
+            try:
+                opt.step()
+            finally:
+                del opt.grad_scale, opt.found_inf
+        elif not bool(self.found[k]):  # GradScaler's own host check for an optimiser that cannot skip itself
+            opt.step()
 
     def _update_scale(self, found: torch.Tensor, stepping: dict[int, set[str]]) -> None:
         """GradScaler.update for each AMP member that stepped (torch._amp_update_scale_'s rule, per member):
