@@ -12,7 +12,9 @@ unchanged to the bit, as torch's optimiser skips a None grad.
 Source of truth: as the stack makes each member's Parameters views of its slice, `bind` makes each member's own
 optimiser state (exp_avg, exp_avg_sq, step), its scaler's scale and growth tracker and its EMA copy views of slice k
 of stacked tensors. The member's torch objects therefore stay readable (state_dict) at every moment, and `release`
-(a member leaving) gives them their own storage back, so nothing converts between two representations.
+(a member leaving) gives them their own storage back, so nothing converts between two representations. Writing a
+member's state (opt.load_state_dict replaces its tensors) while it is bound is seen by the stacked step only after
+the next `bind`, which gathers every member's state from its own objects.
 """
 from __future__ import annotations
 
