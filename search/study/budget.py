@@ -61,8 +61,8 @@ class JobBudget:
         """Seconds kept for the pick: RESERVE_REFITS refits of the best measured trials on every labelled image
         (`captions`, `images`), counted only when one of them beats the job's answer in place on the val split
         (answer_to_beat: the pick refits only an ensemble that beat it first), plus the pick's fixed work and one
-        prediction of the val split per candidate of its pool; within RESERVE_MIN/MAX_FRACTION of the total and never below
-        SAFE_FACTOR x the safe answer. A slower machine or bigger data never gets a smaller one."""
+        prediction of the val split per candidate of its pool; within RESERVE_MIN/MAX_FRACTION of the total and never
+        below SAFE_FACTOR x the safe answer. A slower machine or bigger data never gets a smaller one."""
         costs = refit_costs(study, captions, images, max(RESERVE_TRIALS, self.pick.pool))
         low, high = RESERVE_MIN_FRACTION * self.total_s, RESERVE_MAX_FRACTION * self.total_s
         floor = SAFE_FACTOR * self.floor_s

@@ -60,10 +60,9 @@ def own_rng(live: Live, cuda: torch.device | None, full: bool = True):
 
 def stacked_step(pop, batches: list[dict | None]) -> None:
     """One training step of every member of `pop` (latentsweep.trainers.train.population._Population) with a batch
-    (`batches[k]`
-    for member k, None: it takes no step): what latentsweep.trainers.train.loop._train_epoch does per step, with the
-    forward and the
-    backward shared. A member's error ends it alone; an error of the shared forward or backward ends them all."""
+    (`batches[k]` for member k, None: it takes no step): what latentsweep.trainers.train.loop._train_epoch does per
+    step, with the forward and the backward shared. A member's error ends it alone; an error of the shared forward or
+    backward ends them all."""
     stack, cuda = pop.stack, pop.cuda
     inputs: list[dict | None] = [None] * len(batches)  # the augmented batches the losses train on
     masks: list[list[torch.Tensor] | None] = [None] * len(batches)
@@ -124,6 +123,13 @@ def stacked_step(pop, batches: list[dict | None]) -> None:
         for k in taken:
             pop.finish(pop.live[k], exc)
         return
+    _step_members(pop, taken, batches)
+
+
+def _step_members(pop, taken: dict[int, tuple], batches: list[dict | None]) -> None:
+    """After the shared backward: each member in `taken` (k -> its outputs, loss, terms and the outputs its loss read)
+    stepped by its own optimiser, or with the others in the stacked one (latentsweep.trainers.train.stacked_optim)."""
+    stack, cuda = pop.stack, pop.cuda
     stepping = {}
     for k, (out_k, loss, terms, used) in taken.items():
         lv = pop.live[k]
