@@ -3,7 +3,7 @@ extrapolated from one job to another of the same config on other data sizes (a r
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,13 @@ class Timing:
     def from_attrs(cls, attrs) -> "Timing | None":
         """The Timing stored by as_attrs, or None for anything else (trials written before timings existed)."""
         names = {f.name for f in fields(cls)}
-        if not isinstance(attrs, dict) or not names - {"predict_s"} <= set(attrs) <= names:
+        optional = {f.name: f.default for f in fields(cls) if f.default is not MISSING}  # later additions: None
+        if not isinstance(attrs, dict) or not names - set(optional) <= set(attrs) <= names:
             return None
-        attrs = {"predict_s": None, **attrs}
+        attrs = {**optional, **attrs}
         kinds = {f.name: (bool,) if f.type in (bool, "bool") else (int, float) for f in fields(cls)}
         for name, value in attrs.items():  # a study edited by hand or damaged: wrong types read as no timing
-            if name == "predict_s" and value is None:
+            if value is None and name in optional:
                 continue
             numeric = kinds[name] != (bool,)
             if not isinstance(value, kinds[name]) or (numeric and (isinstance(value, bool) or not
