@@ -19,6 +19,7 @@ from latentsweep.search.cli.main import build_parser, main
 from latentsweep.search.cli.study import make_spec
 from latentsweep.search.study.report import study_table
 from latentsweep.search.study.samplers import PastTrialsSampler, fixing
+from latentsweep.search.study.side import SIDE_ATTR
 from latentsweep.search.study.space import sample
 from latentsweep.search.study.studyfile import load_study_file
 from latentsweep.search.study.warm import IDENTITY_ATTR, PORTFOLIO, WARM_ATTR, identity, portfolio, warm_sources
@@ -77,12 +78,14 @@ def warm(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
 
 def test_a_new_study_on_the_same_data_queues_the_earlier_best_first(tmp_path, data, capsys):
     state = earlier_study(tmp_path, data[0])
-    recipe = '[[enqueue]]\n"optim.lr" = 0.002\n"loss.triplet.weight" = 0.1\n'
+    recipe = '[[enqueue]]\n"optim.lr" = 0.002\n"loss.triplet.weight" = 0.1\n[[side]]\nmodel = { kind = "knn" }\n'
     study = create(tmp_path, state, data[0], "second", extra=recipe)
     queued = warm(study)
     assert [t.user_attrs[WARM_ATTR] for t in queued] == ["earlier:0", "earlier:1", "earlier:2", "earlier:3"]
-    assert [t.number for t in queued] == [0, 1, 2, 3]  # before the file's recipe (trial 4): best known first
-    assert study.trials[4].system_attrs["fixed_params"] == {LR: 0.002, WEIGHT: 0.1}
+    # best known first: before the file's side trial (trial 4) and its recipe (trial 5)
+    assert [t.number for t in queued] == [0, 1, 2, 3]
+    assert study.trials[4].user_attrs[SIDE_ATTR] and study.trials[4].system_attrs["fixed_params"] == {}
+    assert study.trials[5].system_attrs["fixed_params"] == {LR: 0.002, WEIGHT: 0.1}
     assert queued[0].system_attrs["fixed_params"] == {LR: 3e-3, WEIGHT: 0.9, MARGIN: 0.3}
     assert all(t.state == optuna.trial.TrialState.WAITING for t in queued)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warm start:")]
