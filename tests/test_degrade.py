@@ -1,9 +1,10 @@
-"""Degrade, never fail: a store outage inside the search of `latentsweep run` ends the search, not the job. The
+"""Degrade, never fail: a store outage or a full disk inside the search of `latentsweep run` ends the search, not the job. The
 failure is real and below the code under test: the study's PostgreSQL database is dropped while the search runs
-(no monkeypatch). The job still ends with a valid submission, exit 0, and one line naming the submission and why the
+(no monkeypatch), or the disk under the trials' checkpoints is filled. The job still ends with a valid submission, exit 0, and one line naming the submission and why the
 search ended."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -97,6 +98,67 @@ def test_a_store_dropped_mid_search_ends_the_search_not_the_job(world, tmp_path,
     assert len(last) == 1 and str(submission) in last[0] and "the search ended early" in last[0], err[-3000:]
     doc = json.loads(submission.with_name("submission.manifest.json").read_text())
     assert doc["answer"]["winner"] == doc["made_by"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64-MB tmpfs at tmp_path/state/studies (where trials write their checkpoints), unmounted at the end: a real
+    filesystem that can be filled. Skips where this process may not mount one (not root, no CAP_SYS_ADMIN)."""
+    where = tmp_path / "state" / "studies"
+    where.mkdir(parents=True)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here ({exc})")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def _fill(where: Path) -> None:
+    """Write zeros into `where` until its filesystem says ENOSPC."""
+    block = bytes(1 << 20)
+    with open(where / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+@pytest.mark.slow  # 30-60 s on 2 cores: a run until its first trials, then the full disk and the job's end
+def test_a_disk_filled_mid_search_ends_the_search_not_the_job(world, tmp_path, small_disk):
+    """The disk under the trials' checkpoints fills while the search runs (no monkeypatch: the filesystem says
+    ENOSPC): the job still ends with the submission in place, exit 0, one line saying why the search ended, and no
+    trial or MLflow run left RUNNING."""
+    study = tiny_study_file(tmp_path, "fulldisk", n_trials=200, epochs=3)
+    state = tmp_path / "state"
+    cmd = [sys.executable, "-m", "latentsweep", "run", str(study), "--time", "180", "--data", str(world.train),
+           "--test", str(world.test), "--state-dir", str(state), "--quiet"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"sqlite:///{state / 'optuna.db'}"
+    try:
+        give_up = time.monotonic() + 120
+        while _finished(url, "fulldisk") < 2 and proc.poll() is None and time.monotonic() < give_up:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        _fill(small_disk)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    submission = state / "picks" / "fulldisk" / "submission.csv"
+    assert check_submission(submission, load_test(world.test), dim=32) == (60, 32)
+    last = [line for line in err.splitlines() if line.startswith("latentsweep: submission:")]
+    assert len(last) == 1 and str(submission) in last[0], err[-3000:]
+    assert "the search ended early" in last[0] and "No space left on device" in last[0], err[-3000:]
+    stored = optuna.load_study(study_name="fulldisk", storage=url).get_trials(deepcopy=False)
+    assert not [t.number for t in stored if t.state == optuna.trial.TrialState.RUNNING]
 
 
 @pytest.mark.slow  # 3 short trainings: 15 s on 2 cores, 60 s with the load average at 13
