@@ -112,8 +112,10 @@ def source_storages(warm_from: tuple[str, ...]) -> list[tuple[str, str]]:
 
 
 def earlier_trials(storage, mine: dict, exclude: str, where: str) -> list[Found]:
-    """The COMPLETE trials of every study in `storage` on the same data and objective, except study `exclude` (the
-    new study itself); side trials (no parameters) are left out."""
+    """The finished trials of every study in `storage` on the same data and objective, except study `exclude` (the
+    new study itself): COMPLETE ones with a value, and PRUNED ones with an intermediate value (what TPE ranks a
+    pruned trial by: most of a short or loaded study's trials are pruned). Side trials (no parameters) are left
+    out."""
     found = []
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         theirs = summary.user_attrs.get(IDENTITY_ATTR)
@@ -122,9 +124,10 @@ def earlier_trials(storage, mine: dict, exclude: str, where: str) -> list[Found]
         label = f"study '{summary.study_name}'" + (f" in {where}" if where else "")
         same_split = all(theirs.get(k) == mine.get(k) for k in SPLIT_KEYS)
         study_id = storage.get_study_id_from_name(summary.study_name)
-        trials = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE,))
+        trials = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
         found += [Found(label, summary.study_name, t, same_split) for t in trials
-                  if t.value is not None and t.params and read_side(t, summary.study_name) is None]
+                  if (t.value is not None or t.state == TrialState.PRUNED and t.intermediate_values)
+                  and t.params and read_side(t, summary.study_name) is None]
     return found
 
 
@@ -188,9 +191,10 @@ def ranked(found: list[Found], direction: str) -> list[Found]:
 
 
 def past_trials(found: list[Found], study_file: StudyFile, changes: Changes) -> list[optuna.trial.FrozenTrial]:
-    """The earlier trials on the same split as COMPLETE trials of this study's space (translated as for the queue,
-    with its distributions), oldest first as a study's own trials come (TPE weighs its older trials less), each
-    once (a source found in the storage and again through --warm-from)."""
+    """The earlier trials on the same split as trials of this study's space (translated as for the queue, with its
+    distributions; COMPLETE with their value, PRUNED with their intermediate values), oldest first as a study's own
+    trials come (TPE weighs its older trials less), each once (a source found in the storage and again through
+    --warm-from)."""
     space, base = {p.name: p for p in study_file.space}, flatten(study_file.base)
     out, seen = [], set()
     for f in sorted((f for f in found if f.same_split),
@@ -203,8 +207,9 @@ def past_trials(found: list[Found], study_file: StudyFile, changes: Changes) -> 
         seen.add(key)
         try:
             out.append(optuna.trial.create_trial(
-                params=values, distributions={name: space[name].distribution() for name in values},
-                value=f.trial.value, user_attrs={WARM_ATTR: f"{f.study}:{f.trial.number}"}))
+                state=f.trial.state, params=values, distributions={name: space[name].distribution() for name in values},
+                value=f.trial.value, intermediate_values=dict(f.trial.intermediate_values),
+                user_attrs={WARM_ATTR: f"{f.study}:{f.trial.number}"}))
         except ValueError:  # a translated value its distribution does not hold (off a float step by rounding)
             continue
     return out
@@ -248,8 +253,8 @@ def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabl
     distinct configurations of earlier studies on the same data and make the sampler learn from their trials,
     saying what it took in one line (and one per kind of change to them). Called before the study file's recipes
     are queued: the earlier studies ran those recipes on this data too and ranked them with the rest, so the best
-    known configuration runs first. Returns whether the portfolio is due (enabled, nothing found): it goes after
-    the recipes (queue_portfolio)."""
+    known configuration runs first. Returns whether the portfolio is due (enabled, no COMPLETE trial found): it goes
+    after the recipes (queue_portfolio)."""
     mine = identity(study_file, data_path)
     study.set_user_attr(IDENTITY_ATTR, mine)
     if not (on_by_default() if enabled is None else enabled):
@@ -258,7 +263,8 @@ def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabl
     if not found:
         return True
     changes, taken, seen = Changes(), {}, set()
-    for f in ranked(found, study_file.direction):
+    complete = [f for f in found if f.trial.state == TrialState.COMPLETE]
+    for f in ranked(complete, study_file.direction):
         values = translate(f.trial.params, study_file.space, flatten(study_file.base), changes)
         text = json.dumps(values, sort_keys=True, default=str)
         if values and text not in seen:
@@ -274,7 +280,7 @@ def warm_start(study: optuna.Study, study_file: StudyFile, data_path: str, enabl
         f"{learned_text(study_file, learned, 'theirs')}")
     for line in changes.lines():
         say(line)
-    return False
+    return not complete  # only pruned earlier trials: the portfolio is tried instead of theirs
 
 
 def learn_from_earlier(study: optuna.Study, study_file: StudyFile, data_path: str, enabled: bool | None = None,
