@@ -13,7 +13,7 @@ import pytest
 
 from conftest import tiny_study_file
 from latentsweep.search.cli.main import main
-from latentsweep.search.pick.judge import Standing, make_judge
+from latentsweep.search.pick.judge import Score, Standing, make_judge
 from latentsweep.search.pick.onebudget import _gate
 from latentsweep.search.pick.safe import Keeper, SafeAnswer, best_trial, local_checkpoint, ridge_answer
 from latentsweep.search.study.budget import answer_to_beat, judged_seconds
@@ -40,23 +40,49 @@ def world(tmp_path_factory):
                                  study=study, judge=make_judge(load_study_file(study_file).base, data))
 
 
-def test_an_answer_replaces_the_one_in_place_only_when_strictly_better():
-    standing = Standing("floor", 0.5)
-    assert not standing.offer("trial 1", 0.4)
-    assert not standing.offer("trial 2", 0.5)  # a tie keeps the answer in place
+def flat(value: float, n: int = 100) -> Score:
+    """A score whose every val image has reciprocal rank `value`."""
+    return Score(value, np.full(n, value))
+
+
+def noisy(base: Score, shift: float, spread: float, seed: int = 0) -> Score:
+    """`base` with each image's reciprocal rank moved by `shift` plus noise of standard deviation `spread`."""
+    per_image = base.per_image + shift + np.random.default_rng(seed).normal(0.0, spread, len(base.per_image))
+    return Score(float(per_image.mean()), per_image)
+
+
+def test_an_answer_replaces_the_one_in_place_only_when_better_beyond_the_splits_noise():
+    standing = Standing("floor", flat(0.5))
+    assert not standing.offer("trial 1", flat(0.4))
+    assert not standing.offer("trial 2", flat(0.5))  # a tie keeps the answer in place
     assert standing.source == "floor"
-    assert standing.offer("pick", 0.5, ties_win=True)  # ... except for the pick: the same configs on more images
-    assert standing.offer("trial 3", 0.6)
+    assert standing.offer("pick", flat(0.5), ties_win=True)  # ... except for the pick: the same configs on more images
+    assert standing.offer("trial 3", flat(0.6))
     record = standing.record()
     assert record["winner"] == "trial 3" and record["val_mrr"] == 0.6
     assert record["margin_val_mrr"] == pytest.approx(0.1)
     assert [o["won"] for o in record["offered"]] == [False, False, True, True]
-    assert Standing("nothing", None).offer("trial 0", 0.1)  # nothing scored in place: the first answer wins
+    assert Standing("nothing", None).offer("trial 0", flat(0.1))  # nothing scored in place: the first answer wins
     lazy, calls = Standing("floor", None), []
-    lazy.pending = lambda: calls.append(1) or lazy.offer("floor", 0.5)  # the floor, scored when first compared
+    lazy.pending = lambda: calls.append(1) or lazy.offer("floor", flat(0.5))  # the floor, scored when first compared
     assert lazy.record()["val_mrr"] is None and not calls
-    assert not lazy.offer("trial 1", 0.4) and lazy.offer("trial 2", 0.6) and calls == [1]
+    assert not lazy.offer("trial 1", flat(0.4)) and lazy.offer("trial 2", flat(0.6)) and calls == [1]
     assert lazy.record()["margin_val_mrr"] == pytest.approx(0.1)
+
+
+def test_a_gain_inside_the_val_splits_noise_does_not_replace_the_answer():
+    """Paired per val image: a mean gain of 0.006 with a per-image spread of 0.2 over 120 images (standard error
+    0.018) is noise; the same gain with a spread of 0.01 is not; nor is a gain of 0.1 with the wide spread."""
+    in_place = noisy(flat(0.3, 120), 0.0, 0.2, seed=1)
+    standing = Standing("floor", in_place)
+    assert not standing.offer("trial 0", noisy(in_place, 0.006, 0.2))
+    assert standing.source == "floor" and "not above 1.645 standard errors" in standing.lost_line(
+        "trial 0", noisy(in_place, 0.006, 0.2))
+    entry = standing.offered[-1]
+    assert entry["gain_se"] > 0.01 and abs(entry["gain_per_image"]) < entry["gain_se"] * 1.645
+    assert not standing.offer("pick", noisy(in_place, 0.006, 0.2), ties_win=True)  # not the same ranks: no tie
+    assert standing.offer("trial 1", noisy(in_place, 0.006, 0.01))
+    assert standing.offer("trial 2", noisy(standing.scored, 0.1, 0.2, seed=2))
 
 
 def test_the_judge_reads_the_val_captions_in_place(tmp_path):
@@ -68,7 +94,7 @@ def test_the_judge_reads_the_val_captions_in_place(tmp_path):
     assert judge.captions is data.text
     np.testing.assert_array_equal(judge.text, data.text[captions_of(data.cap2img, judge.held_images)])
     ridge = solve(moments(data, captions_of(data.cap2img, judge.train_images)), 0.1)
-    assert judge.score_floor(data, 0.1) == held_out_mrr(ridge, judge.text, judge.gallery, judge.target,
+    assert judge.score_floor(data, 0.1).mrr == held_out_mrr(ridge, judge.text, judge.gallery, judge.target,
                                                         seed=judge.seed)
 
 
@@ -77,7 +103,7 @@ def test_a_trials_checkpoint_scores_its_own_value_on_the_judges_images(world):
     """The judge's images and protocol are the trials' own: a checkpoint scores exactly its recorded val/mrr."""
     for trial in world.study.trials:
         model, _, _ = load_model(local_checkpoint(trial, world.state), "cpu")
-        assert world.judge.score_models([model], [1.0], "cpu") == pytest.approx(trial.value, abs=1e-6)
+        assert world.judge.score_models([model], [1.0], "cpu").mrr == pytest.approx(trial.value, abs=1e-6)
 
 
 @pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared
@@ -85,13 +111,13 @@ def test_the_floor_is_scored_fit_without_the_val_images(world):
     """Like with like: the floor's score is the ridge fit on the train part; the submission's ridge (fit on every
     image, the val split's too) would score higher on the val split than it has any right to."""
     seen, _ = fit_ridge(world.data)
-    fair = world.judge.score_floor(world.data, seen.alpha)
-    unfair = world.judge.score(seen.predict(world.judge.text))
+    fair = world.judge.score_floor(world.data, seen.alpha).mrr
+    unfair = world.judge.score(seen.predict(world.judge.text)).mrr
     assert 0.0 < fair < unfair
     # the floor's fast in-gallery MRR is the trials' own protocol
     # (latentsweep.trainers.eval.metrics.evaluate_leaderboard)
     alone = solve(moments(world.data, captions_of(world.data.cap2img, world.judge.train_images)), seen.alpha)
-    assert world.judge.score(alone.predict(world.judge.text)) == pytest.approx(fair, abs=1e-6)
+    assert world.judge.score(alone.predict(world.judge.text)).mrr == pytest.approx(fair, abs=1e-6)
 
 
 def _keeper(world, tmp_path, floor_score):
@@ -124,7 +150,8 @@ def test_a_worse_trial_leaves_the_floor_in_place(world, tmp_path, capsys):
 
 @pytest.mark.slow  # the module's study (2 trials): 20-30 s on the loaded 2 cores, shared
 def test_a_better_trial_replaces_the_floor(world, tmp_path):
-    keeper, out = _keeper(world, tmp_path, 0.0)  # a floor that scored nothing on the val split
+    # a floor that scored nothing on the val split
+    keeper, out = _keeper(world, tmp_path, flat(0.0, len(world.judge.held_images)))
     before = out.read_bytes()
     answer = keeper.refresh()
     keeper.close()
@@ -137,11 +164,11 @@ def test_a_better_trial_replaces_the_floor(world, tmp_path):
 def test_the_pick_that_loses_is_not_written_and_says_so(world, capsys):
     """The pick's gate: its chosen ensemble scored on the val split against the answer in place."""
     models = [load_model(local_checkpoint(t, world.state), "cpu")[0] for t in world.study.trials]
-    standing = Standing("the floor", 0.99)
+    standing = Standing("the floor", flat(0.99, len(world.judge.held_images)))
     assert _gate(world.judge, standing)(models, [0.5, 0.5], "cpu") is None
     assert "the pick's ensemble scores" in capsys.readouterr().err and standing.source == "the floor"
     standing = Standing("nothing", None)
-    standing.offer("the floor", 0.01)
+    standing.offer("the floor", flat(0.01, len(world.judge.held_images)))
     record = _gate(world.judge, standing)(models, [0.5, 0.5], "cpu")
     assert record["winner"] == "the pick's ensemble" and record["margin_val_mrr"] > 0
 
@@ -163,7 +190,7 @@ def test_run_never_ends_below_its_floor_and_the_manifest_says_who_won(world, tmp
     assert answer["winner"].startswith("the closed-form ridge") and answer["margin_val_mrr"] > 0
     scores = [o["val_mrr"] for o in answer["offered"] if o["val_mrr"] is not None]
     assert answer["val_mrr"] == max(scores) and len(scores) >= 2
-    assert "not above the answer in place" in capsys.readouterr().err
+    assert "standard errors" in capsys.readouterr().err  # the lost line: the gain and its noise
     assert np.isfinite(answer["val_mrr"]) and answer["scored_on"]["val_images"] > 0
 
 

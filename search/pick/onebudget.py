@@ -195,9 +195,9 @@ def _judge(spec: RunSpec, data, answer: SafeAnswer) -> tuple[Judge | None, Stand
             say(f"latentsweep: warning: the floor could not be scored on the val split ({first_line(exc)})")
             return
         standing.offer(answer.source, score)
-        say(f"latentsweep: the floor scores {score:.4f} MRR on the val split ({len(judge.held_images)} images, fit on "
-            f"the other {len(judge.train_images)} in {time.monotonic() - started:.1f} s): an answer replaces it only "
-            "by beating that")
+        say(f"latentsweep: the floor scores {score.mrr:.4f} MRR on the val split ({len(judge.held_images)} images, "
+            f"fit on the other {len(judge.train_images)} in {time.monotonic() - started:.1f} s): an answer replaces "
+            "it only by beating that beyond the split's noise")
 
     if answer.alpha is not None:
         standing.pending = score_floor
@@ -245,8 +245,9 @@ def _late(deadline: Deadline, step: str) -> str:
 def _gate(judge: Judge | None, standing: Standing):
     """The pick's last check (latentsweep.search.pick.picker.run_pick's `gate`): its ensemble of the chosen trials'
     checkpoints,
-    with the chosen weights, scored on the judge's val split; it replaces the answer in place unless it scores below
-    it (a tie goes to the pick: its refits are the same configs trained on more images). Returns the manifest's
+    with the chosen weights, scored on the judge's val split; it replaces the answer in place when it beats it beyond
+    the split's noise (judge.Standing.offer), or ranks every val caption as it does (a tie goes to the pick: its
+    refits are the same configs trained on more images). Returns the manifest's
     `answer` record, or None (the pick loses, said in one line)."""
     def gate(models, weights, device) -> dict | None:
         score = None if judge is None else judge.score_models(models, weights, device)
@@ -263,14 +264,14 @@ def _try_pick(pick: PickOptions, deadline: Deadline, answer: SafeAnswer, judge: 
     """The pick inside the job's deadline; None when it loses to the answer in place (latentsweep.search.pick.judge) or
     fails on
     anything but our own bug or an interrupt: the answer in place stays, said in one line (and in the standings)."""
-    in_place = (standing.source, standing.score)
+    in_place = (standing.source, standing.scored)
     try:
         return pick_until(pick, deadline, _gate(judge, standing))
     except Exception as exc:  # noqa: BLE001 - classified once: a bug is raised with its traceback
         failure = classify(exc)
         if failure.kind is Kind.BUG:
             raise
-        standing.source, standing.score = in_place  # a pick that won but failed to write is not the answer
+        standing.source, standing.scored = in_place  # a pick that won but failed to write is not the answer
         standing.offered.append({"answer": "the pick's ensemble", "val_mrr": None, "won": False,
                                  "failed": failure.reason})
         say(f"latentsweep: warning: the pick did not finish ({failure.reason}); the submission stays {answer.source}")

@@ -156,8 +156,8 @@ class Keeper:
         put_submission(self.out, self.test, predict_all([model], self.test.embeddings, self.device)[0])
         self.answer = SafeAnswer(self.out, source, time.monotonic() - started)
         if score is not None:
-            say(f"latentsweep: {source} scores {score:.4f} MRR on the val split, above {in_place}: it is the answer "
-                "now")
+            say(f"latentsweep: {source} scores {score.mrr:.4f} MRR on the val split, above {in_place}: it is the "
+                "answer now")
 
     def _watch(self) -> None:
         warned = False

@@ -313,6 +313,14 @@ def _leaderboard_ranks(pred, image, cap2img, gallery_size: int, seed: int, chunk
     return out.cpu().numpy(), views, owner
 
 
+def leaderboard_ranks(pred, image, cap2img, gallery_size: int = GALLERY_SIZE, seed: int = 0,
+                      chunk: int = DEFAULT_CHUNK) -> tuple[np.ndarray, float]:
+    """(each caption's leaderboard rank, int64 [Q]; the leaderboard MRR): evaluate_leaderboard's ranks, for comparing
+    two answers caption by caption on the same galleries."""
+    lb, views, owner = _leaderboard_ranks(pred, image, cap2img, gallery_size, seed, chunk)
+    return lb, _average_views(lb, views, owner)["mrr"]
+
+
 def evaluate(pred, image, cap2img, gallery_size: int = GALLERY_SIZE, seed: int = 0,
              chunk: int = DEFAULT_CHUNK) -> dict[str, float]:
     """Per-epoch validation: leaderboard metrics under the plain keys ("mrr", "r1", ...) and the global protocol's
@@ -351,7 +359,7 @@ def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GA
     return summarize(out.cpu().numpy())
 
 
-__all__ = ["Queries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "evaluate",
+__all__ = ["Queries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "leaderboard_ranks", "evaluate",
            "leaderboard_galleries", "caption_galleries", "CaptionGalleries", "leaderboard_from_ordered", "METRIC_KEYS",
            "GALLERY_SIZE", "DEFAULT_CHUNK"]
 

@@ -47,7 +47,14 @@ def moments(data: TrainSet, caps: np.ndarray, block: int = BLOCK) -> Moments:
 
 def held_out_mrr(ridge: Ridge, text: np.ndarray, image: np.ndarray, cap2img: np.ndarray, seed: int = 0,
                  caps: np.ndarray | None = None) -> float:
-    """latentsweep.trainers.eval.metrics.evaluate_leaderboard's MRR of `ridge`'s predictions of captions `text` [Q, Dx]
+    """held_out_rr's MRR alone."""
+    return held_out_rr(ridge, text, image, cap2img, seed, caps)[1]
+
+
+def held_out_rr(ridge: Ridge, text: np.ndarray, image: np.ndarray, cap2img: np.ndarray, seed: int = 0,
+                caps: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """(each caption's reciprocal rank, float64 [Q]; the MRR): latentsweep.trainers.eval.metrics.evaluate_leaderboard's
+    of `ridge`'s predictions of captions `text` [Q, Dx]
     (or of its rows
     `caps`, read in place gallery by gallery, never copied whole) against images `image` [G, Dy] (cap2img [Q]: each
     caption's row of `image`), computed inside each caption's gallery only.
@@ -82,7 +89,7 @@ def held_out_mrr(ridge: Ridge, text: np.ndarray, image: np.ndarray, cap2img: np.
         rank = rank_against(sims, sims.gather(1, target))
         rank = torch.where(ok[torch.from_numpy(cap2img[rows])], rank, len(cols))
         rr[rows] = 1.0 / rank.double().numpy()
-    return float(np.mean([rr[view[owner]].mean() for view in views]))
+    return rr, float(np.mean([rr[view[owner]].mean() for view in views]))
 
 
 def fit_ridge(data: TrainSet, seed: int = 0) -> tuple[Ridge, dict[float, float]]:
@@ -105,4 +112,4 @@ def fit_ridge(data: TrainSet, seed: int = 0) -> tuple[Ridge, dict[float, float]]
 
 # the solver and its grid live in latentsweep.trainers.models.ridge; named here too as the floor is where callers look
 # for them
-__all__ = ["ALPHAS", "Moments", "Ridge", "fit_ridge", "held_out_mrr", "moments", "solve"]
+__all__ = ["ALPHAS", "Moments", "Ridge", "fit_ridge", "held_out_mrr", "held_out_rr", "moments", "solve"]
