@@ -17,7 +17,7 @@ from latentsweep.search.study.budget import (
 from latentsweep.search.study.contract import TIMING_ATTR
 from test_loop import data, small_cfg  # noqa: F401 - the module's data fixture, by name
 from latentsweep.trainers.eval import metrics
-from latentsweep.trainers.train.cost import Timing, mean_epoch
+from latentsweep.trainers.train.cost import Timing, contention, mean_epoch
 from latentsweep.trainers.core.deadline import Deadline
 from latentsweep.trainers.core.errors import LatentsweepError
 from latentsweep.trainers.train.loop import DeadlineReached, train
@@ -116,8 +116,26 @@ def _study_with(refit_seconds: list[float], images: int = 100, eval_s: float = 0
 PICK = PickCost(PICK_FIXED_S, pool=10)
 
 
+def quiet_machine() -> float:
+    """A quiet machine's slowdown, whatever this one's load is now."""
+    return 1.0
+
+
+def test_the_picks_fixed_work_is_reserved_longer_on_a_loaded_machine():
+    """At a load average of 11 on 2 cores a 240-s job's pick took 70 s of its 35 s: its fixed work (the selection and
+    the export, PICK_FIXED_S measured quiet) is scaled by the load per core; what this job measured is not."""
+    study = _study_with([20.0, 20.0])
+    quiet = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK, slowdown=quiet_machine)
+    loaded = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK, slowdown=lambda: contention(11.0, 2))
+    assert loaded.reserve(study, 400, 100) - quiet.reserve(study, 400, 100) == pytest.approx(4.5 * PICK_FIXED_S)
+    assert contention(11.0, 2) == 5.5 and contention(1.5, 2) == 1.0 and contention(0.0, 0) == 1.0
+    assert contention() >= 1.0  # this machine, now
+
+
+
+
 def test_the_pick_reserve_follows_the_measured_costs_within_its_bounds():
-    budget = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK)
+    budget = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK, slowdown=quiet_machine)
     # nothing measured yet: the smallest reserve (the pick has nothing to refit), the first trial may start
     assert budget.reserve(_study_with([]), 400, 100) == RESERVE_MIN_FRACTION * 1000 == budget.opening_reserve()
     assert budget.reserve(_study_with([1.0]), 400, 100) == RESERVE_MIN_FRACTION * 1000  # cheap refits
@@ -135,7 +153,7 @@ def test_refits_are_reserved_only_for_trials_that_beat_the_answer_in_place():
     refits that never ran), the search keeps that time; once one does, the refits are reserved again."""
     from latentsweep.search.study.contract import ANSWER_ATTR, OBJECTIVE_ATTR
 
-    budget = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK)
+    budget = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK, slowdown=quiet_machine)
     study = _study_with([20.0, 20.0])  # best reported value 0.5 each
     with_refits = RESERVE_REFITS * 20 + PICK_FIXED_S
     assert budget.reserve(study, 400, 100) == pytest.approx(with_refits)  # nothing judged yet: as before
@@ -152,7 +170,7 @@ def test_refits_are_reserved_only_for_trials_that_beat_the_answer_in_place():
 def test_the_candidates_validation_counts_each_trials_own_pass():
     """A dear side trial (the knn's validation is its predictions over the training set) counts once, not as the
     mean of every place of the pool; places not filled yet cost the cheapest measured pass."""
-    budget = JobBudget(Deadline.after(2000.0), total_s=2000.0, pick=PICK)
+    budget = JobBudget(Deadline.after(2000.0), total_s=2000.0, pick=PICK, slowdown=quiet_machine)
     study = _study_with([20.0])
     timing = Timing(0.0, 20.0, 100.0, 400, 100, False)
     study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.4, params={"x": 0.2},
@@ -169,7 +187,7 @@ def test_a_candidate_the_keeper_scored_counts_what_scoring_it_took():
     damaged entry is left out."""
     from latentsweep.search.study.contract import ANSWER_ATTR, JUDGED_KEY
 
-    budget = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK)
+    budget = JobBudget(Deadline.after(1000.0), total_s=1000.0, pick=PICK, slowdown=quiet_machine)
     study = _study_with([20.0])  # trial 0: validation 0
     timing = Timing(0.0, 20.0, 100.0, 400, 100, False)
     study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.4, params={"x": 0.2},
@@ -187,14 +205,14 @@ def test_a_candidate_the_keeper_scored_counts_what_scoring_it_took():
 def test_the_reserve_never_shrinks_as_the_machine_slows_down():
     """A loaded machine or bigger data measures dearer refits and validations: the pick's share must not fall (it
     fell from 50% to 10% of the budget once one refit no longer fit in half of it)."""
-    budget = JobBudget(Deadline.after(240.0), total_s=240.0, pick=PICK)
+    budget = JobBudget(Deadline.after(240.0), total_s=240.0, pick=PICK, slowdown=quiet_machine)
     costs = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
     reserves = [budget.reserve(_study_with([c], eval_s=c / 10), 400, 100) for c in costs]
     assert reserves == sorted(reserves) and reserves[-1] == RESERVE_MAX_FRACTION * 240
 
 
 def test_the_reserve_never_falls_below_what_the_safe_answer_took():
-    slow_floor = JobBudget(Deadline.after(100.0), total_s=100.0, pick=PICK, floor_s=40.0)
+    slow_floor = JobBudget(Deadline.after(100.0), total_s=100.0, pick=PICK, floor_s=40.0, slowdown=quiet_machine)
     assert slow_floor.reserve(_study_with([0.1]), 400, 100) == SAFE_FACTOR * 40.0  # above the 50% cap too
     assert slow_floor.hard_stop().end <= slow_floor.deadline.end - SAFE_FACTOR * 40.0 + 1e-6
 

@@ -75,7 +75,8 @@ def describe_split(total: float) -> str:
     """The split printed before any work starts."""
     return (f"run: {total:.0f} s in all, one deadline. A closed-form answer is written first (seconds), then the "
             f"search runs until the pick's reserve begins ({RESERVE_REFITS} refits of the best trials on every "
-            f"labelled image, plus {PICK_FIXED_S:.0f} s and the candidates' predictions, as measured, within "
+            f"labelled image, plus {PICK_FIXED_S:.0f} s times the load per core and the candidates' predictions, "
+            f"as measured, within "
             f"{RESERVE_MIN_FRACTION:.0%}-{RESERVE_MAX_FRACTION:.0%} of the budget); no trial or epoch starts that "
             "would not finish before it. The best trial's submission is written, then the pick improves it with "
             "every second left.")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import Callable
 
 import optuna
 from optuna.trial import TrialState
 
 from latentsweep.search.study.contract import JUDGED_KEY, StudyRecord, read_timing, read_trials
 from latentsweep.trainers.core.deadline import Deadline
+from latentsweep.trainers.train.cost import contention
 
 # What the pick is reserved: this many refits on every labelled image of the best trials' configs. On the held-out
 # challenge-format set of issue 19, 7 refits (4 members) reached 0.640 test MRR and 12 refits (3 seeds x 4) added
@@ -56,12 +58,15 @@ class JobBudget:
     total_s: float
     pick: PickCost
     floor_s: float = 0.0
+    # how many times longer the pick's fixed work (measured quiet) takes on this machine now
+    slowdown: Callable[[], float] = contention
 
     def reserve(self, study: optuna.Study, captions: int, images: int) -> float:
         """Seconds kept for the pick: RESERVE_REFITS refits of the best measured trials on every labelled image
         (`captions`, `images`), counted only when one of them beats the job's answer in place on the val split
         (answer_to_beat: the pick refits only an ensemble that beat it first), plus the pick's fixed work and one
-        prediction of the val split per candidate of its pool; within RESERVE_MIN/MAX_FRACTION of the total and never
+        prediction of the val split per candidate of its pool (the fixed work scaled by the machine's load: `slowdown`;
+        the measured parts carry it already); within RESERVE_MIN/MAX_FRACTION of the total and never
         below SAFE_FACTOR x the safe answer. A slower machine or bigger data never gets a smaller one."""
         costs = refit_costs(study, captions, images, max(RESERVE_TRIALS, self.pick.pool))
         low, high = RESERVE_MIN_FRACTION * self.total_s, RESERVE_MAX_FRACTION * self.total_s
@@ -73,7 +78,7 @@ class JobBudget:
         # its trial measured predicting the val split again; places not yet filled cost the cheapest
         judged = judged_seconds(record)
         pool = [judged.get(c.number, c.pick_s) for c in costs[:self.pick.pool]]
-        fixed = self.pick.fixed_s + sum(pool) + (self.pick.pool - len(pool)) * min(pool)
+        fixed = self.pick.fixed_s * self.slowdown() + sum(pool) + (self.pick.pool - len(pool)) * min(pool)
         to_beat = answer_to_beat(record)
         refitted = [c for c in costs[:RESERVE_TRIALS] if to_beat is None or c.value > to_beat]
         refits = RESERVE_REFITS * statistics.fmean(c.refit_s for c in refitted) if refitted else 0.0

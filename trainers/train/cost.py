@@ -3,6 +3,7 @@ extrapolated from one job to another of the same config on other data sizes (a r
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import MISSING, asdict, dataclass, fields
 
 
@@ -56,10 +57,22 @@ class Timing:
         return self.setup_s + epochs * (self.train_s * scale + (self.eval_s if validate else 0.0))
 
 
+def contention(load: float | None = None, cores: int | None = None) -> float:
+    """How many times longer a fixed cost measured on a quiet machine takes now: the 1-minute load average per usable
+    core, at least 1 (this job's own busy threads count too, so a quiet machine reads about 1). Costs measured in
+    this job (a trial's epochs, the keeper's scoring of a checkpoint, the floor) already carry the load: not scaled.
+    1 where the system has no load average."""
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1.0, load / max(cores, 1))
+
+
 def mean_epoch(seconds: list[float]) -> float:
     """Mean of per-epoch seconds without the first epoch when there are more (it pays one-off warm-up costs)."""
     kept = seconds[1:] if len(seconds) > 1 else seconds
     return sum(kept) / len(kept) if kept else 0.0
 
 
-__all__ = ["Timing", "mean_epoch"]
+__all__ = ["Timing", "contention", "mean_epoch"]
