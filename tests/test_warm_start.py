@@ -82,9 +82,9 @@ def test_a_new_study_on_the_same_data_queues_the_earlier_best_first(tmp_path, da
     study = create(tmp_path, state, data[0], "second", extra=recipe)
     queued = warm(study)
     assert [t.user_attrs[WARM_ATTR] for t in queued] == ["earlier:0", "earlier:1", "earlier:2", "earlier:3"]
-    # best known first: before the file's side trial (trial 4) and its recipe (trial 5)
-    assert [t.number for t in queued] == [0, 1, 2, 3]
-    assert study.trials[4].user_attrs[SIDE_ATTR] and study.trials[4].system_attrs["fixed_params"] == {}
+    # the file's cheap side trial (trial 0) first, then the best known, then the file's recipe (trial 5)
+    assert study.trials[0].user_attrs[SIDE_ATTR] and study.trials[0].system_attrs["fixed_params"] == {}
+    assert [t.number for t in queued] == [1, 2, 3, 4]
     assert study.trials[5].system_attrs["fixed_params"] == {LR: 0.002, WEIGHT: 0.1}
     assert queued[0].system_attrs["fixed_params"] == {LR: 3e-3, WEIGHT: 0.9, MARGIN: 0.3}
     assert all(t.state == optuna.trial.TrialState.WAITING for t in queued)

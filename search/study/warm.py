@@ -7,8 +7,8 @@ every study records at creation (IDENTITY_ATTR), so a copied or renamed file is 
 is not. Earlier studies are looked for in the study's own storage and in each `--warm-from` source (a state directory
 or an Optuna storage URL); one is a source when its data fingerprint, objective metric and direction match. Their
 COMPLETE trials, best first and distinct once translated into the new space (search/study/space.py), are enqueued
-before the study file's side trials and recipes (the earlier studies ranked those too), WARM_K at most; each records where it came
-from (WARM_ATTR, and the MLflow tag of the same name). Without any source, the bundled portfolio (portfolio.toml,
+after the study file's side trials (cheap) and before its recipes (the earlier studies ranked those too), WARM_K at
+most; each records where it came from (WARM_ATTR, and the MLflow tag of the same name). Without any source, the bundled portfolio (portfolio.toml,
 written by benchmarks/portfolio.py) is enqueued after the recipes. Done once, when the study is created
 (search/study/worker.py load_or_create).
 
