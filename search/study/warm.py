@@ -8,8 +8,8 @@ is not. Earlier studies are looked for in the study's own storage and in each `-
 or an Optuna storage URL); one is a source when its data fingerprint, objective metric and direction match. Their
 COMPLETE trials, best first and distinct once translated into the new space (search/study/space.py), are enqueued
 after the study file's side trials (cheap) and before its recipes (the earlier studies ranked those too), WARM_K at
-most; each records where it came from (WARM_ATTR, and the MLflow tag of the same name). Without any source, the bundled portfolio (portfolio.toml,
-written by benchmarks/portfolio.py) is enqueued after the recipes. Done once, when the study is created
+most; each records where it came from (WARM_ATTR, and the MLflow tag of the same name). Without any source, the
+bundled portfolio (portfolio.toml, written by benchmarks/portfolio.py) is enqueued after the recipes. Done once, when the study is created
 (search/study/worker.py load_or_create).
 
 The sampler (TPE or GP: samplers.LEARNS_FROM_PAST) also learns from the sources' COMPLETE trials whose values are
