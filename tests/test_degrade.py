@@ -1,7 +1,7 @@
-"""Degrade, never fail: a store outage or a full disk inside the search of `latentsweep run` ends the search, not the job. The
-failure is real and below the code under test: the study's PostgreSQL database is dropped while the search runs
-(no monkeypatch), or the disk under the trials' checkpoints is filled. The job still ends with a valid submission, exit 0, and one line naming the submission and why the
-search ended."""
+"""Degrade, never fail: a store outage or a full disk inside the search of `latentsweep run` ends the search, not the
+job. The failure is real and below the code under test: the study's PostgreSQL database is dropped while the search
+runs (no monkeypatch), or the disk under the trials' checkpoints is filled. The job still ends with a valid
+submission, exit 0, and one line naming the submission and why the search ended."""
 from __future__ import annotations
 
 import errno

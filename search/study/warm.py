@@ -9,8 +9,8 @@ or an Optuna storage URL); one is a source when its data fingerprint, objective 
 COMPLETE trials, best first and distinct once translated into the new space (search/study/space.py), are enqueued
 after the study file's side trials (cheap) and before its recipes (the earlier studies ranked those too), WARM_K at
 most; each records where it came from (WARM_ATTR, and the MLflow tag of the same name). Without any source, the
-bundled portfolio (portfolio.toml, written by benchmarks/portfolio.py) is enqueued after the recipes. Done once, when the study is created
-(search/study/worker.py load_or_create).
+bundled portfolio (portfolio.toml, written by benchmarks/portfolio.py) is enqueued after the recipes. Done once,
+when the study is created (search/study/worker.py load_or_create).
 
 The sampler (TPE or GP: samplers.LEARNS_FROM_PAST) also learns from the sources' COMPLETE trials whose values are
 comparable: the same validation split too (SPLIT_KEYS), each translated as above. They are not added to the study
