@@ -68,34 +68,53 @@ def _finished(url: str, name: str) -> int:
     return sum(t.state.is_finished() for t in study.get_trials(deepcopy=False))
 
 
+def _run_with_fault(cmd: list[str], tmp_path: Path, url: str, name: str, fault) -> tuple[int, str]:
+    """Start `cmd` (a `latentsweep run` of 300 s: on a loaded machine the search keeps half of it, time for 2 trials),
+    call `fault()` once study `name` at `url` has 2 finished trials, and wait for the job's end: (its exit code, its
+    stderr)."""
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        give_up = time.monotonic() + 120
+        while _finished(url, name) < 2 and proc.poll() is None and time.monotonic() < give_up:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        fault()
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+def _submission_line(world, state: Path, name: str, code: int, err: str) -> str:
+    """The job ended with exit 0, no traceback and a valid submission: its one `submission:` line."""
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    submission = state / "picks" / name / "submission.csv"
+    assert check_submission(submission, load_test(world.test), dim=32) == (60, 32)
+    last = [line for line in err.splitlines() if line.startswith("latentsweep: submission:")]
+    assert len(last) == 1 and str(submission) in last[0], err[-3000:]
+    return last[0]
+
+
 @pytest.mark.slow  # 30-60 s on 2 cores: a run until its first trials, then the outage and the job's end
 def test_a_store_dropped_mid_search_ends_the_search_not_the_job(world, tmp_path, pg_db):
     url = f"postgresql+psycopg2://postgres@127.0.0.1:5432/{pg_db}"
     study = tiny_study_file(tmp_path, "outage", n_trials=200, epochs=3)
     state = tmp_path / "state"
-    cmd = [sys.executable, "-m", "latentsweep", "run", str(study), "--time", "180", "--storage", url, "--data",
+    cmd = [sys.executable, "-m", "latentsweep", "run", str(study), "--time", "300", "--storage", url, "--data",
            str(world.train), "--test", str(world.test), "--state-dir", str(state), "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        give_up = time.monotonic() + 120
-        while _finished(url, "outage") < 2 and proc.poll() is None and time.monotonic() < give_up:
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        conn = _admin()  # the outage: the study's database is gone
+
+    def outage() -> None:  # the study's database is gone
+        conn = _admin()
         with conn.cursor() as cur:
             cur.execute(f'DROP DATABASE "{pg_db}" WITH (FORCE)')
         conn.close()
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
+
+    line = _submission_line(world, state, "outage", *_run_with_fault(cmd, tmp_path, url, "outage", outage))
+    assert "the search ended early" in line
     submission = state / "picks" / "outage" / "submission.csv"
-    assert check_submission(submission, load_test(world.test), dim=32) == (60, 32)
-    last = [line for line in err.splitlines() if line.startswith("latentsweep: submission:")]
-    assert len(last) == 1 and str(submission) in last[0] and "the search ended early" in last[0], err[-3000:]
     doc = json.loads(submission.with_name("submission.manifest.json").read_text())
     assert doc["answer"]["winner"] == doc["made_by"]
 
@@ -135,28 +154,12 @@ def test_a_disk_filled_mid_search_ends_the_search_not_the_job(world, tmp_path, s
     trial or MLflow run left RUNNING."""
     study = tiny_study_file(tmp_path, "fulldisk", n_trials=200, epochs=3)
     state = tmp_path / "state"
-    cmd = [sys.executable, "-m", "latentsweep", "run", str(study), "--time", "180", "--data", str(world.train),
+    cmd = [sys.executable, "-m", "latentsweep", "run", str(study), "--time", "300", "--data", str(world.train),
            "--test", str(world.test), "--state-dir", str(state), "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     url = f"sqlite:///{state / 'optuna.db'}"
-    try:
-        give_up = time.monotonic() + 120
-        while _finished(url, "fulldisk") < 2 and proc.poll() is None and time.monotonic() < give_up:
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        _fill(small_disk)
-        out, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    submission = state / "picks" / "fulldisk" / "submission.csv"
-    assert check_submission(submission, load_test(world.test), dim=32) == (60, 32)
-    last = [line for line in err.splitlines() if line.startswith("latentsweep: submission:")]
-    assert len(last) == 1 and str(submission) in last[0], err[-3000:]
-    assert "the search ended early" in last[0] and "No space left on device" in last[0], err[-3000:]
+    line = _submission_line(world, state, "fulldisk",
+                            *_run_with_fault(cmd, tmp_path, url, "fulldisk", lambda: _fill(small_disk)))
+    assert "the search ended early" in line and "No space left on device" in line, line
     stored = optuna.load_study(study_name="fulldisk", storage=url).get_trials(deepcopy=False)
     assert not [t.number for t in stored if t.state == optuna.trial.TrialState.RUNNING]
 
