@@ -45,8 +45,9 @@ site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 echo "$suite_site" >"$site/suite-installs.pth"
 if [[ ! -f "$venv/.complete" ]]; then
     # Wheels only: a floor must install without a compiler (psycopg2-binary and psutil floors are the first with
-    # Python 3.11 wheels). pip leaves the suite's newer copies where they are ("outside environment") and installs the
-    # floors in front of them.
+    # Python 3.11 wheels; isal's is the first whose inflate releases the GIL, a release after its first 3.11 wheel).
+    # pip leaves the suite's newer copies where they are ("outside environment") and installs the floors in front of
+    # them.
     echo "$pins" >"$venv/floors.txt"
     "${pip[@]}" install -q --only-binary :all: -r "$venv/floors.txt"
     touch "$venv/.complete"
@@ -56,7 +57,7 @@ fi
 "$venv/bin/python" .ci/floors.py --check  # and each direct dependency is exactly at its floor, first on the path
 
 # The subset imports and exercises every direct dependency: the torch APIs, training, the config and study files,
-# Optuna storage/heartbeat/retry, MLflow tracking, a pick's LoggedModel, the UI servers.
+# Optuna storage/heartbeat/retry, MLflow tracking, a pick's LoggedModel, the UI servers, isal's inflate (test_npz).
 # -m: the slow tests of these files too (the UI servers' are slow-marked), which the suite's addopts leave out.
 # Deselected: the two longest of test_study.py (Ctrl-C and a parallel budget: 30-40 s each on 2 cores), which test
 # our signal and budget handling, not a dependency's API; the suite and the slow step run them.
@@ -65,4 +66,4 @@ fi
     --deselect tests/test_study.py::test_parallel_sqlite_workers_spend_exact_budget \
     tests/test_torch_api.py tests/test_rows.py tests/test_config.py tests/test_studyfile.py tests/test_space.py \
     tests/test_loop.py tests/test_optim.py tests/test_tracking.py tests/test_study.py tests/test_worker_exits.py \
-    tests/test_tracking_e2e.py tests/test_ui.py "$@"
+    tests/test_tracking_e2e.py tests/test_ui.py tests/test_npz.py "$@"

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
+import sys
+import threading
 import zipfile
 import zlib
 
@@ -14,9 +17,9 @@ from numpy.lib import format as npformat
 from latentsweep.trainers.core.errors import DataError, closest
 
 # Dense-label bytes decoded (or encoded) per step: the real label is 125000 x 25000 bools = 3.1 GB, so it is streamed.
-# zipfile's read joins its decompressed pieces, so a step briefly holds about 3x this (at 32 MB the load peaked
-# 0.10 GB above what it keeps; benchmarks/memory_peak.py).
-LABEL_CHUNK_BYTES = 8 << 20
+# A step is one inflate call's output, scanned while in cache: reading the real label took 10-15% less CPU at 1-4 MB
+# than at 8 MB (at 32 MB, with zipfile's reader, the load peaked 0.10 GB above what it keeps).
+LABEL_CHUNK_BYTES = 2 << 20
 # Rows per step for finiteness checks, so the temporary bool mask stays at ROW_CHUNK x dim.
 ROW_CHUNK = 8192
 # Sparse label convention (CSR, scipy.sparse.save_npz names behind the prefix "captions/label_"):
@@ -24,23 +27,145 @@ ROW_CHUNK = 8192
 #   optional captions/label_data [nnz] (entries equal to 0 are ignored),
 #   optional captions/label_shape int [2] = (Nc, Ni), optional captions/label_format str "csr".
 SPARSE_PREFIX = "captions/label_"
+try:
+    # ISA-L's inflate: the challenge's dense label (3.4 MB deflated to 3.1 GB) in 1.2 s against zlib's 6.6 s. A
+    # dependency (pyproject), but a platform without its wheel gets zlib's inflate: the same bytes, slower.
+    from isal import isal_zlib as _isal
+except ImportError:
+    _isal = None
+# The default inflate back end: a module with decompressobj(wbits), crc32(data, value) and error, as zlib has.
+INFLATE = _isal or zlib
 # Errors that mean the zip container or a member's bytes are damaged.
-_READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError, NotImplementedError)
+_READ_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError, NotImplementedError) \
+    + ((_isal.error,) if _isal is not None else ())
+# Compressed bytes read from the file per step (the float members deflate about 1.08:1, the label about 900:1): at
+# 256 KB an inflate call's output stays in cache, and the real captions/embeddings inflated into their array in about
+# 2.7 CPU-s against 4.0 at 1 MB (isal; a loaded 2-core machine, 3 runs each).
+INPUT_CHUNK = 256 << 10
+# Stored (not deflated) bytes copied per step, so a stored matrix is never held twice whole.
+STORED_CHUNK = 8 << 20
+# Local file header: 30 fixed bytes ("PK\3\4", ..., name length at 26, extra length at 28), name, extra, data.
+_LOCAL = struct.Struct("<4s22xHH")
 
 
 INT64_MAX = np.iinfo(np.int64).max  # ids are stored as int64 everywhere
 
 
+def _pread(file, lock: threading.Lock, size: int, offset: int) -> bytes:
+    """`size` bytes of `file` at `offset` (fewer at its end); members read in threads share the one handle."""
+    if hasattr(os, "pread"):  # no shared position: threads never wait on each other
+        return os.pread(file.fileno(), size, offset)
+    with lock:  # Windows
+        file.seek(offset)
+        return file.read(size)
+
+
+class Member:
+    """One zip member's bytes as a read-only stream (read, readinto, tell), inflated as read with `inflate`'s
+    decompressobj (isal_zlib or zlib), its size and CRC-32 checked against the zip directory at its last byte."""
+
+    def __init__(self, file, lock: threading.Lock, info: zipfile.ZipInfo, inflate=INFLATE):
+        self._file, self._lock, self._crc32 = file, lock, inflate.crc32
+        head = _pread(file, lock, _LOCAL.size, info.header_offset)
+        if len(head) < _LOCAL.size or _LOCAL.unpack(head)[0] != zipfile.stringFileHeader:
+            raise zipfile.BadZipFile(f"bad local file header of {info.filename}")
+        if info.flag_bits & 0x1:
+            raise NotImplementedError(f"{info.filename} is encrypted")
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise NotImplementedError(f"{info.filename}: compression method {info.compress_type} (only stored or "
+                                      "deflated members are read)")
+        _, name_len, extra_len = _LOCAL.unpack(head)
+        self._pos = info.header_offset + _LOCAL.size + name_len + extra_len  # next unread byte of the member's data
+        self._end = self._pos + info.compress_size
+        self._inflater = inflate.decompressobj(-zlib.MAX_WBITS) if info.compress_type == zipfile.ZIP_DEFLATED \
+            else None  # raw deflate, as zip stores it
+        self._tail = b""  # compressed bytes read but not yet inflated
+        self.size, self._want_crc, self._done, self._crc = info.file_size, info.CRC, 0, 0
+
+    def tell(self) -> int:
+        return self._done
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to n bytes (all the rest when n < 0), fewer only at the member's end."""
+        n = sys.maxsize if n is None or n < 0 else n
+        pieces, got = [], 0
+        while got < n:
+            piece = self._next(n - got)
+            if not piece:
+                break
+            pieces.append(piece)
+            got += len(piece)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def readinto(self, buf) -> int:
+        """Fill `buf` (any writable buffer); the bytes written, fewer only at the member's end."""
+        out = memoryview(buf).cast("B")
+        got = 0
+        while got < len(out):
+            piece = self._next(len(out) - got)
+            if not piece:
+                break
+            out[got:got + len(piece)] = piece
+            got += len(piece)
+        return got
+
+    def _next(self, want: int) -> bytes:
+        """The next 1..want bytes of the member's data, b"" after its last; checks its size and CRC at the end."""
+        piece = self._stored(want) if self._inflater is None else self._inflated(want)
+        if piece:
+            self._done += len(piece)
+            self._crc = self._crc32(piece, self._crc)
+            if self._done > self.size:
+                raise zipfile.BadZipFile(f"member data longer than the {self.size} bytes of its directory entry")
+            if self._done == self.size and self._crc != self._want_crc:
+                raise zipfile.BadZipFile("bad CRC-32 of the member's data")
+        elif self._done < self.size:
+            raise EOFError(f"member data ends after {self._done} of its {self.size} bytes")
+        return piece
+
+    def _stored(self, want: int) -> bytes:
+        take = min(want, STORED_CHUNK, self._end - self._pos)
+        piece = _pread(self._file, self._lock, take, self._pos)
+        if len(piece) < take:
+            raise EOFError("the file ends inside the member's data")
+        self._pos += take
+        return piece
+
+    def _inflated(self, want: int) -> bytes:
+        while not self._inflater.eof:
+            if not self._tail and self._pos < self._end:
+                take = min(INPUT_CHUNK, self._end - self._pos)
+                self._tail = _pread(self._file, self._lock, take, self._pos)
+                if len(self._tail) < take:
+                    raise EOFError("the file ends inside the member's data")
+                self._pos += take
+            feed, last = self._tail, self._pos == self._end
+            piece = self._inflater.decompress(feed, want)
+            self._tail = self._inflater.unconsumed_tail
+            if piece:
+                return piece
+            if last and not feed:  # all input given and nothing more came out
+                raise EOFError("the member's deflated data ends before its end-of-stream marker")
+        return b""
+
+
 class Npz:
     """An open npz (zip of .npy members): headers, whole arrays and streamed reads, every failure a DataError."""
 
-    def __init__(self, path):
-        self.path = str(path)
+    def __init__(self, path, inflate=INFLATE):
+        """inflate: the deflate back end of every member's read (isal_zlib, else zlib; see INFLATE)."""
+        self.path, self.inflate = str(path), inflate
         if not os.path.isfile(self.path):
             raise DataError(f"{self.path}: file not found")
         try:
-            self.zip = zipfile.ZipFile(self.path)
+            self._file = open(self.path, "rb")
+        except OSError as exc:
+            raise DataError(f"{self.path}: cannot open ({exc})") from None
+        self._lock = threading.Lock()
+        try:
+            self.zip = zipfile.ZipFile(self._file)
         except _READ_ERRORS as exc:
+            self._file.close()
             raise DataError(f"{self.path}: not a readable npz (zip) file, truncated or corrupt ({exc})") from None
         self.keys = {name[:-4]: name for name in self.zip.namelist() if name.endswith(".npy")}
 
@@ -49,6 +174,7 @@ class Npz:
 
     def __exit__(self, *exc):
         self.zip.close()
+        self._file.close()
 
     def error(self, key: str, message: str) -> DataError:
         return DataError(f"{self.path}: key '{key}': {message}")
@@ -62,13 +188,13 @@ class Npz:
     def open(self, key: str, to_end: bool = True):
         """Open one member; damaged bytes become a DataError naming the key.
 
-        to_end: on a clean exit, require the member to end there (reading to the end makes zipfile check its CRC).
+        to_end: on a clean exit, require the member to end there (its last byte read checks its size and CRC-32).
         """
         try:
-            with self.zip.open(self.require(key)) as f:
-                yield f
-                if to_end and f.read(1):
-                    raise ValueError("trailing bytes after the array")
+            f = Member(self._file, self._lock, self.zip.getinfo(self.require(key)), self.inflate)
+            yield f
+            if to_end and f.read(1):
+                raise ValueError("trailing bytes after the array")
         except DataError:
             raise
         except _READ_ERRORS as exc:
@@ -83,13 +209,19 @@ class Npz:
         """The whole member, after its header is checked against the member's size: a hostile header declaring a
         huge shape would otherwise make numpy allocate it (terabytes) before noticing the data is missing."""
         with self.open(key) as f:
-            shape, _, dtype = _read_header(f)
-            declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
-            if not dtype.hasobject and declared != self.zip.getinfo(self.keys[key]).file_size - f.tell():
-                raise self.error(key, f"header declares shape {shape} ({declared} bytes of {dtype}) but the member "
-                                      f"holds {self.zip.getinfo(self.keys[key]).file_size - f.tell()} data bytes")
-            f.seek(0)
-            return npformat.read_array(f, allow_pickle=False)
+            shape, fortran, dtype = _read_header(f)
+            count = int(np.prod(shape, dtype=object))
+            if dtype.hasobject:  # numpy's own refusal (allow_pickle=False), from the member's start
+                with self.open(key) as again:
+                    return npformat.read_array(again, allow_pickle=False)
+            if count * dtype.itemsize != f.size - f.tell():
+                raise self.error(key, f"header declares shape {shape} ({count * dtype.itemsize} bytes of {dtype}) "
+                                      f"but the member holds {f.size - f.tell()} data bytes")
+            # Read straight into the array in one call (numpy's read_array copies 16 MB pieces out of the stream).
+            arr = np.empty(count, dtype)
+            if arr.nbytes and f.readinto(arr.view(np.uint8)) != arr.nbytes:
+                raise EOFError("the member's data ends early")
+            return arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
 
     def vector(self, key: str, kinds: str, n: int | None = None, ref: str = "") -> np.ndarray:
         """A rank-1 array of dtype kind in `kinds` ('i' ints, 'U' text, 'b' bool), optionally of length n."""

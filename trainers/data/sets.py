@@ -106,10 +106,13 @@ def load_train(path, *, texts: bool = False, label_chunk_rows: int | None = None
 
 def _label_beside(pool: ThreadPoolExecutor, npz: Npz, chunk_rows: int | None) -> Future | None:
     """The caption-to-image label read in a thread beside the embeddings, at the sizes their headers declare: at
-    challenge size the dense label is 3.1 GB to inflate and scan (8.3 s on 2 cores) and the embeddings 0.67 GB (5.7 s),
-    and zlib and numpy release the GIL. None (read after them, in order) when a header is not a matrix's: the
-    embeddings' own reads then say what is wrong, as before. The embeddings' checks come first either way; the
-    label's error is raised where its read used to be."""
+    challenge size (2 cores, loaded) the label took 2.1 CPU-s in that thread, the main thread 4.5 (captions/embeddings
+    most of it: one deflate stream, which one thread inflates); inflate (isal or zlib) and numpy release the GIL.
+    None (read after them, in order) when a header is not a matrix's: the embeddings' own reads then say what is
+    wrong, as before. The embeddings' checks come first either way; the label's error is raised where its read used
+    to be. Tried and not kept (docs/trial-costs.md, "Real size"): images/embeddings in a second thread (the peak rose
+    0.04 GB: its array filled while the caption texts were read and dropped) and the fingerprint in this thread after
+    the label (no faster on the loaded machine: wall 0.99x, 8 pairs)."""
     try:
         shapes = [npz.header(key)[0] for key in ("captions/embeddings", "images/embeddings")]
     except DataError:
