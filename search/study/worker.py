@@ -137,9 +137,7 @@ def load_or_create(study_file: StudyFile, spec: RunSpec, tracker: Tracker, creat
                     SEARCHED_SETTING: ",".join(p.key for p in study_file.space), VIEW_TAGS_SETTING: (WARM_ATTR,)}
         study.set_user_attr(PARENT_ATTR, tracker.ensure_study(spec.name, settings))
     if not attrs.get(ENQUEUED_ATTR):
-        # The side trials first (one cheap config each: the knn, seconds on the demo), then the earlier studies' best
-        # configurations, the recipes, the portfolio. Measured: with the earlier best first, a 60-s run on a loaded
-        # machine trained only that MLP and ended on the floor where the knn first beat it (docs/results.md).
+        # side trials (cheap) before earlier studies' best: the other way, loaded 60-s runs kept the floor (results.md)
         enqueue_side(study, study_file.side)
         portfolio_due = warm_start(study, study_file, spec.data_path, spec.warm_start, spec.warm_from)
         for values in study_file.enqueue:

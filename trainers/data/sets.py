@@ -65,11 +65,13 @@ def _check_metadata(npz: Npz, expected: dict[str, tuple[int, str]]) -> None:
                 raise npz.error(key, f"says {int(arr.reshape(-1)[0])} but {source} gives {value}")
 
 
-def load_train(path, *, texts: bool = False, label_chunk_rows: int | None = None) -> TrainSet:
+def load_train(path, *, texts: bool = False, label_chunk_rows: int | None = None,
+               fp: str | None = None) -> TrainSet:
     """Read and validate a challenge train.npz; the dense label is streamed, never held whole.
 
     texts: keep the caption texts (a holdout writes them); they are always checked, but otherwise dropped, since
     numpy stores them at the longest caption's width (4 bytes a character: 0.2 GB for 125,000 captions of up to 400).
+    fp: the file's fingerprint when the caller hashed it already (load_train_shared), else computed here.
     """
     with Npz(path) as npz, ThreadPoolExecutor(1, thread_name_prefix="latentsweep-label") as pool:
         label = _label_beside(pool, npz, label_chunk_rows)
@@ -99,7 +101,8 @@ def load_train(path, *, texts: bool = False, label_chunk_rows: int | None = None
             "embedding_dim_text": (text.shape[1], "captions/embeddings columns"),
             "embedding_dim_image": (image.shape[1], "images/embeddings columns")})
     reads["parsed"] += 1
-    data = TrainSet(str(path), fingerprint(path), ids, caption_text, text, image, cap2img, names, labels, label_names)
+    fp = fingerprint(path) if fp is None else fp  # load_train_shared hashed it already (0.5 s at challenge size)
+    data = TrainSet(str(path), fp, ids, caption_text, text, image, cap2img, names, labels, label_names)
     release_free_heap()  # the read buffers and the label's blocks, freed but kept resident by glibc (0.04 GB)
     return data
 
@@ -164,7 +167,7 @@ def load_train_shared(path) -> TrainSet:
     if mapped is not None:
         reads["mapped"] += 1
         return _remember(mapped)
-    data = _remember(load_train(path))
+    data = _remember(load_train(path, fp=fp))
     if folder is not None and _write_cached(data, folder):
         # this process maps the copy too: with spawned workers the machine then holds one copy (the page cache's),
         # not this process's private one beside theirs
