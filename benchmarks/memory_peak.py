@@ -3,6 +3,7 @@ float arrays' bytes.
 
 Usage: python benchmarks/memory_peak.py [--dir DIR] [--before REV] [--study FILE] [--json OUT]
        python benchmarks/memory_peak.py --one-budget 300 [--dir DIR] [--before REV]   # `run --time 300`, by step
+       python benchmarks/memory_peak.py --pick-state STATE [--pick-study full] [--dir DIR] [--before REV]  # the pick
        python benchmarks/memory_peak.py --smoke    # the same commands on a tiny file in a temp dir (no goal check)
 The challenge-size train.npz (25,000 images x 5 captions, 1024 -> 1536, latentsweep.trainers.data.synthetic; with
 5,000 test captions for --one-budget) is built once in DIR (default: a temp dir). Each command runs as a child
@@ -11,13 +12,18 @@ process; its peak RSS is the ru_maxrss that os.wait4 returns, which covers the c
 archive), for a before/after table. --one-budget SECONDS runs `latentsweep run studies/full.toml --time SECONDS` with
 its defaults instead (goal: 2.5x the floats, issue 38), in a child that samples its own RSS (anonymous and
 file-backed) every 20 ms and names the step running at each sample (the library's functions wrapped from outside,
-STEPS): each step's peak is printed.
+STEPS): each step's peak is printed. --pick-state STATE measures the pick of a one-budget run alone, on a copy of a
+state directory whose study has trials with checkpoints (`study run` or `run` on the challenge-size file in DIR): in a
+child that loads the data and reads every page of it (as the run's trials did before its pick), scores the floor, then
+runs the pick with the run's gate, by step as above (a state written by --before's code, which may not read newer
+checkpoints).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,7 +34,7 @@ from pathlib import Path
 import tomli_w
 
 ROOT = Path(__file__).resolve().parents[1]
-if sys.argv[1:2] != ["--child-trace"]:  # a child measures the code its PYTHONPATH names (--before REV's)
+if sys.argv[1:2] not in (["--child-trace"], ["--child-pick"]):  # a child measures its PYTHONPATH's code (--before's)
     sys.path.insert(0, str(ROOT))
 
 # Real challenge train.npz: 25,000 images x 5 captions, text dim 1024, image dim 1536 (shared/data-sources.md).
@@ -39,6 +45,8 @@ JOB_GOAL_RATIO = 2.5  # issue 38: peak RSS of `run --time` at challenge size <= 
 TEST_CAPTIONS = {"full": 5_000, "smoke": 50}  # the one-budget job's test file (docs/trial-costs.md's real-size file)
 SAMPLE_S = 0.02  # the one-budget child's RSS sampling period
 JOB_SMOKE_S = 20  # --smoke's `run --time` (tests only: below the product's 60-s minimum)
+PICK_BUDGET_S = 900  # --pick-state: the pick's deadline (a `run --time 1200` leaves it 150-600 s)
+PICK_FLOOR_ALPHA = 0.1  # --pick-state: the floor's ridge strength (the one the challenge-size file's floor chose)
 # The steps of a one-budget job a sample is labelled with: (module, function or Class.method, label). A name the
 # measured code lacks (--before an older revision) is skipped.
 STEPS = (
@@ -61,6 +69,8 @@ STEPS = (
     ("latentsweep.search.pick.picker", "choose", "selection"),
     ("latentsweep.search.pick.jobs", "run_job", "refit"),
     ("latentsweep.search.pick.picker", "write_outputs", "outputs"),
+    ("latentsweep.search.pick.ensemble", "predict_all", "predict"),
+    ("latentsweep.search.pick.oof", "nested_select", "nested selection"),
 )
 
 
@@ -180,12 +190,18 @@ def _label_steps(stacks: dict[int, list[str]]) -> None:
 def child_trace(out: str, argv: list[str]) -> int:
     """Run `latentsweep ARGV` in this process (its clock from the process's start, as the CLI's), sampling its RSS
     every SAMPLE_S with the steps running then (each thread's, outermost first); write {label: peak} to `out`."""
-    import threading
-
     import latentsweep.search.cli.run  # noqa: F401 - the job's modules, imported before their steps are wrapped
     import latentsweep.search.pick.picker  # noqa: F401
     import latentsweep.search.study.runner  # noqa: F401
     from latentsweep.search.cli.main import main
+
+    sys.argv = ["latentsweep", *argv]
+    return traced(out, main)
+
+
+def traced(out: str, run) -> int:
+    """run() with STEPS labelled and this process's RSS sampled every SAMPLE_S; {label: peak} written to `out`."""
+    import threading
 
     stacks: dict[int, list[str]] = {}
     peaks: dict[str, dict] = {}
@@ -203,13 +219,76 @@ def child_trace(out: str, argv: list[str]) -> int:
     _label_steps(stacks)
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    sys.argv = ["latentsweep", *argv]
     try:
-        return main()
+        return run()
     finally:
         stop.set()
         sampler.join()
         Path(out).write_text(json.dumps(peaks))
+
+
+def child_pick(out: str, state: str, study: str, study_file: str, data: str, test: str) -> int:
+    """The pick of a one-budget run on `state` (traced as child_trace): the data loaded and every page read, as the
+    run's trials read them before its pick; the judge and the floor's score; pick_until with the run's gate."""
+    import numpy as np
+
+    from latentsweep.search.pick import onebudget
+    from latentsweep.search.pick.judge import Standing, make_judge
+    from latentsweep.search.pick.options import PickOptions
+    from latentsweep.search.pick.picker import pick_until
+    from latentsweep.search.study.studyfile import load_study_file
+    from latentsweep.trainers.core.deadline import Deadline
+    from latentsweep.trainers.core.errors import LatentsweepError
+    from latentsweep.trainers.data.sets import load_train_shared
+
+    def pick() -> int:
+        loaded = load_train_shared(data)
+        print(f"  read every page: {float(np.asarray(loaded.text).sum() + np.asarray(loaded.image).sum()):.3g}")
+        judge = make_judge(load_study_file(Path(study_file)).base, loaded)
+        standing = Standing("the closed-form ridge", judge.score_floor(loaded, PICK_FLOOR_ALPHA))
+        opts = PickOptions(study=study, state_dir=state, data=data, test=test, out=f"{state}/picks/{study}/sub.csv",
+                           register=study, progress=False)
+        try:
+            made = pick_until(opts, Deadline.after(PICK_BUDGET_S), onebudget._gate(judge, standing))
+        except LatentsweepError as exc:  # a state without a trial to pick (a smoke job's may have none)
+            print(f"  no pick: {exc}", flush=True)
+            return 0
+        print(f"  the pick {'wrote its ensemble' if made else 'lost to the floor (nothing written)'}", flush=True)
+        return 0
+
+    return traced(out, pick)
+
+
+def pick_peak(code: Path, state: Path, study: str, study_file: Path, data: Path, work: Path) -> dict:
+    """child_pick with the code at `code` on a copy of `state` (the pick writes into its state): peak RSS (wait4),
+    wall seconds and each step's peak."""
+    work.mkdir(parents=True, exist_ok=True)
+    copy, steps = work / "state", work / "steps.json"
+    shutil.copytree(state, copy)
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child-pick", str(steps), str(copy), study,
+            str(study_file), str(data), str(data.parent / "test.clean.npz")]
+    rss, wall = peak_rss(argv, code, work)
+    print(f"  pick: peak {rss / 1e9:.2f} GB ({wall:.0f} s)", flush=True)
+    return {"peak_rss": rss, "wall_s": wall, "steps": json.loads(steps.read_text())}
+
+
+def pick_main(args, tmp: Path, state: Path, data: Path) -> int:
+    """--pick-state: the pick alone on a copy of the state, this tree and --before's."""
+    floats = float_bytes(data)
+    goal = JOB_GOAL_RATIO * floats
+    print(f"float arrays: {floats / 1e9:.3f} GB; goal: peak <= {JOB_GOAL_RATIO:g}x = {goal / 1e9:.2f} GB", flush=True)
+    results = {}
+    for label, code in ([(f"before ({args.before})", None)] if args.before else []) + [("this tree", ROOT)]:
+        print(f"{label}:", flush=True)
+        code = code or export_revision(args.before, tmp / "before")
+        results[label] = pick_peak(code, state, args.pick_study, code / "studies" / args.pick_file, data,
+                                   tmp / label.split()[0])
+    for label, r in results.items():
+        print(f"\n{label}: the pick peaked at {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / floats:.2f}x the floats "
+              f"in {r['wall_s']:.0f} s\n{steps_table(r, floats)}")
+    if args.json:
+        args.json.write_text(json.dumps({"float_bytes": floats, "results": results}, indent=2))
+    return 0 if args.smoke or results["this tree"]["peak_rss"] <= goal else 1
 
 
 def one_budget(code: Path, data: Path, seconds: int, work: Path, env: dict | None = None) -> dict:
@@ -286,12 +365,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--child-trace"]:  # one_budget's child: --child-trace OUT -- latentsweep's arguments
         return child_trace(argv[1], argv[3:])
+    if argv[:1] == ["--child-pick"]:  # pick_peak's child: --child-pick OUT STATE STUDY FILE DATA TEST
+        return child_pick(*argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, help="where the challenge-size file is built (kept; default: temp dir)")
     parser.add_argument("--before", metavar="REV", help="also measure git revision REV (e.g. main)")
     parser.add_argument("--study", type=Path, default=ROOT / "studies" / "quickstart.toml")
     parser.add_argument("--one-budget", type=int, metavar="SECONDS",
                         help="measure `latentsweep run studies/full.toml --time SECONDS` by step instead (goal 2.5x)")
+    parser.add_argument("--pick-state", type=Path, metavar="STATE",
+                        help="measure the pick of a one-budget run alone, on a copy of this state directory")
+    parser.add_argument("--pick-study", default="full", help="--pick-state: the study's name (default full)")
+    parser.add_argument("--pick-file", default="full.toml",
+                        help="--pick-state: its study file under studies/ (the judge's split; default full.toml)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny file in a temp dir: every command runs, the goal is not checked")
@@ -301,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="memory-peak-") as tmp:
         if args.one_budget:
             return job_main(args, Path(tmp))
+        if args.pick_state:
+            return pick_main(args, Path(tmp), args.pick_state, build(args.dir or Path(tmp), {**FULL, "n_test": 5_000}))
         directory = args.dir or Path(tmp)
         directory.mkdir(parents=True, exist_ok=True)
         data = build(directory, SMOKE if args.smoke else FULL)
@@ -313,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
             results[f"before ({args.before})"] = measure(export_revision(args.before, Path(tmp)), study, data)
         print("this tree:", flush=True)
         results["after" if args.before else "this tree"] = measure(ROOT, study, data)
-        if args.smoke:  # the one-budget job's path too
+        if args.smoke:  # the one-budget job's path too, then the pick alone on its state
             job_main(args, Path(tmp) / "job")
+            pick_main(args, Path(tmp) / "pick", Path(tmp) / "job" / "after" / "state", Path(tmp) / "job" / "train.npz")
     print(table(results, floats))
     if args.json:
         args.json.write_text(json.dumps({"float_bytes": floats, "results": results}, indent=2))

@@ -38,6 +38,12 @@ def clustered(n_img: int = 30, caps: int = 3, seed: int = 0) -> FitSet:
     return FitSet(x, img, images)
 
 
+def kernel_rows(fit: FitSet) -> tuple[knn.Keys, knn.Values]:
+    """The model's keys (every caption, centred by their mean) and unit images of a FitSet."""
+    return (knn.Keys.fit(fit.x, torch.arange(len(fit.x)), torch.zeros(DIN), fit.img),
+            knn.Values(fit.images, torch.arange(len(fit.images))))
+
+
 def cfg_of(**values) -> Config:
     return with_values(Config(), {"model.kind": "knn", **values})
 
@@ -104,15 +110,14 @@ def naive_loio_mrr(fit: FitSet, k: int, tau: float, queries: torch.Tensor, galle
 @pytest.mark.parametrize("center", [0.0, 1.0])
 def test_the_temperature_is_the_best_leave_one_image_out_choice(center):
     fit = clustered(n_img=40)
-    keys = torch.nn.functional.normalize(fit.x - fit.x.mean(0), dim=1)
-    unit = torch.nn.functional.normalize(fit.images, dim=1)
+    keys, unit = kernel_rows(fit)
     k, seed = 16, 3
-    chosen = knn.choose_tau(FitSet(keys, fit.img, unit), k, seed, center)
+    chosen = knn.choose_tau(keys, unit, k, seed, center)
     gen = torch.Generator().manual_seed(seed)  # the same draws as choose_tau
     queries = torch.randperm(len(fit.x), generator=gen)[:knn.CHOICE_QUERIES]
     gallery = torch.randperm(len(fit.images), generator=gen)[:knn.GALLERY_SIZE]
     scores = [naive_loio_mrr(fit, k, tau, queries, gallery, center) for tau in knn.TAU_GRID]
-    got = knn.loio_mrr(FitSet(keys, fit.img, unit), k, seed, center)
+    got = knn.loio_mrr(keys, unit, k, seed, center)
     assert got.tolist() == pytest.approx(scores, abs=1e-6)  # every grid point, not only the argmax
     assert scores[knn.TAU_GRID.index(chosen)] == pytest.approx(max(scores), abs=1e-6)
     assert max(scores) - min(scores) > 0.01  # the grid's ends really differ here: the choice is not a tie
@@ -123,18 +128,17 @@ def test_leaving_the_image_out_matters():
     exactly; left out, the choice sees only the other images (an MRR well below 1 at every temperature)."""
     fit = clustered(caps=4)
     fit = FitSet(fit.x[::4].repeat_interleave(4, dim=0), fit.img, fit.images)
-    keys = torch.nn.functional.normalize(fit.x - fit.x.mean(0), dim=1)
-    unit = torch.nn.functional.normalize(fit.images, dim=1)
+    keys, unit = kernel_rows(fit)
     gen = torch.Generator().manual_seed(0)
     queries = torch.randperm(len(fit.x), generator=gen)[:knn.CHOICE_QUERIES]
     gallery = torch.randperm(len(fit.images), generator=gen)[:knn.GALLERY_SIZE]
     assert naive_loio_mrr(fit, 8, 0.01, queries, gallery) < 0.9
-    assert knn.choose_tau(FitSet(keys, fit.img, unit), 8, 0) in knn.TAU_GRID
+    assert knn.choose_tau(keys, unit, 8, 0) in knn.TAU_GRID
 
 
 def test_one_image_cannot_be_left_out():
-    fit = clustered(n_img=1)
-    assert knn.choose_tau(fit, 4, 0) == knn.TAU_GRID[len(knn.TAU_GRID) // 2]
+    keys, unit = kernel_rows(clustered(n_img=1))
+    assert knn.choose_tau(keys, unit, 4, 0) == knn.TAU_GRID[len(knn.TAU_GRID) // 2]
 
 
 def test_slots_on_knn_are_a_config_error():
@@ -164,7 +168,7 @@ def test_the_loop_validates_it_once_without_a_loss_and_saves_it(data, tmp_path):
     x = torch.as_tensor(data.text[:9])
     assert torch.equal(predict(loaded, x), predict(result.model, x))
     assert min(abs(float(loaded.inner.tau) / t - 1) for t in knn.TAU_GRID) < 1e-6  # float32 of a grid value
-    assert loaded.inner.keys.shape[0] == len(data.cap2img) - _val_captions(cfg, data)  # the training captions
+    assert len(loaded.inner.key_rows) == len(data.cap2img) - _val_captions(cfg, data)  # the training captions
 
 
 def _val_captions(cfg: Config, data) -> int:

@@ -120,29 +120,6 @@ def test_one_member_gets_weight_one_without_being_scored():
     assert (counts / counts.sum()).tolist() == [1.0]
 
 
-def test_the_choice_on_every_caption_copies_no_member_predictions():
-    """oof._choose on every caption reads each member's predictions in place (a gathered copy is 0.15 GB a member at
-    challenge size): one member's choice allocates its normalised copy, greedy's running sum, one trial sum and the
-    norm's square of it (4x the predictions' bytes), not also a gathered copy (5x)."""
-    import tracemalloc
-
-    from latentsweep.search.pick.oof import _choose
-
-    out = np.random.default_rng(0).standard_normal((4000, 64)).astype(np.float32)
-    score = lambda p: {"mrr": float(p[0, 0])}  # noqa: E731 - allocates nothing: only the selection's arrays count
-    tracemalloc.start()
-    try:
-        weights, best = _choose([out], np.arange(len(out)), score, "greedy", 2)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert weights.tolist() == [1.0] and best == 0
-    assert peak < 4.5 * out.nbytes
-    _, outs, mrr = _noisy_members(3)  # the same weights as on gathered copies
-    want = ensemble.method_weights("greedy", [o[np.arange(60)] for o in outs], mrr, 8)
-    np.testing.assert_array_equal(_choose(outs, np.arange(60), lambda p: {"mrr": mrr(p)}, "greedy", 8)[0], want)
-
-
 def test_mean_and_weighted_weights():
     _, outs, mrr = _noisy_members(3)
     assert np.allclose(ensemble.method_weights("mean", outs, mrr, 10), 1 / 3)

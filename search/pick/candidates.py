@@ -181,6 +181,16 @@ def check_test(cands: list[Candidate], test) -> None:
     check_text_dim(test, cands[0].dims[0], "the models expect")
 
 
+def share_data(model: torch.nn.Module, data, fingerprint: str | None) -> bool:
+    """Let a model that reads its training rows when it predicts (the knn model: KernelTranslator.share_rows) read
+    them from `data`, the loaded TrainSet, instead of its checkpoint's copy (mapped from the file: 0.67 GB more once
+    read at challenge size), when its checkpoint was made from this file (`fingerprint`). Whether it now does."""
+    inner = getattr(model, "inner", model)
+    if not hasattr(inner, "share_rows") or not fingerprint or fingerprint != data.fingerprint:
+        return False
+    return inner.share_rows(torch.as_tensor(data.text), torch.as_tensor(data.image))
+
+
 def check_data(cands: list[Candidate], data) -> None:
     """The data must be what the trials trained on (same dims, same fingerprint)."""
     if (data.text.shape[1], data.image.shape[1]) != cands[0].dims:

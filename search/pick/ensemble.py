@@ -13,6 +13,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from latentsweep.trainers.core.heap import release_free_heap
+from latentsweep.trainers.data.rows import Rows
 from latentsweep.trainers.data.splits import captions_and_local_images
 from latentsweep.trainers.core.errors import LatentsweepError
 from latentsweep.trainers.eval.metrics import GALLERY_SIZE, evaluate_leaderboard
@@ -24,12 +26,45 @@ HALF_SALT = "latentsweep.pick.halves/"
 METHODS = ("greedy", "mean", "weighted")
 # Norm floor when normalising: a zero row stays zero instead of becoming NaN (metrics rank such a query last).
 _EPS = 1e-12
+# Rows per step of the row-wise work done in place (norms, gathered sums): a [1024, 1536] float32 step is 6 MB, where
+# numpy's whole-array expressions make [N, D] temporaries (0.15 GB each for 25,000 val captions at challenge size).
+ROW_STEP = 1024
 
 
-def predict_all(models: list[torch.nn.Module], x: np.ndarray, device) -> list[np.ndarray]:
-    """Each model's predictions [N, Di] (numpy float32) for caption embeddings x [N, Dt]."""
-    xt = torch.as_tensor(np.ascontiguousarray(x, np.float32), device=device)
-    return [predict(m, xt).cpu().numpy() for m in models]
+def predict_all(models: list[torch.nn.Module], x: np.ndarray | Rows, device) -> list[np.ndarray]:
+    """Each model's predictions [N, Di] (numpy float32) for caption embeddings x [N, Dt] (an array, or Rows of the
+    loaded captions, gathered a block at a time: `caption_rows`)."""
+    xt = x if isinstance(x, Rows) else torch.as_tensor(np.ascontiguousarray(x, np.float32), device=device)
+    out = []
+    for model in models:
+        out.append(predict(model, xt).cpu().numpy())
+        release_free_heap()  # its blocks' freed chunks (25 MB each at challenge size), kept resident by glibc
+    return out
+
+
+def caption_rows(text: np.ndarray, caps: np.ndarray, device) -> np.ndarray | Rows:
+    """The captions `caps` [Nq] of the loaded captions `text` [Nc, Dt], for predict_all: on the CPU as Rows read in
+    place (a copy of a study's val captions is 0.1 GB at challenge size); a float32 copy elsewhere."""
+    if torch.device(device).type != "cpu" or text.dtype != np.float32:
+        return np.asarray(text[caps], np.float32)
+    return Rows(torch.as_tensor(text), torch.as_tensor(np.asarray(caps, np.int64)))
+
+
+def predict_combined(models: list[torch.nn.Module], weights, x: np.ndarray | Rows, device) -> np.ndarray:
+    """combine(predict_all(models, x, device), weights) with one member's predictions held at a time: float32
+    [N, Di], the same values (each member normalised, weighted and summed in the same order, in place)."""
+    weights = np.asarray(weights, np.float64)
+    if len(models) != len(weights) or not np.any(weights):
+        raise ValueError(f"predict_combined: {len(models)} models, weights {weights.tolist()}")
+    total = None
+    for model, w in zip(models, weights):
+        if w:
+            out = predict_all([model], x, device)[0]
+            total = np.zeros_like(out) if total is None else total
+            np.multiply(l2n_(out), np.float32(w), out=out)
+            total += out
+            del out
+    return l2n_(total)
 
 
 @dataclass(frozen=True)
@@ -73,16 +108,44 @@ def l2n(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), _EPS)
 
 
-def combine(outputs: list[np.ndarray], weights) -> np.ndarray:
-    """Weighted mean of the members' L2-normalised outputs [N, D], then L2-normalised: float32 [N, D]."""
+def l2n_(x: np.ndarray) -> np.ndarray:
+    """`l2n` in place on a float32 [N, D] array, its norms taken ROW_STEP rows at a time (a row's norm is its own
+    row's sum, so the same values): no [N, D] temporary. Returns x."""
+    for start in range(0, len(x), ROW_STEP):
+        rows = x[start:start + ROW_STEP]
+        np.divide(rows, np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), _EPS), out=rows)
+    return x
+
+
+def add_rows(into: np.ndarray, out: np.ndarray, rows: np.ndarray | None, weight: np.float32 | None = None) -> None:
+    """into += out[rows] (or weight * out[rows]), ROW_STEP rows at a time: no [len(rows), D] gathered copy; rows
+    None: every row of out."""
+    for start in range(0, len(into), ROW_STEP):
+        part = out[start:start + ROW_STEP] if rows is None else out[rows[start:start + ROW_STEP]]
+        into[start:start + ROW_STEP] += part if weight is None else weight * part
+
+
+def combine(outputs: list[np.ndarray], weights, normalised: bool = False, rows: np.ndarray | None = None,
+            into: np.ndarray | None = None) -> np.ndarray:
+    """Weighted mean of the members' L2-normalised outputs [N, D], then L2-normalised: float32 [N, D]. With
+    `normalised` the outputs are already (ensemble.l2n's values) and may be read at `rows` only, the sum made in
+    `into` (an [len(rows), D] float32 buffer) if given: no copy of any member."""
     weights = np.asarray(weights, np.float64)
     if len(outputs) != len(weights) or not len(outputs):
         raise ValueError(f"combine: {len(outputs)} outputs but {len(weights)} weights")
-    total = np.zeros_like(np.asarray(outputs[0], np.float32))
+    if not normalised:
+        total = np.zeros_like(np.asarray(outputs[0], np.float32))
+        for out, w in zip(outputs, weights):
+            if w:
+                total += np.float32(w) * l2n(out)
+        return l2n(total)
+    n = len(outputs[0]) if rows is None else len(rows)
+    total = np.zeros((n, outputs[0].shape[1]), np.float32) if into is None else into
+    total[...] = 0
     for out, w in zip(outputs, weights):
         if w:
-            total += np.float32(w) * l2n(out)
-    return l2n(total)
+            add_rows(total, out, rows, np.float32(w))
+    return l2n_(total)
 
 
 def half_scorer(half: Half, image: np.ndarray, seed: int = 0) -> Callable[[np.ndarray], dict[str, float]]:
@@ -95,35 +158,64 @@ def half_scorer(half: Half, image: np.ndarray, seed: int = 0) -> Callable[[np.nd
     return score
 
 
-def greedy_counts(outputs: list[np.ndarray], mrr_of: Callable[[np.ndarray], float], size: int) -> np.ndarray:
+def greedy_counts(outputs: list[np.ndarray], mrr_of: Callable[[np.ndarray], float], size: int,
+                  rows: np.ndarray | None = None, buf: np.ndarray | None = None) -> np.ndarray:
     """Caruana et al. (2004) forward selection with replacement; returns how often each member was picked (int [M]).
 
     Starts from the best single member, then at each step adds the member whose addition gives the highest MRR of
     the combined output, up to `size` picks; stops early when no addition improves the MRR strictly.
-    outputs: each member's L2-normalised predictions [Q, D] on the select half (the library, already pruned).
+    outputs: each member's L2-normalised predictions [Q, D] (the library, already pruned), chosen on their rows
+    `rows` only (all when None). Each trial's sum is made in one [len(rows), D] buffer by adding the picks in their
+    order and the trial member (the same values as a running sum plus the member), so the choice holds one buffer,
+    not a running sum beside it nor a gathered copy of each member (`buf`: that buffer, or a float32 array with at
+    least that many rows, made here when None).
     """
     if size < 1:
         raise LatentsweepError(f"--size must be >= 1, got {size}")
-    singles = [mrr_of(out) for out in outputs]
+    n = len(outputs[0]) if rows is None else len(rows)
+    buf = np.empty((n, outputs[0].shape[1]), np.float32) if buf is None else buf[:n]
+    singles = [mrr_of(_gathered(out, rows, buf)) for out in outputs]
     best = int(np.argmax(singles))
     counts = np.zeros(len(outputs), np.int64)
     counts[best] = 1
-    running = np.array(outputs[best], np.float32)  # [Q, D] sum of picked normalised outputs (count-weighted)
-    current = singles[best]
+    picks, current = [best], singles[best]
     for _ in range(size - 1):
-        trials = [mrr_of(l2n(running + out)) for out in outputs]
+        trials = []
+        for member in range(len(outputs)):
+            _filled(buf, outputs[picks[0]], rows)
+            for i in (*picks[1:], member):  # ((p1 + p2) + ...) + member: the running sum's order
+                add_rows(buf, outputs[i], rows)
+            trials.append(mrr_of(l2n_(buf)))
         pick = int(np.argmax(trials))
         if trials[pick] <= current:
             break
         counts[pick] += 1
-        running += outputs[pick]
+        picks.append(pick)
         current = trials[pick]
     return counts
 
 
+def _gathered(out: np.ndarray, rows: np.ndarray | None, buf: np.ndarray | None) -> np.ndarray:
+    """out[rows] in `buf`, or out itself when rows is None (nothing copied)."""
+    if rows is None:
+        return out
+    return np.take(out, rows, axis=0, out=buf, mode="clip")  # mode clip: written straight into buf (no buffering)
+
+
+def _filled(buf: np.ndarray, out: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    """out[rows] (or out) copied into `buf`."""
+    if rows is None:
+        np.copyto(buf, out)
+        return buf
+    return _gathered(out, rows, buf)
+
+
 def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[np.ndarray], float],
-                   size: int) -> np.ndarray:
-    """Member weights [M] (sum 1) chosen on `outputs` only (out-of-fold predictions, or the select half's).
+                   size: int, rows: np.ndarray | None = None, normalised: bool = False,
+                   buf: np.ndarray | None = None) -> np.ndarray:
+    """Member weights [M] (sum 1) chosen on `outputs` only (out-of-fold predictions, or the select half's), at their
+    rows `rows` (all when None); `normalised`: the outputs are L2-normalised already (`l2n_`), else normalised copies
+    are made here; `buf`: a float32 buffer of at least len(rows) rows for the gathered rows and greedy's sums.
 
     greedy: pick counts of `greedy_counts` / their sum. mean: uniform. weighted: proportional to each member's
     MRR on those outputs (not a softmax: members of one study score within a few points of each other, so
@@ -134,17 +226,19 @@ def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[np.
         raise LatentsweepError(f"--method must be one of {', '.join(METHODS)}, got '{method}'")
     if len(outputs) == 1 and size >= 1:  # weight 1 by every method: no normalised copy, no greedy step to score
         return np.ones(1)
-    normed = [l2n(out) for out in outputs]
+    normed = outputs if normalised else [l2n(out) for out in outputs]
     if method == "greedy":
-        raw = greedy_counts(normed, mrr_of, size).astype(np.float64)
+        raw = greedy_counts(normed, mrr_of, size, rows, buf).astype(np.float64)
     elif method == "mean":
         raw = np.ones(len(outputs))
     else:
-        raw = np.array([max(mrr_of(out), 0.0) for out in normed])
+        if rows is not None:
+            buf = np.empty((len(rows), normed[0].shape[1]), np.float32) if buf is None else buf[:len(rows)]
+        raw = np.array([max(mrr_of(_gathered(out, rows, buf)), 0.0) for out in normed])
         if raw.sum() <= 0:
             raw = np.ones(len(outputs))
     return raw / raw.sum()
 
 
-__all__ = ["Half", "split_halves", "l2n", "combine", "half_scorer", "predict_all", "greedy_counts", "method_weights",
-           "METHODS", "HALF_SALT"]
+__all__ = ["Half", "split_halves", "l2n", "l2n_", "add_rows", "combine", "half_scorer", "predict_all",
+           "predict_combined", "caption_rows", "greedy_counts", "method_weights", "METHODS", "HALF_SALT"]

@@ -20,7 +20,7 @@ import torch
 
 from latentsweep.search.checks import check_folds
 from latentsweep.search.failures import raise_stop
-from latentsweep.search.pick.candidates import Candidate, make_candidate
+from latentsweep.search.pick.candidates import Candidate, make_candidate, share_data
 from latentsweep.search.pick.ensemble import predict_all
 from latentsweep.search.pick.plan import Clock
 from latentsweep.trainers.train.checkpoint import load_model
@@ -178,7 +178,7 @@ def run_fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path, devic
             if ckpt is None:
                 break
             held = captions_of(data.cap2img, np.setdiff1d(np.arange(len(data.image)), job.images))
-            pred[held] = predict_all([load_model(ckpt, device)[0]], data.text[held], device)[0]
+            pred[held] = predict_all([loaded(ckpt, data, device)], data.text[held], device)[0]
             ckpts.append((job.name, ckpt))
         if len(ckpts) < len(mine):
             say(f"latentsweep: budget: {cand.name} and the candidates after it leave the selection (their finished "
@@ -233,9 +233,17 @@ def refit_members(chosen: list[tuple[Candidate, float]], fold_models: dict[str, 
         made[job.member].append((job.name, ckpt, "refit", job))
     kept = [(c, w) for c, w in chosen if made[c.name]]
     total = sum(w for _, w in kept)
-    out = [SubmissionModel(name, c.name, ckpt, w / total / len(made[c.name]), origin, job, load_model(ckpt, device)[0])
+    out = [SubmissionModel(name, c.name, ckpt, w / total / len(made[c.name]), origin, job, loaded(ckpt, data, device))
            for c, w in kept for name, ckpt, origin, job in made[c.name]]
     return out, notes
+
+
+def loaded(checkpoint: Path, data, device) -> torch.nn.Module:
+    """The checkpoint's model, reading what it reads of the training data (a knn model's keys) from `data`, the
+    loaded TrainSet it was made from (candidates.share_data), not from its checkpoint's copy."""
+    model, _, meta = load_model(checkpoint, device)
+    share_data(model, data, meta.get("data_fingerprint"))
+    return model
 
 
 def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, device, clock: Clock,
@@ -263,4 +271,5 @@ def seed_candidates(cands: list[Candidate], seeds: int, data, picks: Path, devic
         if ckpt is None:
             break
         out.append(make_candidate(job.name, base.trial, ckpt, "retrained", None, device))
+        share_data(out[-1].model, data, out[-1].data_fingerprint)
     return out

@@ -126,7 +126,7 @@ def run_one_budget(spec: RunSpec, total: float, pick: PickOptions, workers: int 
         _write_answer_manifest(spec, out, standing, "no search: no time for one")
         return OneBudgetResult({}, answer, None, deadline.overrun(), _late(deadline, "the start"), standing.record())
     keeper = Keeper(safe_name(spec.name), spec.storage.url, Path(spec.state_dir), test, out,
-                    resolve_device(pick.device), answer, judge, standing)
+                    resolve_device(pick.device), answer, judge, standing, data)
     summary, ended = _search(spec, job_budget, workers, keeper)
     late = _late(deadline, "the search")
     answer = _last_look(keeper)

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from latentsweep.search.pick import ensemble
+from latentsweep.trainers.core.heap import release_free_heap
 from latentsweep.trainers.data.splits import captions_and_local_images
 from latentsweep.trainers.eval.metrics import GALLERY_SIZE, evaluate_leaderboard
 
@@ -86,38 +87,64 @@ class OofSelection:
         return self.gain > spread
 
 
-def _choose(oof: list[np.ndarray], caps: np.ndarray, score, method: str, size: int) -> tuple[np.ndarray, int]:
-    """(weights, best single index) chosen on the captions `caps` only (ascending: every caption is the whole array,
-    not a copy of each member's predictions, 0.15 GB at challenge size)."""
-    outs = oof if len(caps) == len(oof[0]) else [o[caps] for o in oof]
-    weights = ensemble.method_weights(method, outs, lambda p: score(p)["mrr"], size)
-    best = int(np.argmax([score(o)["mrr"] for o in outs]))
-    return weights, best
-
-
 def nested_select(oof: list[np.ndarray], folds: Folds, image_emb: np.ndarray, method: str, size: int,
-           seed: int = 0) -> OofSelection:
+                  seed: int = 0, in_place: bool = False) -> OofSelection:
     """Weights on all images, plus the nested per-fold gains. oof: each member's predictions [Nc, Di] for every
-    caption of the TrainSet, each made by the fold model that did not train on the caption's image."""
-    caps, score = images_scorer(np.arange(len(folds.fold_of)), image_emb, folds.cap2img, seed)
-    weights, _ = _choose(oof, caps, score, method, size)
-    uniform = np.full(len(oof), 1.0 / len(oof))
-    per_fold = {"members": [], "mean": [], "ensemble": [], "nested_ensemble": [], "nested_best": []}
+    caption of the TrainSet, each made by the fold model that did not train on the caption's image.
+
+    Each member's figures as given (its score on each fold, the best single chosen on the other folds) are taken
+    first, one member's fold rows at a time; then the members are L2-normalised once (`ensemble.l2n_`: in place
+    with `in_place`, which the caller's arrays then hold, else in copies), and every choice and ensemble reads the
+    rows of its fold from them into one [Nc, Di] buffer (`ensemble.greedy_counts`, `ensemble.combine`): the same
+    values as normalising copies of each fold's rows, without them (each 0.12-0.15 GB a member at challenge size)."""
+    n = len(oof[0])
+    buf = np.empty((n, oof[0].shape[1]), np.float32)  # [Nc, Di]: every fold's rows are a prefix of it
+
+    def scorers(g: int):  # (in: the other folds' captions and scorer, out: fold g's), made when needed (galleries)
+        others = folds.images(set(range(folds.n)) - {g})
+        return (images_scorer(others, image_emb, folds.cap2img, seed),
+                images_scorer(folds.images({g}), image_emb, folds.cap2img, seed))
+
+    # [F, M]: each member's MRR as given on the other folds (for the nested best single) and on fold g
+    given_in, given_out = [], []
     for g in range(folds.n):
-        in_caps, in_score = images_scorer(folds.images(set(range(folds.n)) - {g}), image_emb, folds.cap2img, seed)
-        w_g, best_g = _choose(oof, in_caps, in_score, method, size)
-        out_caps, out_score = images_scorer(folds.images({g}), image_emb, folds.cap2img, seed)
-        outs = [o[out_caps] for o in oof]
-        members = [out_score(o)["mrr"] for o in outs]
-        per_fold["members"].append(members)
-        per_fold["mean"].append(out_score(ensemble.combine(outs, uniform))["mrr"])
-        per_fold["ensemble"].append(out_score(ensemble.combine(outs, weights))["mrr"])
-        per_fold["nested_ensemble"].append(out_score(ensemble.combine(outs, w_g))["mrr"])
-        per_fold["nested_best"].append(members[best_g])
+        (in_caps, in_score), (out_caps, out_score) = scorers(g)
+        given_in.append([caps_score(o, in_caps, in_score, buf) for o in oof])
+        given_out.append([caps_score(o, out_caps, out_score, buf) for o in oof])
+    normed = [ensemble.l2n_(o if in_place else np.array(o, np.float32)) for o in oof]
+    release_free_heap()  # the scorers' freed blocks, under the choices to come
+    every, score = images_scorer(np.arange(len(folds.fold_of)), image_emb, folds.cap2img, seed)
+    weights = _weights(normed, every, score, method, size, buf)
+    del every, score  # the whole gallery's copy (a fifth of a member at challenge size)
+    uniform = np.full(len(oof), 1.0 / len(oof))
+    per_fold = {"mean": [], "ensemble": [], "nested_ensemble": [], "nested_best": []}
+    for g in range(folds.n):
+        (in_caps, in_score), (out_caps, out_score) = scorers(g)
+        w_g = _weights(normed, in_caps, in_score, method, size, buf)
+        into = buf[:len(out_caps)]
+        for key, w in (("mean", uniform), ("ensemble", weights), ("nested_ensemble", w_g)):
+            per_fold[key].append(out_score(ensemble.combine(normed, w, True, out_caps, into))["mrr"])
+        per_fold["nested_best"].append(given_out[g][int(np.argmax(given_in[g]))])
     ens, single = np.array(per_fold["nested_ensemble"]), np.array(per_fold["nested_best"])
-    member_mrr = np.mean(per_fold["members"], axis=0)
+    member_mrr = np.mean(given_out, axis=0)
     return OofSelection(weights, int(np.argmax(member_mrr)), member_mrr, float(np.mean(per_fold["mean"])),
                         float(np.mean(per_fold["ensemble"])), ens - single, ens, single)
+
+
+def caps_score(out: np.ndarray, caps: np.ndarray, score, buf: np.ndarray) -> float:
+    """score's MRR of out's rows `caps` (ascending), gathered into a prefix of `buf` (out itself when caps is every
+    row: no copy)."""
+    if len(caps) == len(out):
+        return score(out)["mrr"]
+    return score(np.take(out, caps, axis=0, out=buf[:len(caps)], mode="clip"))["mrr"]
+
+
+def _weights(normed: list[np.ndarray], caps: np.ndarray, score, method: str, size: int,
+             buf: np.ndarray) -> np.ndarray:
+    """The weights chosen on the captions `caps` (ascending: every caption reads the arrays whole) of the
+    normalised members, their sums made in `buf`."""
+    rows = None if len(caps) == len(normed[0]) else caps
+    return ensemble.method_weights(method, normed, lambda p: score(p)["mrr"], size, rows, normalised=True, buf=buf)
 
 
 __all__ = ["Folds", "OofSelection", "images_scorer", "nested_select"]

@@ -276,7 +276,7 @@ def _track(tracker: Tracker, r: PickRun) -> dict[str, Any] | None:
         card = ModelCard(model_name(study.study_name), {STUDY_TAG: study.study_name, "latentsweep.method": opts.method},
                          run_params(r), _gain_metrics(sel), note)
         logged = log_ensemble(tracker, run_id, [(m.name, m.checkpoint, m.weight) for m in r.models], r.cands[0].dims,
-                              card, register=opts.register, deadline=r.deadline)
+                              card, register=opts.register, deadline=r.deadline, data=r.data)
         if logged is None:
             say(f"latentsweep: the ensemble's MLflow model was not logged: {r.deadline.left():.0f} s left of the "
                 f"budget, too few for exporting {len(r.models)} member(s); the submission, its manifest, report and "

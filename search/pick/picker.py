@@ -26,7 +26,7 @@ from latentsweep.search.checks import check_folds
 from latentsweep.search.pick import ensemble
 from latentsweep.search.pick import plan as plan_mod
 from latentsweep.search.pick.candidates import (
-    SPLIT_KEYS, Candidate, check_agreement, check_data, check_test, load_candidates, resolve_data,
+    SPLIT_KEYS, Candidate, check_agreement, check_data, check_test, load_candidates, resolve_data, share_data,
 )
 from latentsweep.search.pick.jobs import SubmissionModel, fold_jobs, refit_jobs, refit_members, seed_candidates
 from latentsweep.search.pick.options import AUTO, Paths, PickOptions, check_options, pool_size, resolve_paths
@@ -163,6 +163,8 @@ def load_inputs(opts: PickOptions, downloads: Path, device) -> PickInputs:
     check_test(pool, test)
     data = load_train_shared(data_path)  # a one-budget run's search read it already
     check_data(pool, data)
+    for cand in pool:  # a knn candidate's keys: the loaded captions, not its checkpoint's copy of them
+        share_data(cand.model, data, cand.data_fingerprint)
     if opts.selection == "oof":  # a fold needs an image: known only once the data is
         check_folds("--folds", opts.folds, len(data.image_names))
     return PickInputs(paths, study, tracker, pool, data, test)
@@ -211,8 +213,8 @@ def _pick(opts: PickOptions, inp: PickInputs, deadline: Deadline, device, gate, 
     made = pd.DataFrame([{"role": "submission_model", "name": m.name, "weight": m.weight, "origin": m.origin}
                          for m in models])
     sel.table = pd.concat([sel.table, made], ignore_index=True)
-    test_pred = ensemble.combine(ensemble.predict_all([m.model for m in models], test.embeddings, device),
-                                 [m.weight for m in models])
+    test_pred = ensemble.predict_combined([m.model for m in models], [m.weight for m in models], test.embeddings,
+                                          device)
     result = write_outputs(inp.tracker, PickRun(opts, paths, inp.study, cands, sel, models, data, test, test_pred,
                                                 clock.budget, answer, deadline))
     budget = f" of its {clock.budget:.0f} s budget" if clock.budget is not None else ""

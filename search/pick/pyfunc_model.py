@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from latentsweep.search.pick.candidates import share_data
 from latentsweep.search.pick.plan import MODEL_EXPORT_S
 from latentsweep.search.tracking.base import LoggedModel, ModelSpec, Tracker
 from latentsweep.trainers.core.deadline import Deadline
@@ -51,16 +52,21 @@ class _Pred(torch.nn.Module):
         return self.model(x)["pred"].float()
 
 
-def export_member(checkpoint: Path, path: Path) -> None:
-    """Save the checkpoint's model as a torch.export program taking float32 [N, Dt] for any N."""
-    model = load_model(checkpoint, "cpu")[0].eval()
+def export_member(checkpoint: Path, path: Path, data=None) -> None:
+    """Save the checkpoint's model as a torch.export program taking float32 [N, Dt] for any N. `data`: the loaded
+    TrainSet, which a knn member then reads its keys from (the same values; the checkpoint's copy of them is not read:
+    0.67 GB of its pages at challenge size)."""
+    model, _, meta = load_model(checkpoint, "cpu")
+    model.eval()
+    if data is not None:
+        share_data(model, data, meta.get("data_fingerprint"))
     example = torch.zeros(EXPORT_ROWS, int(model.text_mean.numel()))
     program = torch.export.export(_Pred(model), (example,), dynamic_shapes={"x": {0: torch.export.Dim.DYNAMIC}})
     torch.export.save(program, str(path))
 
 
 def stage_members(directory: Path, members: list[tuple[str, Path]], weights,
-                  deadline: Deadline = Deadline.never()) -> Path | None:
+                  deadline: Deadline = Deadline.never(), data=None) -> Path | None:
     """Export the members with weight > 0 into directory/ with ensemble.json; returns directory, or None when the
     deadline leaves no room: the first export starts only when the model's measured cost fits
     (latentsweep.search.pick.plan.MODEL_EXPORT_S), each next one only when the slowest so far, times those left,
@@ -76,7 +82,7 @@ def stage_members(directory: Path, members: list[tuple[str, Path]], weights,
             return None
         start = time.monotonic()
         file = f"member-{index:02d}.pt2"
-        export_member(checkpoint, directory / file)
+        export_member(checkpoint, directory / file, data)
         slowest = max(slowest, time.monotonic() - start)
         entries.append({"name": name, "file": file, "weight": weight})
     (directory / SPEC_FILE).write_text(json.dumps({"members": entries}, indent=2))
@@ -101,13 +107,13 @@ class ModelCard:
 
 def log_ensemble(tracker: Tracker, run_id: str, members: list[tuple[str, Path, float]], dims: tuple[int, int],
                  card: ModelCard, register: str | None = None,
-                 deadline: Deadline = Deadline.never()) -> LoggedModel | None:
+                 deadline: Deadline = Deadline.never(), data=None) -> LoggedModel | None:
     """Log the ensemble of (name, checkpoint, weight) members as a pyfunc model output of run `run_id` (see
     Tracker.log_model); register it under `register` if given. None when the members' export does not fit before
     `deadline` (stage_members): nothing is created in the store then, not even a FAILED model."""
     with tempfile.TemporaryDirectory(prefix="latentsweep-export-") as tmp:
         staged = stage_members(Path(tmp) / "members", [(name, path) for name, path, _ in members],
-                               np.array([w for *_, w in members]), deadline)
+                               np.array([w for *_, w in members]), deadline, data)
         if staged is None:
             return None
         spec = ModelSpec(name=card.name, code=MODEL_CODE, stage=lambda directory: {ARTIFACT_KEY: str(staged)},

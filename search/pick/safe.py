@@ -12,7 +12,7 @@ import numpy as np
 import optuna
 
 from latentsweep.search.failures import Kind, classify
-from latentsweep.search.pick.candidates import top_trials
+from latentsweep.search.pick.candidates import share_data, top_trials
 from latentsweep.search.pick.ensemble import predict_all
 from latentsweep.search.pick.judge import Judge, Standing
 from latentsweep.search.study.contract import ANSWER_ATTR, JUDGED_KEY, DamagedStudy, TrialOutputs
@@ -89,8 +89,9 @@ class Keeper:
     on the meta device, latentsweep.trainers.train.checkpoint.load_model's rng_free) and opens the study's storage once."""
 
     def __init__(self, name: str, storage: str, root: Path, test: TestSet, out: Path, device, answer: SafeAnswer,
-                 judge: Judge | None = None, standing: Standing | None = None):
+                 judge: Judge | None = None, standing: Standing | None = None, data: TrainSet | None = None):
         self.name, self.storage, self.root, self.test, self.out, self.device = name, storage, root, test, out, device
+        self.data = data  # the job's loaded training data: what a knn checkpoint's keys are read from
         self.answer, self.judge = answer, judge
         self.standing = standing or Standing(answer.source, None)
         self.looked: set[tuple[int, float | None]] = set()  # (trial, value) already scored
@@ -145,7 +146,9 @@ class Keeper:
     def _consider(self, number: int, checkpoint: Path) -> None:
         """Score trial `number`'s checkpoint and put its answer in place when it beats the one there."""
         started = time.monotonic()
-        model, _, _ = load_model(checkpoint, self.device, rng_free=True)
+        model, _, meta = load_model(checkpoint, self.device, rng_free=True)
+        if self.data is not None:
+            share_data(model, self.data, meta.get("data_fingerprint"))
         source = f"trial {number}'s checkpoint"
         score = None if self.judge is None else self.judge.score_models([model], [1.0], self.device)
         self.judged[number] = time.monotonic() - started

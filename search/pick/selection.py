@@ -13,7 +13,7 @@ import pandas as pd
 from latentsweep.search.pick import ensemble, jobs
 from latentsweep.search.pick import oof as oof_mod
 from latentsweep.search.pick.candidates import SPLIT_KEYS, Candidate
-from latentsweep.search.pick.ensemble import predict_all
+from latentsweep.search.pick.ensemble import caption_rows, predict_all
 from latentsweep.search.pick.options import PickOptions
 from latentsweep.search.pick.plan import Clock, Plan
 from latentsweep.trainers.core.errors import DataError
@@ -95,8 +95,10 @@ def screen(cands: list[Candidate], data, device, size: int, seed: int = 0) -> tu
     if len(val_img) < 2:
         return cands, "by study rank"
     caps, score = oof_mod.images_scorer(val_img, data.image, data.cap2img, seed)
-    preds = predict_all([c.model for c in cands], data.text[caps], device)
-    weights = ensemble.method_weights("greedy", preds, lambda p: score(p)["mrr"], size)
+    preds = predict_all([c.model for c in cands], caption_rows(data.text, caps, device), device)
+    weights = ensemble.method_weights("greedy", [ensemble.l2n_(p) for p in preds], lambda p: score(p)["mrr"], size,
+                                      normalised=True)
+    del preds
     order = sorted(range(len(cands)), key=lambda i: (-weights[i], i))
     picked = ", ".join(f"{cands[i].name} {weights[i]:.2f}" for i in order if weights[i] > 0)
     return [cands[i] for i in order], f"greedy on the study's val split first ({picked}), then by study rank"
@@ -144,9 +146,11 @@ def select_val(cands: list[Candidate], data, opts: PickOptions, device) -> Selec
         raise DataError(f"{data.path}: the study's val split has {len(val_img)} image(s); the pick's selection needs "
                         f"at least {MIN_VAL_IMAGES} (more images, or a larger data.val_ratio)")
     caps, local = captions_and_local_images(data.cap2img, val_img)
-    preds = predict_all([c.model for c in cands], data.text[caps], device)  # [Nval_caps, Di] each
+    # [Nval_caps, Di] each, normalised in place by the selection (which holds no other copy of them)
+    preds = predict_all([c.model for c in cands], caption_rows(data.text, caps, device), device)
     folds = oof_mod.Folds(fold_assignment(data.image_names[val_img], min(VAL_FOLDS, len(val_img))), local)
-    res = oof_mod.nested_select(preds, folds, data.image[val_img], opts.method, opts.size, opts.seed)
+    res = oof_mod.nested_select(preds, folds, data.image[val_img], opts.method, opts.size, opts.seed, in_place=True)
+    del preds
     return _crossfit_selection(cands, res, opts, "val", {"val_folds": folds.n, "val_images": len(val_img),
                                                          "val_captions": len(caps)})
 
@@ -160,7 +164,8 @@ def select_oof(cands: list[Candidate], data, n_folds: int, opts: PickOptions, pi
         return [], None
     fold_of = fold_assignment(data.image_names, n_folds)
     folds = oof_mod.Folds(fold_of, np.asarray(data.cap2img, np.int64))
-    res = oof_mod.nested_select(oof, folds, data.image, opts.method, opts.size, opts.seed)
+    res = oof_mod.nested_select(oof, folds, data.image, opts.method, opts.size, opts.seed, in_place=True)
+    del oof
     sel = _crossfit_selection(cands, res, opts, "oof", {"folds": n_folds, "images": len(data.image),
                                                         "captions": len(data.cap2img)})
     sel.fold_models = fold_models

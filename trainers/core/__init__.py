@@ -1,1 +1,1 @@
-"""The trainer's what every part shares: errors, atomic files, devices, the deadline, the progress hook, the heap."""
+"""What every part of the trainer shares: errors, atomic files, devices, the deadline, progress, heap and pages."""

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from latentsweep.trainers.config.tree import Config
+from latentsweep.trainers.data.rows import STAT_COLUMNS
 from latentsweep.trainers.eval import metrics
 from latentsweep.trainers.eval.metrics import GALLERY_SIZE
-from latentsweep.trainers.models.model_context import FitSet, ModelContext
+from latentsweep.trainers.models.knn_memo import MEMO_ROWS, RowMemo, row_hashes  # noqa: F401 - MEMO_ROWS: its API
+from latentsweep.trainers.models.model_context import ModelContext
 from latentsweep.trainers.models.translator import Translator, l2_normalize
 
 # Temperatures the leave-one-image-out choice tries when model.knn_tau = 0: 0.001 to 0.2, log-spaced by 1.5x.
@@ -32,22 +35,29 @@ TAU_GRID = tuple(0.001 * 1.5 ** i for i in range(14))
 # Training captions the choice scores (a seeded random subset): each costs one [N] similarity row. 2,048 queries give
 # an MRR whose standard error (about 0.3 / sqrt(2048) = 0.007) is below the gaps between neighbouring temperatures.
 CHOICE_QUERIES = 2048
-# Query rows per similarity block, at inference and in the choice: [BLOCK, N] floats, 128 MB at challenge size
-# (N = 100,000 training captions).
+# Query rows per block of the weighted mean of the neighbours' images: [BLOCK, k, Di] floats, 0.1 GB at k = 64 and
+# 1536 dims.
 BLOCK = 256
-_BUFFERS = ("key_mean", "keys", "key_image", "values", "tau")
-# Keys of the estimate's probe: one BLOCK of queries against this many random keys, through `nearest` (the matmul and
-# the top-k that are the model's cost), 10-30 ms on 2 cores at 1024 dims: long enough to time, short beside the
-# minutes it predicts at challenge size (docs/trial-costs.md, "Real size").
-PROBE_KEYS = 8192
+# Keys per block of `nearest`, made from the base's rows as read, and queries per similarity block against them:
+# [KEY_BLOCK, Dt] unit keys and [QUERY_BLOCK, KEY_BLOCK] cosines, 16 MB each at 1024 dims (the whole [256, N] row
+# block was 0.1 GB at challenge size, N = 100,000 training captions).
+KEY_BLOCK = 4096
+QUERY_BLOCK = 1024
+# Rows a model predicts ahead of validation (`predict_ahead`): validation asks for 128 rows at a time, and each call of
+# `nearest` reads every key, so a call should carry thousands of queries.
+AHEAD_ROWS = 4096
+_BUFFERS = ("key_base", "key_rows", "key_center", "key_mean", "key_image", "value_base", "value_rows", "tau")
+# Rows `share_rows` compares before it reads another array as the model's keys and images (a few pages of each).
+SHARE_PROBES = 16
+# Norm floor when normalising (translator.l2_normalize's): a zero row stays zero.
+_EPS = 1e-12
+# The estimate's probe: one QUERY_BLOCK of random queries against one KEY_BLOCK of random keys through `nearest` (the
+# keys' normalisation, the matmul and the top-k that are the model's cost), tens of ms on 2 cores at 1024 dims: long
+# enough to time, short beside the minutes it predicts at challenge size (docs/trial-costs.md, "Real size").
+PROBE_KEYS = KEY_BLOCK
 # A prediction costs more than its `nearest`: the queries' normalisation, the softmax and the weighted mean of the
 # neighbours' images. Measured at challenge size on 2 cores: translate 322 s, of which nearest 260 s (1.24).
 TRANSLATE_OVER_NEAREST = 1.25
-# Predictions a knn model keeps by row (RowMemo), and saves in its checkpoint: a one-budget run predicts the same val
-# captions up to four times (the trial's validation, the keeper's and the gate's scores, the pick's selection), each
-# time 100,000 key cosines a caption at challenge size (its 25,000 val captions: 5 TFLOP, minutes on 2 cores), while
-# a kept row costs its Di floats (0.15 GB for those captions at 1536 dims). Enough rows for the val captions.
-MEMO_ROWS = 32768
 _MEMO_KEYS = ("memo_hash", "memo_pred")
 
 
@@ -56,57 +66,77 @@ class KernelTranslator(Translator):
     minus model.knn_center x the mean unit training image.
 
     Keys are the training captions, centred by their own mean and L2-normalised ([N, Dt]); values the unit training
-    images ([Ni, Di]) with each key's image index ([N]). With model.knn_tau = 0, tau is chosen when built by
-    leave-one-image-out MRR on the training captions (choose_tau), which imitates retrieval of unseen images."""
+    images ([Ni, Di]) with each key's image index ([N]). Neither is held normalised: both are rows of the arrays the
+    model was fit on (`Keys`, `Values`: the loaded data itself in a trial, 0.5 GB that a copy held at challenge
+    size), normalised block by block as read, to the same values. With model.knn_tau = 0, tau is chosen when built
+    by leave-one-image-out MRR on the training captions (choose_tau), which imitates retrieval of unseen images."""
 
     def __init__(self, cfg: Config, ctx: ModelContext):
         super().__init__(cfg.model.out_norm)
         self.k, self.center = cfg.model.knn_k, cfg.model.knn_center
-        fit = ctx.take_fit_set() if ctx.has_fit else None
+        fit = ctx.take_fit_rows() if ctx.has_fit else None
         if fit is None:  # weights from a checkpoint: load_state_dict gives the buffers their sizes
-            mean, keys = torch.zeros(ctx.dim_in), torch.zeros(0, ctx.dim_in)
-            img, values, tau = torch.zeros(0, dtype=torch.long), torch.zeros(0, ctx.dim_out), 1.0
+            rows = torch.zeros(0, dtype=torch.long)
+            keys = Keys(torch.zeros(0, ctx.dim_in), rows, torch.zeros(ctx.dim_in), torch.zeros(ctx.dim_in), rows)
+            values, tau = Values(torch.zeros(0, ctx.dim_out), rows), 1.0
         else:
-            mean, keys = _unit_keys(fit.x, fit.owned)
-            img, values = fit.img.long(), l2_normalize(fit.images.float())
-            del fit  # an owned fit set's captions are the keys now; its raw images are freed here
-            tau = cfg.model.knn_tau or choose_tau(FitSet(keys, img, values), self.k, cfg.train.seed, self.center)
-        for name, value in zip(_BUFFERS, (mean, keys, img, values, torch.tensor(float(tau)))):
+            keys = Keys.fit(fit.x.base, fit.x.index, fit.center.float(), fit.img.long())
+            values = Values(fit.images.base, fit.images.index)
+            tau = cfg.model.knn_tau or choose_tau(keys, values, self.k, cfg.train.seed, self.center)
+        for name, value in zip(_BUFFERS, (*keys.buffers(), *values.buffers(), torch.tensor(float(tau)))):
             self.register_buffer(name, value)
         self.dim_out, self.memo, self.computed = ctx.dim_out, RowMemo(ctx.dim_out), 0  # computed: rows predicted
         self.shift: torch.Tensor | None = None  # center x the mean unit image [Di], made at the first prediction
+
+    def keys(self) -> "Keys":
+        return Keys(self.key_base, self.key_rows, self.key_center, self.key_mean, self.key_image)
+
+    def values(self) -> "Values":
+        return Values(self.value_base, self.value_rows)
+
+    def share_rows(self, text: torch.Tensor, image: torch.Tensor) -> bool:
+        """Read the keys from `text` [Nc, Dt] and the images from `image` [Ni, Di] from now on, instead of the arrays
+        it holds (a checkpoint's, mapped from its file): the caller's loaded training data, which at challenge size
+        is 0.67 GB that the checkpoint's copy would hold again once read. Taken (True) only when both have the shapes
+        and dtypes of the held ones and the same values at SHARE_PROBES rows spread over each."""
+        pairs = ((self.key_base, text), (self.value_base, image))
+        if not all(_same_rows(mine, theirs.to(mine.device)) for mine, theirs in pairs):
+            return False
+        self.key_base, self.value_base = text.to(self.key_base.device), image.to(self.value_base.device)
+        return True
 
     def translate(self, x: torch.Tensor) -> torch.Tensor:
         """[B, Dt] -> [B, Di]: rows this model predicted before (RowMemo, by content) are read, the rest computed."""
         x = x.float()
         if torch.compiler.is_compiling():  # torch.export traces the plain prediction: no memo, no Python state
-            return self._blocks(x, self.center * self.values.mean(dim=0))
+            return self._blocks(x, self.center * self.values().mean())
         hashes = row_hashes(x)
         pos = self.memo.find(hashes).to(x.device)  # [B], -1 where not kept
         miss = torch.nonzero(pos < 0).flatten()
         if len(miss) == len(x):
             out = self._predict(x)
         else:
-            out = self.memo.rows[pos.clamp_min(0).cpu()].to(x.device)
+            out = self.memo.read(pos.clamp_min(0).cpu()).to(x.device)
             if len(miss):
                 out[miss] = self._predict(x[miss])
         self.memo.add([hashes[i] for i in miss.tolist()], out[miss])
         return out
 
     def _predict(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shift is None or self.shift.device != self.values.device:  # once, not per block of queries
-            self.shift = self.center * self.values.mean(dim=0)  # [Di]
+        if self.shift is None or self.shift.device != self.value_base.device:  # once, not per block of queries
+            self.shift = self.center * self.values().mean()  # [Di]
         self.computed += len(x)
         return self._blocks(x, self.shift)
 
     def _blocks(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """[B, Dt] -> [B, Di]: the kernel-weighted training images of each row's nearest captions, less `shift`."""
+        keys, values = self.keys(), self.values()
         q = l2_normalize(x - self.key_mean)  # [B, Dt]
-        out = [self.values.new_zeros(0, self.values.shape[1])]
-        for block in q.split(BLOCK):
-            sim, idx = nearest(block, self.keys, self.key_image, self.k)
-            w = torch.softmax(sim / self.tau, dim=1)  # [b, k]
-            out.append(torch.einsum("bk,bkd->bd", w, self.values[self.key_image[idx]]) - shift)  # [b, Di]
+        sim, idx = nearest(q, keys, self.k)  # [B, k'] each
+        out = [self.value_base.new_zeros(0, self.value_base.shape[1])]
+        for s, i in zip(sim.split(BLOCK), idx.split(BLOCK)):
+            w = torch.softmax(s / self.tau, dim=1)  # [b, k']
+            out.append(torch.einsum("bk,bkd->bd", w, values.unit(keys.image[i])) - shift)  # [b, Di]
         return torch.cat(out)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -116,12 +146,14 @@ class KernelTranslator(Translator):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        if prefix + "keys" in state_dict:  # written before the keys were rows: upgraded in this module's own dict
+            _upgrade(state_dict, prefix)
         for name in _BUFFERS:  # sized by the training set, which a checkpoint-built model does not know
             if prefix + name in state_dict:
                 given, mine = state_dict[prefix + name], getattr(self, name)
                 # on the same device the checkpoint's tensor itself (mapped from the file by
-                # latentsweep.trainers.train.checkpoint;
-                # copy_ into itself is a no-op): no second 0.5 GB copy of the keys at challenge size
+                # latentsweep.trainers.train.checkpoint; copy_ into itself is a no-op): no second copy of the
+                # training captions (0.5 GB at challenge size)
                 setattr(self, name, given if given.device == mine.device and given.dtype == mine.dtype
                         else torch.empty_like(given, device=mine.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -132,87 +164,133 @@ class KernelTranslator(Translator):
         unexpected_keys[:] = [key for key in unexpected_keys if key not in {prefix + k for k in _MEMO_KEYS}]
 
 
-class RowMemo:
-    """Output rows [n, Di] (float32, CPU) by the content hash of their input rows (`row_hashes`), at most MEMO_ROWS;
-    the first ones kept (a trial's val captions come first)."""
+def _upgrade(state: dict, prefix: str) -> None:
+    """A checkpoint of before the keys were rows held them centred and unit ([N, Dt] `keys`) and the unit images
+    ([Ni, Di] `values`): as rows of themselves, centred by -key_mean so that `Keys` (which subtracts key_center,
+    then key_mean) reads them back as they were, to a rounding, before normalising them again."""
+    keys, values = state.pop(prefix + "keys"), state.pop(prefix + "values")
+    state[prefix + "key_base"], state[prefix + "value_base"] = keys, values
+    state[prefix + "key_rows"] = torch.arange(len(keys), device=keys.device)
+    state[prefix + "key_center"] = -state[prefix + "key_mean"]
+    state[prefix + "value_rows"] = torch.arange(len(values), device=values.device)
 
-    def __init__(self, dim_out: int):
-        self.index: dict[int, int] = {}
-        self.rows, self.n = torch.zeros(0, dim_out), 0
+
+def _same_rows(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Whether `theirs` has mine's shape and dtype and equal values at SHARE_PROBES rows spread over it (reading a
+    few pages of a mapped checkpoint, not the whole array)."""
+    if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+        return False
+    rows = torch.linspace(0, max(len(mine) - 1, 0), min(SHARE_PROBES, len(mine))).long().to(mine.device)
+    return bool(torch.equal(mine[rows], theirs[rows]))
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The model's N keys as rows of base [Nb, Dt]: key j is base[rows[j]] less `center` then `mean` [Dt],
+    L2-normalised when read (`block`, `at`), with its image image[j] (an index into the Values). Each read gives the
+    same values as the normalised copy of every key that the model once held, which is never made."""
+    base: torch.Tensor
+    rows: torch.Tensor  # int64 [N]
+    center: torch.Tensor
+    mean: torch.Tensor
+    image: torch.Tensor  # int64 [N]
 
     @classmethod
-    def of(cls, hashes: torch.Tensor, rows: torch.Tensor) -> "RowMemo":
-        """The memo saved as (hashes [n], rows [n, Di]): `rows` kept as given (a checkpoint's, mapped from its file),
-        copied only if rows are added."""
-        memo = cls(rows.shape[1])
-        n = min(len(hashes), MEMO_ROWS)
-        memo.rows, memo.n = rows[:n].float().cpu(), n
-        memo.index.update(zip(hashes[:n].tolist(), range(n)))
-        return memo
+    def fit(cls, base: torch.Tensor, rows: torch.Tensor, center: torch.Tensor, image: torch.Tensor) -> "Keys":
+        """The keys of rows `rows` of `base` less `center`, centred by their own mean (taken here)."""
+        return cls(base, rows, center, _column_mean(base, rows, center), image)
 
-    def find(self, hashes: list[int]) -> torch.Tensor:
-        """Each hash's row [B] (int64), -1 where not kept."""
-        return torch.tensor([self.index.get(h, -1) for h in hashes], dtype=torch.long)
+    @classmethod
+    def plain(cls, x: torch.Tensor, image: torch.Tensor) -> "Keys":
+        """Every row of x [N, Dt] a key, as it is (normalised when read)."""
+        zeros = torch.zeros(x.shape[1], device=x.device)
+        return cls(x, torch.arange(len(x), device=x.device), zeros, zeros, image)
 
-    def add(self, hashes: list[int], rows: torch.Tensor) -> None:
-        take = min(len(hashes), MEMO_ROWS - self.n)
-        if take <= 0:
-            return
-        if self.n + take > len(self.rows):  # grown by doubling: appending costs O(rows) in all
-            grown = torch.empty(min(MEMO_ROWS, max(2 * len(self.rows), self.n + take)), self.rows.shape[1])
-            grown[:self.n] = self.rows[:self.n]
-            self.rows = grown
-        self.rows[self.n:self.n + take] = rows[:take].detach().float().cpu()
-        self.index.update(zip(hashes[:take], range(self.n, self.n + take)))
-        self.n += take
+    def __len__(self) -> int:
+        return len(self.rows)
 
-    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hashes [n] int64, rows [n, Di]) in row order, for a checkpoint."""
-        hashes = torch.empty(self.n, dtype=torch.long)
-        for h, i in self.index.items():
-            hashes[i] = h
-        return hashes, self.rows[:self.n].clone()
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.base, self.rows, self.center, self.mean, self.image
+
+    def at(self, pos: torch.Tensor) -> torch.Tensor:
+        """Unit keys [n, Dt] at positions pos [n] (a new tensor, centred and normalised in place)."""
+        x = self.base.index_select(0, self.rows[pos]).float().sub_(self.center).sub_(self.mean)
+        return x.div_(x.norm(dim=1, keepdim=True).clamp_min(_EPS))
+
+    def block(self, start: int, stop: int) -> torch.Tensor:
+        return self.at(torch.arange(start, min(stop, len(self)), device=self.rows.device))
 
 
-_HASH_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
+@dataclass(frozen=True)
+class Values:
+    """The unit training images as rows `rows` [Ni] of base [Nb, Di], L2-normalised when read."""
+    base: torch.Tensor
+    rows: torch.Tensor  # int64 [Ni]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.base, self.rows
+
+    def unit(self, idx: torch.Tensor) -> torch.Tensor:
+        """Unit images [*idx.shape, Di] of image indices idx (any shape)."""
+        x = self.base[self.rows[idx]].float()
+        return x.div_(x.norm(dim=-1, keepdim=True).clamp_min(_EPS))
+
+    def mean(self) -> torch.Tensor:
+        """The mean unit image [Di], bit-identical to the mean of their normalised copy (by columns on the CPU, as
+        latentsweep.trainers.data.rows.Rows.column_stat)."""
+        if not len(self):
+            return torch.zeros(self.base.shape[1], device=self.base.device)
+        norms = torch.cat([self.base[self.rows[s:s + KEY_BLOCK]].float().norm(dim=1)
+                           for s in range(0, len(self), KEY_BLOCK)]).clamp_min(_EPS)  # [Ni]
+        return _column_mean(self.base, self.rows, torch.zeros(self.base.shape[1], device=self.base.device), norms)
 
 
-def row_hashes(x: torch.Tensor) -> list[int]:
-    """A 64-bit hash of each row's float32 bits [B]: the bits times fixed random odd int64 weights, summed (wrapping),
-    on the rows' device. Two different rows collide with odds about 2^-60; equal rows always agree."""
-    key = (x.shape[1], str(x.device))
-    if key not in _HASH_WEIGHTS:
-        gen = torch.Generator().manual_seed(x.shape[1])
-        _HASH_WEIGHTS[key] = (torch.randint(-2 ** 62, 2 ** 62, (x.shape[1],), generator=gen) | 1).to(x.device)
-    bits = x.contiguous().view(torch.int32).long()  # [B, Dt]
-    return (bits * _HASH_WEIGHTS[key]).sum(dim=1).tolist()
+def _column_mean(base: torch.Tensor, rows: torch.Tensor, center: torch.Tensor,
+                 norms: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over rows [N] of (base[rows] - center) / norms[:, None] ([Dt]): STAT_COLUMNS columns at a time on the CPU,
+    where a column's mean depends only on that column's values (tests/test_rows.py), so no [N, Dt] copy is made;
+    whole elsewhere (device memory)."""
+    def part(cols: slice) -> torch.Tensor:
+        x = base[rows, cols].float() - center[cols]
+        return (x if norms is None else x / norms[:, None]).mean(dim=0)
+
+    if not len(rows):
+        return torch.zeros(base.shape[1], device=base.device)
+    if base.device.type != "cpu":
+        return part(slice(None))
+    return torch.cat([part(slice(c, c + STAT_COLUMNS)) for c in range(0, base.shape[1], STAT_COLUMNS)])
 
 
-def choose_tau(fit: FitSet, k: int, seed: int, center: float = 0.0) -> float:
+def choose_tau(keys: Keys, values: Values, k: int, seed: int, center: float = 0.0) -> float:
     """The TAU_GRID temperature with the best leave-one-image-out MRR (`loio_mrr`). With one image there is nothing
     to leave out: tau = the grid's middle."""
-    if fit.images.shape[0] < 2:
+    if len(values) < 2:
         return TAU_GRID[len(TAU_GRID) // 2]
-    return TAU_GRID[int(torch.argmax(loio_mrr(fit, k, seed, center)))]
+    return TAU_GRID[int(torch.argmax(loio_mrr(keys, values, k, seed, center)))]
 
 
-def loio_mrr(fit: FitSet, k: int, seed: int, center: float) -> torch.Tensor:
+def loio_mrr(keys: Keys, values: Values, k: int, seed: int, center: float) -> torch.Tensor:
     """Leave-one-image-out MRR [len(TAU_GRID)] at each grid temperature: up to CHOICE_QUERIES training captions, each
     translated from the other images' captions only (less `center` x the mean unit image, as the model predicts),
     ranked against a gallery of GALLERY_SIZE training images as on the leaderboard (its own image and random
-    others), under latentsweep.trainers.eval.metrics' rank rule. fit: unit keys, their images, unit images; two images at least."""
-    keys, img, values = fit.x, fit.img, fit.images
+    others), under latentsweep.trainers.eval.metrics' rank rule. Two images at least."""
+    device = keys.rows.device
     gen = torch.Generator().manual_seed(seed)
-    queries = torch.randperm(keys.shape[0], generator=gen)[:CHOICE_QUERIES].to(keys.device)
-    gallery = torch.randperm(values.shape[0], generator=gen)[:GALLERY_SIZE].to(keys.device)  # [G]
-    rr = torch.zeros(len(TAU_GRID), device=keys.device)
-    mean_score = values @ values.mean(dim=0)  # [Ni] each image's score against the mean image (the shift's part)
-    for q in queries.split(BLOCK):
-        own = img[q]  # [b]
-        sim, idx = nearest(keys[q], keys, img, k, exclude=own)
-        neighbours = values[img[idx]]  # [b, k', Di]
-        own_score = torch.einsum("bkd,bd->bk", neighbours, values[own])  # [b, k'] each neighbour's image vs own
-        gal_score = torch.einsum("bkd,gd->bkg", neighbours, values[gallery])  # [b, k', G]
+    queries = torch.randperm(len(keys), generator=gen)[:CHOICE_QUERIES].to(device)
+    gallery = torch.randperm(len(values), generator=gen)[:GALLERY_SIZE].to(device)  # [G]
+    gallery_unit, mean = values.unit(gallery), values.mean()  # [G, Di], [Di]
+    rr = torch.zeros(len(TAU_GRID), device=device)
+    # [Ni] each image's score against the mean image (the shift's part), a block of images at a time
+    mean_score = torch.cat([values.unit(b) @ mean for b in torch.arange(len(values), device=device).split(KEY_BLOCK)])
+    own_images = keys.image[queries]  # [Q]
+    sims, idxs = nearest(keys.at(queries), keys, k, exclude=own_images)  # [Q, k'] each: every key read once
+    for sim, idx, own in zip(sims.split(BLOCK), idxs.split(BLOCK), own_images.split(BLOCK)):
+        neighbours = values.unit(keys.image[idx])  # [b, k', Di]
+        own_score = torch.einsum("bkd,bd->bk", neighbours, values.unit(own))  # [b, k'] each neighbour's image vs own
+        gal_score = torch.einsum("bkd,gd->bkg", neighbours, gallery_unit)  # [b, k', G]
         rivals = gallery[None, :] != own[:, None]  # [b, G]: the gallery without the query's own image
         for t, tau in enumerate(TAU_GRID):
             w = torch.softmax(sim / tau, dim=1)  # [b, k']
@@ -222,23 +300,44 @@ def loio_mrr(fit: FitSet, k: int, seed: int, center: float) -> torch.Tensor:
     return rr / len(queries)
 
 
-def _unit_keys(x: torch.Tensor, owned: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean [Dt], the centred unit keys [N, Dt]), made in place in x when the fit set was made for this build
-    (`owned`: at challenge size a copy is 0.4 GB), else in one new tensor (a task may hold the captions it gave)."""
-    mean = x.float().mean(dim=0)
-    keys = x.float().sub_(mean) if owned else x.float() - mean
-    keys.div_(keys.norm(dim=1, keepdim=True).clamp_min(1e-12))
-    return mean, keys
+def nearest(q: torch.Tensor, keys: Keys, k: int, exclude: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cosines [b, k'], key positions [b, k']) of the k' = min(k, N) keys nearest to the unit queries q [b, Dt],
+    best first; `exclude` [b]: an image per query whose captions are left out (-inf, weight 0 in a softmax).
+
+    Keys are read KEY_BLOCK at a time (`Keys.block`: gathered, centred, normalised), each once for every query of
+    the call, against QUERY_BLOCK queries at a time; each block's k best are merged into the running k best. A call
+    reads every key, so its cost beside the product is paid once per call: callers pass thousands of queries."""
+    k = min(k, len(keys))
+    blocks, banned = q.split(QUERY_BLOCK), (None if exclude is None else exclude.split(QUERY_BLOCK))
+    # (b.shape[0], not len(b): torch.export keeps the batch symbolic)
+    best = [(b.new_zeros(b.shape[0], 0), torch.zeros(b.shape[0], 0, dtype=torch.long, device=b.device)) for b in blocks]
+    for start in range(0, len(keys), KEY_BLOCK):
+        unit = keys.block(start, start + KEY_BLOCK)  # [c, Dt]
+        image = keys.image[start:start + len(unit)]  # [c]
+        for j, block in enumerate(blocks):
+            sim = block @ unit.T  # [qb, c]
+            if banned is not None:  # in place: a second block is as large
+                sim.masked_fill_(image[None, :] == banned[j][:, None], -math.inf)
+            value, pos = sim.topk(min(k, len(unit)), dim=1)
+            kept_value, kept_pos = best[j]
+            value, order = torch.cat([kept_value, value], 1).topk(min(k, kept_value.shape[1] + value.shape[1]), dim=1)
+            best[j] = value, torch.cat([kept_pos, pos + start], 1).gather(1, order)
+    return torch.cat([v for v, _ in best]), torch.cat([p for _, p in best])
 
 
-def nearest(q: torch.Tensor, keys: torch.Tensor, key_image: torch.Tensor, k: int,
-            exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cosines [b, k'], key indices [b, k']) of the k' = min(k, N) keys [N, Dt] nearest to the unit queries
-    q [b, Dt]; `exclude` [b]: an image per query whose captions are left out (-inf, weight 0 in a softmax)."""
-    sim = q @ keys.T  # [b, N]
-    if exclude is not None:  # in place: a second [b, N] block is 0.1 GB at challenge size
-        sim.masked_fill_(key_image[None, :] == exclude[:, None], -math.inf)
-    return sim.topk(min(k, sim.shape[1]), dim=1)
+def predict_ahead(model: torch.nn.Module, x) -> None:
+    """Predict x [N, Dt] (a tensor or latentsweep.trainers.data.rows.Rows) with `model` (a knn model, or one
+    wrapping it), AHEAD_ROWS rows a call, keeping nothing but what the knn model's memo keeps: validation then reads
+    its 128-row blocks from the memo instead of reading every key for each."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(x), AHEAD_ROWS):
+                model(x[start:start + AHEAD_ROWS])
+    finally:
+        model.train(was_training)
 
 
 def build_seconds(cfg: Config, data, device: torch.device | str = "cpu") -> float:
@@ -264,18 +363,18 @@ def build_seconds(cfg: Config, data, device: torch.device | str = "cpu") -> floa
 
 
 def probe_pair_s(dim: int, k: int, device: torch.device | str = "cpu") -> float:
-    """Seconds per (query, key) pair of `nearest` at `dim` dims on `device`, timed now on one BLOCK x PROBE_KEYS
-    block (after one untimed call, which pays the first call's set-up)."""
+    """Seconds per (query, key) pair of `nearest` at `dim` dims on `device`, timed now on QUERY_BLOCK x PROBE_KEYS
+    (after one untimed call, which pays the first call's set-up)."""
     gen = torch.Generator().manual_seed(0)
-    q = l2_normalize(torch.randn(BLOCK, dim, generator=gen)).to(device)
-    keys = l2_normalize(torch.randn(PROBE_KEYS, dim, generator=gen)).to(device)
-    img = torch.arange(PROBE_KEYS, device=keys.device)
-    nearest(q, keys, img, k)
-    _sync(keys.device)
+    q = l2_normalize(torch.randn(QUERY_BLOCK, dim, generator=gen)).to(device)
+    raw = torch.randn(PROBE_KEYS, dim, generator=gen).to(device)
+    keys = Keys.plain(raw, torch.arange(PROBE_KEYS, device=raw.device))
+    nearest(q, keys, k)
+    _sync(raw.device)
     started = time.perf_counter()
-    nearest(q, keys, img, k)
-    _sync(keys.device)
-    return (time.perf_counter() - started) / (BLOCK * PROBE_KEYS)
+    nearest(q, keys, k)
+    _sync(raw.device)
+    return (time.perf_counter() - started) / (QUERY_BLOCK * PROBE_KEYS)
 
 
 def _sync(device: torch.device) -> None:

@@ -6,6 +6,8 @@ from typing import Callable
 
 import torch
 
+from latentsweep.trainers.data.rows import Rows
+
 
 @dataclass(frozen=True)
 class FitSet:
@@ -22,6 +24,25 @@ class FitSet:
         return cls(x, torch.arange(x.shape[0], device=x.device), y)
 
 
+@dataclass(frozen=True)
+class FitRows:
+    """The training split as rows of the loaded arrays, nothing copied (the kernel model's keys and values): x
+    [N, dim_in] training captions, which less `center` [dim_in] are a FitSet's x; img [N] each caption's image as
+    an index into images [Ni, dim_out] (raw)."""
+    x: Rows
+    center: torch.Tensor
+    img: torch.Tensor
+    images: Rows
+
+    @classmethod
+    def of(cls, fit: FitSet) -> "FitRows":
+        """A FitSet's tensors as rows of themselves (its captions already centred)."""
+        x, images = fit.x, fit.images
+        return cls(Rows(x, torch.arange(len(x), device=x.device)), torch.zeros(x.shape[1], dtype=x.dtype,
+                                                                                device=x.device),
+                   fit.img, Rows(images, torch.arange(len(images), device=images.device)))
+
+
 class ModelContext:
     """What a builder may look at besides the config: the dims, and the training set that only the closed-form
     models read (geometry's fit, the relative model's anchors, the kernel model's keys): fit_x [N, dim_in] train-split
@@ -32,16 +53,17 @@ class ModelContext:
 
     def __init__(self, dim_in: int, dim_out: int, fit_x: torch.Tensor | None = None,
                  fit_y: torch.Tensor | None = None, *, fit: Callable[[], FitSet] | None = None,
-                 device: torch.device | None = None):
+                 rows: Callable[[], FitRows] | None = None, device: torch.device | None = None):
         self.dim_in, self.dim_out = dim_in, dim_out
         self._set = FitSet.from_pairs(fit_x, fit_y) if fit_x is not None else None
         self._fit = fit
+        self._rows = rows  # the same split as rows of the loaded arrays, where the task can give them
         self._pairs_y = fit_y
         self.device = fit_x.device if fit_x is not None else device  # where build_model puts the model
 
     @property
     def has_fit(self) -> bool:
-        return self._set is not None or self._fit is not None
+        return self._set is not None or self._fit is not None or self._rows is not None
 
     def fit_set(self) -> FitSet | None:
         if self._set is None and self._fit is not None:
@@ -54,6 +76,16 @@ class ModelContext:
         fit = self.fit_set()
         self._set = self._pairs_y = None
         return fit
+
+    def take_fit_rows(self) -> FitRows | None:
+        """The training split as FitRows, which this context then forgets: the task's rows of the loaded arrays
+        where it gave them (no copy), else the FitSet's tensors."""
+        if self._rows is not None:
+            rows, self._rows, self._fit = self._rows(), None, None
+            self._set = self._pairs_y = None
+            return rows
+        fit = self.take_fit_set()
+        return None if fit is None else FitRows.of(fit)
 
     @property
     def fit_x(self) -> torch.Tensor | None:
@@ -69,4 +101,4 @@ class ModelContext:
         return self._pairs_y
 
 
-__all__ = ["FitSet", "ModelContext"]
+__all__ = ["FitRows", "FitSet", "ModelContext"]

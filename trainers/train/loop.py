@@ -124,6 +124,8 @@ def _fit_untrained(cfg: Config, data: TrainSet, task, model: CenteredModel, out_
     of its state is kept for a best epoch: there is one, and at challenge size the state is the training set."""
     clock.epoch_start()
     clock.trained()
+    if getattr(task, "val_x", None) is not None:  # thousands of rows a call, kept by its memo for the validation
+        knn.predict_ahead(model, task.val_x)
     metrics = {**task.evaluate(model), "lr": 0.0}
     clock.evaluated()
     clock.predicted(task, model)

@@ -15,7 +15,7 @@ from latentsweep.trainers.data.sets import TrainSet
 from latentsweep.trainers.core.errors import ConfigError, DataError
 from latentsweep.trainers.losses import EpochContext, batch_keys
 from latentsweep.trainers.losses.multilabel import draw_fixed_positives
-from latentsweep.trainers.models.model_context import FitSet, ModelContext
+from latentsweep.trainers.models.model_context import FitRows, FitSet, ModelContext
 from latentsweep.trainers.config.registry import Registry
 from latentsweep.trainers.data.rows import Rows
 from latentsweep.trainers.data.splits import captions_and_local_images, captions_of, kfold_by_image, split_by_hash
@@ -184,7 +184,11 @@ class TranslateTask(Task):
         return Rows(text, torch.as_tensor(caps, device=self.device)), torch.as_tensor(local, device=self.device)
 
     def model_context(self) -> ModelContext:
-        return ModelContext(self.dim_in, self.dim_out, fit=self._fit_set, device=self.device)
+        return ModelContext(self.dim_in, self.dim_out, fit=self._fit_set, rows=self._fit_rows, device=self.device)
+
+    def _fit_rows(self) -> FitRows:
+        """The same split as rows of the loaded arrays (the kernel model's keys and values): nothing copied."""
+        return FitRows(self.x, self.text_mean, self.img, self.images)
 
     def _fit_set(self) -> FitSet:
         """Centred training captions [N, Dt], each one's image index [N] and the raw training images [Ni, Di]: built
