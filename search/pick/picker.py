@@ -40,6 +40,7 @@ from latentsweep.search.tracking import make_tracker
 from latentsweep.search.tracking.base import Tracker
 from latentsweep.trainers.data.sets import TestSet, TrainSet, load_test_shared, load_train_shared
 from latentsweep.trainers.core.deadline import Deadline
+from latentsweep.trainers.core.heap import release_free_heap
 from latentsweep.trainers.train.loop import resolve_device
 from latentsweep.trainers.core.progress import say
 
@@ -190,6 +191,7 @@ def pick_until(opts: PickOptions, deadline: Deadline, gate=None) -> PickResult |
     started = time.monotonic()
     check_options(opts)
     device = resolve_device(opts.device)
+    release_free_heap()  # what the job's search freed (its trials, the keeper's scores), kept resident by glibc
     with tempfile.TemporaryDirectory(prefix="latentsweep-pick-") as downloads:
         inp = load_inputs(opts, Path(downloads), device)
         return _pick(opts, inp, deadline, device, gate, started)

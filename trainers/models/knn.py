@@ -35,9 +35,9 @@ TAU_GRID = tuple(0.001 * 1.5 ** i for i in range(14))
 # Training captions the choice scores (a seeded random subset): each costs one [N] similarity row. 2,048 queries give
 # an MRR whose standard error (about 0.3 / sqrt(2048) = 0.007) is below the gaps between neighbouring temperatures.
 CHOICE_QUERIES = 2048
-# Query rows per block of the weighted mean of the neighbours' images: [BLOCK, k, Di] floats, 0.1 GB at k = 64 and
-# 1536 dims.
-BLOCK = 256
+# Query rows per block of the weighted mean of the neighbours' images: [BLOCK, k, Di] floats, 25 MB at k = 64 and
+# 1536 dims (256 rows held 0.1 GB; each row's mean is the same either way).
+BLOCK = 64
 # Keys per block of `nearest`, made from the base's rows as read, and queries per similarity block against them:
 # [KEY_BLOCK, Dt] unit keys and [QUERY_BLOCK, KEY_BLOCK] cosines, 16 MB each at 1024 dims (the whole [256, N] row
 # block was 0.1 GB at challenge size, N = 100,000 training captions).

@@ -60,7 +60,7 @@ class RowMemo:
         if self.n + take > len(self.rows):  # grown by doubling: appending costs O(rows) in all
             grown = _zeros(min(MEMO_ROWS, max(2 * len(self.rows), self.n + take)), self.rows.shape[1])
             grown[:self.n] = self.rows[:self.n]
-            self.rows = grown
+            self.rows, self.loaded = grown, False  # the process's own memory now
         self.rows[self.n:self.n + take] = rows[:take].detach().float().cpu()
         self.index.update(zip(hashes[:take], range(self.n, self.n + take)))
         self.n += take
