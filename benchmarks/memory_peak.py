@@ -250,9 +250,9 @@ def child_pick(out: str, state: str, study: str, study_file: str, data: str, tes
                            register=study, progress=False)
         try:
             made = pick_until(opts, Deadline.after(PICK_BUDGET_S), onebudget._gate(judge, standing))
-        except LatentsweepError as exc:  # a state without a trial to pick (a smoke job's may have none)
+        except LatentsweepError as exc:  # not a state with a study's trials (its parent folder given?): said
             print(f"  no pick: {exc}", flush=True)
-            return 0
+            return 1
         print(f"  the pick {'wrote its ensemble' if made else 'lost to the floor (nothing written)'}", flush=True)
         return 0
 
