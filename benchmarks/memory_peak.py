@@ -401,9 +401,13 @@ def main(argv: list[str] | None = None) -> int:
             results[f"before ({args.before})"] = measure(export_revision(args.before, Path(tmp)), study, data)
         print("this tree:", flush=True)
         results["after" if args.before else "this tree"] = measure(ROOT, study, data)
-        if args.smoke:  # the one-budget job's path too, then the pick alone on its state
+        if args.smoke:  # the one-budget job's path too, then the pick alone on a 2-trial study's state
             job_main(args, Path(tmp) / "job")
-            pick_main(args, Path(tmp) / "pick", Path(tmp) / "job" / "after" / "state", Path(tmp) / "job" / "train.npz")
+            job_data, state = Path(tmp) / "job" / "train.npz", Path(tmp) / "pick-state"
+            peak_rss([sys.executable, "-m", "latentsweep", "study", "run", str(study), "--data", str(job_data),
+                      "--n-trials", "2", "--state-dir", str(state), "--quiet"], ROOT, Path(tmp))
+            args.pick_study = tomllib.loads(study.read_text())["study"]["name"]
+            pick_main(args, Path(tmp) / "pick", state, job_data)
     print(table(results, floats))
     if args.json:
         args.json.write_text(json.dumps({"float_bytes": floats, "results": results}, indent=2))
