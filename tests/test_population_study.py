@@ -275,6 +275,20 @@ def members_running(proc: subprocess.Popen, state: Path, name: str, k: int = 2) 
     raise AssertionError(proc.communicate())
 
 
+def ended(proc: subprocess.Popen, timeout: float) -> tuple[bytes, bytes]:
+    """proc.communicate(timeout): on a timeout the job is stopped with its workers (SIGTERM, then SIGKILL), so a failed
+    test leaves no process behind (one left from a timed-out run held its workers' store connections)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+
+
 @pytest.mark.slow
 def test_killing_a_worker_mid_population_leaves_nothing_running(state, synthetic, tmp_path):
     """SIGKILL of one of two spawned workers while its population trains: the launcher reaps all its members at once,
@@ -283,7 +297,7 @@ def test_killing_a_worker_mid_population_leaves_nothing_running(state, synthetic
     proc = start(sf, state, synthetic, "--workers", "2", "--population", "3")
     victim = members_running(proc, state, "killpop")
     os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
-    out, err = proc.communicate(timeout=300)
+    out, err = ended(proc, 300)
     assert proc.returncode == 0, err.decode()[-2000:]
     killed = [t for t in trials(state, "killpop") if t.user_attrs.get("latentsweep.worker") == victim]
     assert len([t for t in killed if t.state.name == "FAIL"]) >= 2  # every member of the dead worker reaped
@@ -298,7 +312,7 @@ def test_ctrl_c_mid_population_fails_and_retries_every_member(state, synthetic, 
     proc = start(sf, state, synthetic, "--population", "3")
     members_running(proc, state, "intpop")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = ended(proc, 120)
     assert proc.returncode == 130, err.decode()[-2000:]
     got = trials(state, "intpop")
     failed = [t for t in got if t.state.name == "FAIL"]
