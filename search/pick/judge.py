@@ -136,8 +136,7 @@ class Standing:
             wins = True
         else:
             mean, se = gain(score, self.scored)
-            wins = (mean > 0 and mean > Z_BETTER * se) or (ties_win and not np.any(score.per_image
-                                                                                   != self.scored.per_image))
+            wins = mean > Z_BETTER * se or (ties_win and np.array_equal(score.per_image, self.scored.per_image))
             entry |= {"gain_per_image": mean, "gain_se": se}
         entry |= {"won": wins, "at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.offered.append(entry)
