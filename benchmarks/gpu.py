@@ -1,6 +1,7 @@
 """GPU benchmark for one 15-minute slot (issue 38): the step, populations, trials per minute, a one-budget run.
 
-One call, about 8 minutes on an H100/H200, printing a markdown table; the parts run in the order a, d, b, c:
+Printing a markdown table; the parts run in the order a, d, b, c. A command on the lent machine runs at most 10
+minutes, so one 15-minute slot takes two calls: `--parts a d b` (about 7 minutes) and `--parts c` (about 6):
   (a) the trainer's epoch (benchmarks/throughput.py: the VSE++ MLP 1024 -> 2048 -> 1536 at batch 512) eager and
       captured (train.capture = compile), against a plain DataLoader loop, as a fraction of the float32 matmul rate;
   (d) population trials (latentsweep.trainers.train.population): K members of studies/full.toml's [base] in one
@@ -8,13 +9,14 @@ One call, about 8 minutes on an H100/H200, printing a markdown table; the parts 
       K = 1, 2, 4, 8, 16, 32: ms per step, samples/s summed over members, fraction of the matmul rate, peak memory,
       one member's step alone (the loop's own step), and two members stacked against alone on the card;
   (b) trials per minute of `latentsweep study run studies/full.toml` on that data with the defaults (no device flags:
-      every GPU, populations sized on it) against `--workers 1 --population 1` (one trial at a time): trials
-      complete or pruned within --window seconds of the first start, the run stopped after that;
+      every GPU, a worker per 2 cores on each, at most 8) against `--workers 1 --population 1` (one trial at a
+      time); `--arms` adds the defaults under MPS (the daemon started for the arm) and one worker's population
+      auto: trials complete or pruned within --window seconds of the first start, the run stopped after that;
   (c) `latentsweep run studies/full.toml --time 300` with the defaults on the same data: wall, first answer, test MRR
       against the closed-form floor's, the manifest's winner.
 A part that would overrun --budget is skipped and says so.
 
-    python benchmarks/gpu.py [--budget 470] [--window 45] [--parts a d b c] [--run-time 300] [--json OUT]
+    python benchmarks/gpu.py [--budget 540] [--window 90] [--parts a d b c] [--run-time 300] [--json OUT]
     python benchmarks/gpu.py --smoke    # on CPU in seconds: (a) and (d) at toy sizes, tiny data written;
                                         # the command lines of (b) and (c) checked by the CLI's parser, not run
     python benchmarks/gpu.py --parts d --images 2804 --ks 1 4   # (d) alone, here on a CPU at demo size
@@ -25,9 +27,11 @@ On the lent GPU machine (see ../shared/gpu/README.md): `bash .gpu/setup.sh`, the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,9 +115,29 @@ def captured_rate(dev, steps: int, dims, mode: str, eager: float) -> str:
 
 # ---- (b) trials per minute: the defaults against one trial at a time ----------------------------------------------
 
-ARMS = {"defaults": [],  # issue 38's arms: the defaults, against one trial at a time; and 8 workers alone
-        "8 workers, population 1": ["--gpus", "0", "--per-gpu", "8", "--workers", "auto", "--population", "1"],
+ARMS = {"defaults": [],  # issue 38's arms: the defaults (a worker per 2 cores on each GPU, at most 8) against one
+        "defaults under MPS": [],  # trial at a time; the defaults with NVIDIA's MPS daemon started for the arm;
+        "one worker, population auto": ["--workers", "1", "--population", "auto"],  # and the stacked population
         "one at a time": ["--workers", "1", "--population", "1"]}
+DEFAULT_ARMS = ["defaults", "one at a time"]
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+@contextlib.contextmanager
+def mps(on: bool):
+    """NVIDIA's MPS control daemon for an arm (started and stopped here, unless one already listens)."""
+    from latentsweep.search.study.devices import mps_running
+
+    started = on and not mps_running() and shutil.which(MPS_CONTROL) is not None
+    if started:
+        subprocess.run([MPS_CONTROL, "-d"], check=True)
+        time.sleep(2)  # the daemon's socket appears asynchronously
+    try:
+        yield
+    finally:
+        if started:
+            subprocess.run([MPS_CONTROL], input="quit\n", text=True, check=False)
+            time.sleep(2)
 
 
 def study_run_argv(data: Path, flags: list[str], window: float, state: Path) -> list[str]:
@@ -159,10 +183,11 @@ def trials_per_minute(data: Path, arm: str, window: float, work: Path) -> tuple[
     name = arm.replace(" ", "-")
     state, log = work / f"arm-{name}", work / f"arm-{name}.log"
     with open(log, "w") as fh:
-        proc = subprocess.Popen(study_run_argv(data, ARMS[arm], window, state), cwd=ROOT, stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        start = time.monotonic()
-        stop_group(proc, window + LEAD_S + STOP_GRACE_S + START_UP_S)  # start-up (imports, data) comes before the window
+        with mps("MPS" in arm):
+            proc = subprocess.Popen(study_run_argv(data, ARMS[arm], window, state), cwd=ROOT, stdout=fh,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            start = time.monotonic()
+            stop_group(proc, window + LEAD_S + STOP_GRACE_S + START_UP_S)  # start-up (imports, data) before the window
     if not (state / "optuna.db").is_file():
         return f"failed (exit {proc.returncode}): {log.read_text()[-300:]!r}", 0.0
     ok, failed, size = finished_within(state, window)
@@ -178,8 +203,8 @@ def arm_rows(data: Path, arms: list[str], window: float, work: Path, clock: Cloc
     rows, rates = [], {}
     for arm in arms:
         label = f"(b) study run full.toml, {arm}" + (f" ({' '.join(ARMS[arm])})" if ARMS[arm] else "")
-        if smoke and ARMS[arm] and "--gpus" in ARMS[arm]:
-            rows.append((label, "not run (--smoke): --gpus needs CUDA"))
+        if smoke and "MPS" in arm:
+            rows.append((label, "not run (--smoke): MPS needs CUDA"))
         elif smoke:
             rows.append((label, check_argv(study_run_argv(data, ARMS[arm], window, work / arm))))
         elif clock.fits(window + LEAD_S + STOP_GRACE_S + 30):
@@ -187,8 +212,8 @@ def arm_rows(data: Path, arms: list[str], window: float, work: Path, clock: Cloc
             rows.append((label, text))
         else:
             rows.append((label, f"skipped: {clock.left():.0f} s left of the budget"))
-    if rates.get("one at a time"):
-        rows.append(("(b) defaults / one at a time", f"{rates.get('defaults', 0) / rates['one at a time']:.1f}x"))
+    for arm in (a for a in rates if a != "one at a time" and rates.get("one at a time")):
+        rows.append((f"(b) {arm} / one at a time", f"{rates[arm] / rates['one at a time']:.1f}x"))
     return rows
 
 
@@ -292,11 +317,13 @@ def table(rows: list[tuple[str, str]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget", type=float, default=470, help="seconds for the whole call (default 470)")
-    p.add_argument("--window", type=float, default=45, help="seconds of trials counted per worker count")
+    p.add_argument("--budget", type=float, default=540, help="seconds for the whole call (default 540)")
+    p.add_argument("--window", type=float, default=90,
+                   help="seconds of trials counted per arm, from its first trial's start (default 90)")
     p.add_argument("--parts", nargs="+", choices="abcd", default=list("abcd"),
                    help="(a) step, (d) population, (b) trials per minute, (c) run; run in the order a, d, b, c")
-    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="the arms of (b)")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=DEFAULT_ARMS,
+                   help=f"the arms of (b) (default: {', '.join(DEFAULT_ARMS)})")
     p.add_argument("--run-time", type=int, default=300, help="seconds of (c)'s run (default 300)")
     p.add_argument("--work", type=Path, help="keep the data, states and logs here (default: a temp dir)")
     p.add_argument("--json", type=Path, help="also write the rows here")

@@ -47,11 +47,11 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
               timeout: float | None = None, workers: int = 1, name: str | None = None, state_dir: str | None = None,
               storage: str | None = None, tracking_uri: str | None = None, artifact_root: str | None = None,
               progress: bool = True, warm_start: bool | None = None, warm_from: tuple[str, ...] = (),
-              population: int | str = "auto") -> dict:
+              population: int | str = 1) -> dict:
     """Create or resume a study (a study file's path or a preset's name) and run its trials here, as `latentsweep
     study run`; returns the summary (trials by state, best value and trial). A new study first tries earlier
     studies' best configurations on the same data (`warm_start`, `warm_from`: docs/warm-start.md). `population`:
-    trials trained side by side per worker, a number or "auto" (docs/gpu.md)."""
+    trials trained side by side per worker, a number or "auto" (default 1: docs/gpu.md)."""
     check_population("population", population)
     _check_common(study, workers, progress, data=data, name=name, state_dir=state_dir, storage=storage,
                   tracking_uri=tracking_uri, artifact_root=artifact_root)
@@ -72,7 +72,7 @@ def run_study(study: str | Path, *, data: str | None = None, n_trials: int | Non
 @honours_progress
 def run(study: str | Path, time: str | float, *, data: str | None = None, test: str | None = None,
         register: str | None = None, workers: int = 1, state_dir: str | None = None, progress: bool = True,
-        warm_start: bool | None = None, warm_from: tuple[str, ...] = (), population: int | str = "auto"
+        warm_start: bool | None = None, warm_from: tuple[str, ...] = (), population: int | str = 1
         ) -> OneBudgetResult:
     """Search and pick within one wall-clock budget, as `latentsweep run STUDY --time T` (T: seconds or "30m");
     returns the job's result (.summary of the study, .pick: the pick's result or None, .answer: the submission in

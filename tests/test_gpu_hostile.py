@@ -186,11 +186,11 @@ def plan_lines(err: str) -> list[str]:
 WORKS = {
     "one GPU shared by two workers": pytest.param(
         1, ["--gpus", "all", "--per-gpu", "2", "--workers", "auto"], 2,
-        ["GPU(s) 0", "2 worker(s)", "2 per GPU", "population auto"], marks=pytest.mark.slow),
-    "two workers, none pinned": pytest.param(1, ["--workers", "2"], 2, ["2 worker(s)", "not pinned", "population auto"],
+        ["GPU(s) 0", "2 worker(s)", "2 per GPU", "population 1", "MPS"], marks=pytest.mark.slow),
+    "two workers, none pinned": pytest.param(1, ["--workers", "2"], 2, ["2 worker(s)", "not pinned", "population 1"],
                                              marks=pytest.mark.slow),
     "workers auto without a GPU": pytest.param(0, ["--workers", "auto"], 1, ["worker(s)", "--workers auto",
-                                                                             "population auto"]),
+                                                                             "population 1"]),
 }
 
 

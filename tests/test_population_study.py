@@ -182,27 +182,42 @@ def test_population_one_and_a_cpu_default_are_the_one_trial_worker(state, synthe
     assert "using every GPU" not in capsys.readouterr().err
 
 
-def test_the_machine_decides_workers_gpus_and_population():
+def test_the_machine_decides_workers_gpus_and_population(monkeypatch):
+    import latentsweep.search.study.devices as devices
     from latentsweep.search.study.devices import machine_defaults
-    assert machine_defaults(0, None, None, None) == (1, None, "auto")  # CPU: one worker; auto is 1 there
-    assert machine_defaults(4, None, None, None) == ("auto", "all", "auto")  # CUDA: every GPU, one worker each
-    assert machine_defaults(4, 1, None, None, 1) == (1, None, 1)  # --workers 1 --population 1: the old behaviour
-    assert machine_defaults(4, None, "1", None) == (1, "1", "auto")  # --gpus alone: one worker on it
-    assert machine_defaults(4, None, None, 2) == (1, None, "auto")  # --per-gpu alone is the user's (needs --gpus)
-    assert machine_defaults(2, "auto", None, None, 8) == ("auto", None, 8)
+    monkeypatch.setattr(devices, "max_workers", lambda: 1000)  # memory for any count: the cores decide
+    assert machine_defaults(0, None, None, None, cpus=16) == (1, None, None, 1)  # CPU: one worker, one trial
+    assert machine_defaults(1, None, None, None, cpus=16) == ("auto", "all", 8, 1)  # one GPU, 16 cores: 8 on it
+    assert machine_defaults(4, None, None, None, cpus=32) == ("auto", "all", 4, 1)  # 2 cores a worker
+    assert machine_defaults(1, None, None, None, cpus=64) == ("auto", "all", 8, 1)  # at most the 8 measured
+    assert machine_defaults(8, None, None, None, cpus=4) == ("auto", "all", 1, 1)  # at least one a GPU
+    assert machine_defaults(4, 1, None, None, 1) == (1, None, None, 1)  # --workers 1: the old behaviour
+    assert machine_defaults(4, None, "1", None) == (1, "1", None, 1)  # --gpus alone: one worker on it
+    assert machine_defaults(4, None, None, 2) == (1, None, 2, 1)  # --per-gpu alone is the user's (needs --gpus)
+    assert machine_defaults(2, "auto", None, None, "auto") == ("auto", None, None, "auto")
+    monkeypatch.setattr(devices, "max_workers", lambda: 6)  # memory for 6 workers: 3 on each of 2 GPUs
+    assert machine_defaults(2, None, None, None, cpus=64) == ("auto", "all", 3, 1)
 
 
-def test_a_cuda_machine_uses_every_gpu_and_says_so_in_one_line(monkeypatch):
+def test_a_cuda_machine_uses_every_gpu_and_says_so_in_one_line(monkeypatch, tmp_path):
+    import latentsweep.search.study.devices as devices
     from latentsweep.search.study.devices import WorkerPlan, describe_plan, plan_workers
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 8)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # no MPS daemon listens there
     plan = plan_workers(None, None, None)
-    assert plan == WorkerPlan(2, ("0", "1"), 1, machine=True)
-    line = describe_plan(plan, "auto")
-    assert "\n" not in line and "2 (0,1)" in line and "2 worker(s)" in line and "population auto" in line
+    assert plan == WorkerPlan(4, ("0", "1"), 2, machine=True)  # 8 cores, 2 a worker: 2 on each GPU
+    line = describe_plan(plan, 1)
+    assert "\n" not in line and "2 (0,1)" in line and "4 worker(s)" in line and "population 1" in line, line
+    assert "MPS off" in line and "nvidia-cuda-mps-control -d" in line, line
+    (tmp_path / "control").touch()  # the daemon's socket: MPS on
+    assert "MPS on" in describe_plan(plan, 1)
     assert plan_workers(1, None, None) == WorkerPlan(1)  # --workers 1: nothing pinned, nothing said
     assert not plan_workers("auto", None, None).machine  # an option given: the user's plan, not said
+    one = plan_workers(None, "0", None)
+    assert "MPS" not in describe_plan(one, 1)  # one worker on its GPU: nothing shares it
 
 
 def test_a_population_claims_no_further_than_the_first_trial_of_another_shape():

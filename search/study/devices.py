@@ -30,6 +30,15 @@ HELD: list[int] = []  # the lock files of this process's claimed slots, open (so
 # latentsweep.search.study.runner, torch 2.13's CPU build, 2026-11-27). More local workers (or slots per GPU) than the
 # machine's memory holds at that size can never all start: such a count is a typo, refused before any is spawned.
 WORKER_START_BYTES = 300 * 2**20
+# Worker slots per GPU when no device option is given: one per CPU_THREADS_PER_WORKER cores of the GPU's share, at
+# most this many. A step at challenge size is launch-bound (the host's Python and kernel launches, not the card), so
+# worker processes on one card add trials while each has cores to launch from: on an H200 with 16 cores, 8 workers
+# finished 9 trials of studies/full.toml in 90 s and 22 under MPS, one worker 7 (docs/gpu.md, 2026-11-28). 8 is
+# the most measured.
+MAX_DEFAULT_PER_GPU = 8
+# Where NVIDIA's MPS control daemon listens (its default; CUDA_MPS_PIPE_DIRECTORY moves it): workers on one GPU
+# under MPS run their kernels side by side instead of time-sharing the card.
+MPS_PIPE_ENV, MPS_PIPE_DEFAULT = "CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"
 
 
 @dataclass(frozen=True)
@@ -87,17 +96,41 @@ def check_workers(name: str, value: int, auto: bool = True) -> int:
     return check_count(name, value, 1, high, why + (" or auto" if auto else ""))
 
 
+def default_per_gpu(count: int, cpus: int) -> int:
+    """Worker slots per GPU when no device option is given: the machine's cores shared by its `count` GPUs, one slot
+    per CPU_THREADS_PER_WORKER of them, 1 to MAX_DEFAULT_PER_GPU."""
+    return max(1, min(MAX_DEFAULT_PER_GPU, cpus // CPU_THREADS_PER_WORKER // max(count, 1),
+                       max_workers() // max(count, 1)))
+
+
 def machine_defaults(count: int, workers: int | str | None, gpus: str | None, per_gpu: int | None,
-                     population: int | str | None = None) -> tuple[int | str, str | None, int | str]:
-    """(workers, gpus, population) of `study run|run` from the CUDA devices seen and the options given (None: not
-    given). With no device option on a machine with GPUs: every GPU, one worker each (auto; eight per GPU measured
-    no better on an H200, docs/gpu.md), populations sized on each GPU; on a CPU machine one worker, as before. A
-    device option given (--workers, --gpus, --per-gpu) is the user's plan, kept as it is; the population is auto
-    unless given (1 on a CPU: latentsweep.search.study.population)."""
-    population = AUTO if population is None else population
+                     population: int | str | None = None, cpus: int = 1) -> tuple[int | str, str | None,
+                                                                                  int | None, int | str]:
+    """(workers, gpus, per_gpu, population) of `study run|run` from the CUDA devices seen, the cores and the options
+    given (None: not given). With no device option on a machine with GPUs: every GPU, default_per_gpu workers on
+    each; on a CPU machine one worker, as before. A device option given (--workers, --gpus, --per-gpu) is the
+    user's plan, kept as it is. The population is 1 unless given: `auto` trained fewer trials of full.toml's space
+    at challenge size than one trial at a time (its trials rarely share a shape; docs/gpu.md)."""
+    population = 1 if population is None else population
     if workers is None and gpus is None and per_gpu is None:
-        return (AUTO, ALL, population) if count > 0 else (1, None, population)
-    return (1 if workers is None else workers), gpus, population
+        return (AUTO, ALL, default_per_gpu(count, cpus), population) if count > 0 else (1, None, None, population)
+    return (1 if workers is None else workers), gpus, per_gpu, population
+
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon listens where this process's CUDA clients would look for it (its pipe
+    directory's `control` socket)."""
+    return (Path(os.environ.get(MPS_PIPE_ENV) or MPS_PIPE_DEFAULT) / "control").exists()
+
+
+def mps_note(plan: WorkerPlan) -> str:
+    """What the plan line says of MPS when several workers share a GPU: on, or how to turn it on and why."""
+    if not plan.gpus or plan.per_gpu < 2:
+        return ""
+    if mps_running():
+        return "; MPS on: the workers' kernels run side by side"
+    return ("; MPS off: the workers time-share each GPU (`nvidia-cuda-mps-control -d` first: 2.4x the trials a "
+            "minute measured, docs/gpu.md)")
 
 
 def describe_plan(plan: WorkerPlan, population: int | str, slot: str | None = None) -> str | None:
@@ -111,11 +144,12 @@ def describe_plan(plan: WorkerPlan, population: int | str, slot: str | None = No
         return f"using GPU {slot}: a free slot of {len(plan.gpus)} GPU(s) x --per-gpu {plan.per_gpu}, {tail}"
     if plan.machine:
         return (f"using every GPU: {len(plan.gpus)} ({','.join(plan.gpus)}), {plan.workers} worker(s) "
-                f"({plan.per_gpu} per GPU), {tail}; --workers 1 --population 1 trains one trial at a time")
+                f"({plan.per_gpu} per GPU: one per {CPU_THREADS_PER_WORKER} cores, at most {MAX_DEFAULT_PER_GPU}), "
+                f"{tail}{mps_note(plan)}; --workers 1 trains one trial at a time")
     how = " (--workers auto)" if plan.auto else ""
     if plan.gpus:
         return (f"using GPU(s) {','.join(plan.gpus)}: {plan.workers} worker(s){how}, {plan.per_gpu} per GPU, each "
-                f"pinned to its GPU, {tail}")
+                f"pinned to its GPU, {tail}{mps_note(plan)}")
     if plan.seen:
         return (f"using {plan.workers} worker(s) not pinned (each sees all {plan.seen} GPU(s); --gpus pins each to "
                 f"one), {tail}")
@@ -180,7 +214,7 @@ def plan_workers(workers: int | str | None, gpus: str | None, per_gpu: int | Non
         raise LatentsweepError(f"--workers must be >= 1 or auto, got {workers}")
     count = torch.cuda.device_count()
     machine = count > 0 and workers is None and gpus is None and per_gpu is None
-    workers, gpus, _ = machine_defaults(count, workers, gpus, per_gpu)
+    workers, gpus, per_gpu, _ = machine_defaults(count, workers, gpus, per_gpu, cpus=os.cpu_count() or 1)
     auto = workers == AUTO
     if gpus is None and auto and count > 0:
         gpus = ALL

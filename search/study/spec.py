@@ -6,7 +6,7 @@ from pathlib import Path
 
 from latentsweep.search.checks import check_seconds
 from latentsweep.search.stores import resolve_stores, safe_name, state_dir
-from latentsweep.search.study.devices import AUTO, check_population
+from latentsweep.search.study.devices import check_population
 from latentsweep.search.study.preflight import check_liveness
 from latentsweep.search.study.storage import StorageSettings
 from latentsweep.search.study.studyfile import StudyFile, resolve_data_path
@@ -20,7 +20,7 @@ def build_spec(study_file: StudyFile, *, data: str | None = None, n_trials: int 
                timeout: float | None = None, name: str | None = None, state: str | None = None,
                storage: str | None = None, tracking_uri: str | None = None, artifact_root: str | None = None,
                heartbeat: int = HEARTBEAT_S, grace: int = GRACE_S, progress: bool = True,
-               verbose: bool = False, population: int | str = AUTO,
+               verbose: bool = False, population: int | str = 1,
                warm_start: bool | None = None, warm_from: tuple[str, ...] = ()) -> RunSpec:
     """RunSpec from explicit values, the study file and the state-directory defaults (checked, one-line errors)."""
     check_liveness(heartbeat, grace)

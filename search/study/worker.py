@@ -65,8 +65,8 @@ class RunSpec:
     per_gpu: int = 1  # local workers per GPU
     cuda_visible: str | None = None  # the GPU this spawned worker sees (set before its first CUDA call); None: as is
     # trials each worker trains side by side: a number, or "auto" (search/study/population.py's population_size:
-    # sized on the worker's GPU, 1 on a CPU); 1 is the one-trial worker_loop
-    population: int | str = "auto"
+    # sized on the worker's GPU, 1 on a CPU); 1 (the default, devices.machine_defaults) is the one-trial worker_loop
+    population: int | str = 1
     # at creation, queue earlier studies' best configs on the same data; None: as $LATENTSWEEP_WARM_START says
     warm_start: bool | None = None
     warm_from: tuple[str, ...] = ()  # more places to look for them: state directories or Optuna storage URLs
