@@ -298,3 +298,37 @@ def test_importances_need_enough_trials_and_say_how_many():
     assert "val/mrr" in figures["optimization_history.png"].axes[0].get_ylabel()
     for f in list(figures.values()) + list(few.values()):
         plt.close(f)
+
+
+LEXER_UNDER_SIGTERM = """
+import os, signal
+from sqlparse.lexer import Lexer
+from latentsweep.search.process import interrupt_on
+
+original = Lexer.default_initialization
+def stopped_while_built(self):  # the stop signal comes while sqlparse builds its one lexer's rules
+    os.kill(os.getpid(), signal.SIGTERM)
+    original(self)
+Lexer.default_initialization = stopped_while_built
+with interrupt_on(signal.SIGTERM):
+    try:
+        import latentsweep.search.tracking.mlflow
+        print("not interrupted")
+    except KeyboardInterrupt:
+        print("interrupted")
+from mlflow.utils.search_utils import SearchUtils
+print(SearchUtils.parse_search_filter("tags.`latentsweep.role` = 'trial' and attributes.status = 'RUNNING'"))
+"""
+
+
+def test_a_stop_signal_while_the_filter_parser_is_built_leaves_it_whole():
+    """A SIGTERM while sqlparse builds the lexer MLflow's search filters use stops the process after the lexer is
+    whole: the runs are then closed with filters that parse (a half-built lexer read each one as invalid clauses)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LEXER_UNDER_SIGTERM], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "interrupted"  # the signal still stops: held back, not lost
+    assert "latentsweep.role" in lines[1] and "RUNNING" in lines[1], done.stdout

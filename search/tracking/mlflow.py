@@ -17,6 +17,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelOutput, 
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model, ModelSignature
 from mlflow.types import Schema, TensorSpec
+from sqlparse.lexer import Lexer
 
 from latentsweep.search.tracking.base import (
     DB_SCHEMES,
@@ -46,10 +47,20 @@ from latentsweep.search.tracking.base import (
     summary_entries,
     trial_tags,
 )
+from latentsweep.search.process import signals_blocked
 from latentsweep.search.redact import redact_url
 from latentsweep.search.tracking.paths import artifact_location, default_artifact_root
 from latentsweep.search.tracking.schema import seed_store
 from latentsweep.trainers.core.errors import ConfigError, LatentsweepError
+
+# MLflow parses every search filter with sqlparse, whose one lexer is built at its first use. A stop signal (our
+# handlers raise KeyboardInterrupt) arriving while it is built leaves it without its rules, and every later filter
+# of that process then fails as "Invalid clause(s) in filter string: 't', 'a', 'g', ..." (seen closing the runs of a
+# worker stopped by SIGTERM 0.3 s into a trial). Built here, before this module's first filter, with the stop
+# signals held back until it is whole.
+with signals_blocked():
+    Lexer.get_default_instance()
+
 
 def dataset_input(dataset: DatasetRecord) -> DatasetInput:
     """The DatasetInput mlflow.log_input would log for a local file (source type `local`, digest <= 36 chars)."""
