@@ -152,3 +152,21 @@ def test_a_damaged_dense_label_is_a_data_error_naming_the_key(tmp_path, backend,
             os.truncate(path, start + length // 2)
         with pytest.raises(DataError, match="key 'captions/label'"):
             N.read_cap2img(npz, nc, ni, chunk_rows=7)
+
+
+def test_headers_are_parsed_one_at_a_time():
+    """A header read waits while another thread parses one (CPython 3.11's AST constructor fails when two threads
+    parse at once: python/cpython#106905); it goes on once that parse ends."""
+    import io
+    import threading
+
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.zeros((3, 2), np.float32))
+    got = []
+    with N._HEADER_LOCK:  # another thread's header parse in progress
+        reader = threading.Thread(target=lambda: got.append(N._read_header(io.BytesIO(buf.getvalue()))))
+        reader.start()
+        reader.join(timeout=0.5)
+        assert reader.is_alive() and got == []
+    reader.join(timeout=10)
+    assert got and got[0][0] == (3, 2) and got[0][2] == np.float32

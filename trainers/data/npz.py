@@ -257,10 +257,17 @@ class Npz:
         return arr
 
 
+# numpy parses a header with ast.literal_eval, and CPython 3.11's AST constructor keeps its recursion depth per
+# interpreter, not per thread: two threads parsing at once (the label's reader beside the arrays') can fail with
+# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905). One header is parsed at a time.
+_HEADER_LOCK = threading.Lock()
+
+
 def _read_header(f):
     """(shape, fortran_order, dtype) from an open .npy stream, leaving it at the first data byte."""
-    version = npformat.read_magic(f)
-    return (npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0)(f)
+    with _HEADER_LOCK:
+        version = npformat.read_magic(f)
+        return (npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0)(f)
 
 
 _KIND_NAMES = {"f": "float", "i": "integer", "U": "unicode text", "b": "bool"}
