@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from latentsweep.trainers.core.devices import check_device, machine_gpu, resolve_device
+from latentsweep.trainers.core.devices import check_device, machine_gpu, resolve_device, usable_cores
 from latentsweep.trainers.core.errors import LatentsweepError
 
 
@@ -153,7 +153,7 @@ def test_a_cpu_machine_is_unchanged(monkeypatch):
     from latentsweep.search.study.devices import CPU_THREADS_PER_WORKER, WorkerPlan, plan_workers
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert plan_workers(2, None, None) == WorkerPlan(2)
-    assert plan_workers("auto", None, None) == WorkerPlan(max(1, (os.cpu_count() or 1) // CPU_THREADS_PER_WORKER))
+    assert plan_workers("auto", None, None) == WorkerPlan(max(1, usable_cores() // CPU_THREADS_PER_WORKER))
     with pytest.raises(LatentsweepError, match="no CUDA device is available"):
         plan_workers(1, "0", None)
     with pytest.raises(LatentsweepError, match="--per-gpu needs --gpus"):
@@ -295,3 +295,16 @@ def test_compose_replicas_get_gpus_from_the_environment(tmp_path, monkeypatch):
     state = tmp_path / "state"
     code, _, err = run_main(["worker", str(tiny_study_file(tmp_path, "e")), "--state-dir", str(state)])
     assert code == 2 and "$LATENTSWEEP_GPUS all: no CUDA device is available" in err and not state.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this system")
+def test_usable_cores_are_the_process_affinity_not_the_machines():
+    """A process limited to one core (taskset, a container's cpuset) plans for one, whatever the machine has."""
+    import subprocess
+    import sys
+
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from latentsweep.trainers.core.devices import usable_cores; print(usable_cores(), os.cpu_count())")
+    one, machine = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                  timeout=120).stdout.split()
+    assert one == "1" and int(machine) >= 1

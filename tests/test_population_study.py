@@ -204,7 +204,7 @@ def test_a_cuda_machine_uses_every_gpu_and_says_so_in_one_line(monkeypatch, tmp_
     from latentsweep.search.study.devices import WorkerPlan, describe_plan, plan_workers
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(devices.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(devices, "usable_cores", lambda: 8)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # no MPS daemon listens there
     plan = plan_workers(None, None, None)

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from latentsweep.search.checks import check_count
-from latentsweep.trainers.core.devices import VISIBLE_ENV, visible_note
+from latentsweep.trainers.core.devices import VISIBLE_ENV, usable_cores, visible_note
 from latentsweep.trainers.core.errors import LatentsweepError
 from latentsweep.trainers.train.population import MAX_POPULATION
 
@@ -214,18 +214,18 @@ def plan_workers(workers: int | str | None, gpus: str | None, per_gpu: int | Non
         raise LatentsweepError(f"--workers must be >= 1 or auto, got {workers}")
     count = torch.cuda.device_count()
     machine = count > 0 and workers is None and gpus is None and per_gpu is None
-    workers, gpus, per_gpu, _ = machine_defaults(count, workers, gpus, per_gpu, cpus=os.cpu_count() or 1)
+    workers, gpus, per_gpu, _ = machine_defaults(count, workers, gpus, per_gpu, cpus=usable_cores())
     auto = workers == AUTO
     if gpus is None and auto and count > 0:
         gpus = ALL
     if gpus is None:
         if per_gpu is not None:
             raise LatentsweepError("--per-gpu needs --gpus (which GPUs to share among the workers)")
-        n = auto_workers((), 1, os.cpu_count() or 1) if auto else workers
+        n = auto_workers((), 1, usable_cores()) if auto else workers
         return WorkerPlan(check_workers("--workers", n), seen=count, auto=auto)
     ids = machine_ids(parse_gpus(gpus, count), os.environ.get(VISIBLE_ENV))
     per_gpu = per_gpu or 1
-    n = check_workers("--workers", auto_workers(ids, per_gpu, os.cpu_count() or 1) if auto else workers)
+    n = check_workers("--workers", auto_workers(ids, per_gpu, usable_cores()) if auto else workers)
     assign_slots(ids, per_gpu, n)  # the check: no more workers than slots
     return WorkerPlan(n, ids, per_gpu, machine, seen=count, auto=auto)
 

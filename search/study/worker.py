@@ -1,7 +1,6 @@
 """Running studies: create/load an Optuna study, claim trials within an exact budget, run them, track them in MLflow."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from latentsweep.search.study.studyfile import StudyFile, load_study_file
 from latentsweep.search.study.warm import learn_from_earlier, queue_portfolio, warm_start
 from latentsweep.search.tracking import make_tracker
 from latentsweep.search.tracking.base import REAPED_TAG, SEARCHED_SETTING, VIEW_TAGS_SETTING, Tracker
+from latentsweep.trainers.core.devices import usable_cores
 from latentsweep.trainers.core.errors import LatentsweepError
 from latentsweep.trainers.config.plugins import parse_ref
 from latentsweep.trainers.core.progress import say
@@ -388,7 +388,7 @@ def check_halted(study: optuna.Study) -> None:
 
 def cpu_threads(workers: int) -> int:
     """Split this machine's cores among local workers (at least one thread each)."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
+    return max(1, usable_cores() // max(1, workers))
 
 
 def study_dir(state_dir: str | Path, name: str) -> Path:

@@ -1,4 +1,5 @@
-"""Device names (auto, cpu, cuda, cuda:N): read from their text and checked against this machine's CUDA devices."""
+"""Device names (auto, cpu, cuda, cuda:N): read from their text and checked against this machine's CUDA devices; the
+cores this process may run on."""
 from __future__ import annotations
 
 import os
@@ -65,3 +66,11 @@ def machine_gpu(device: torch.device, visible: str | None = None) -> str:
     visible = os.environ.get(VISIBLE_ENV) if visible is None else visible
     entries = [e.strip() for e in visible.split(",")] if visible else []
     return f"cuda:{entries[index]}" if index < len(entries) else f"cuda:{index}"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's limit), at least 1; all of the
+    machine's where the system has no affinity call."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1

@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import MISSING, asdict, dataclass, fields
 
+from latentsweep.trainers.core.devices import usable_cores
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -65,7 +67,7 @@ def contention(load: float | None = None, cores: int | None = None) -> float:
     if load is None:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
     return max(1.0, load / max(cores, 1))
 
 
