@@ -297,7 +297,8 @@ def measure(args: argparse.Namespace, work: Path) -> Rows:
     if "d" in parts:
         import population_step
 
-        rows += population_step.population_rows(paths[0], "cuda" if cuda else "cpu", args.smoke, ks, clock)
+        for row in population_step.population_rows(paths[0], "cuda" if cuda else "cpu", args.smoke, ks, clock):
+            rows.append(row)  # written to --json as each is measured
     if "b" in parts:
         rows += arm_rows(paths[0], args.arms, args.window, work, clock, args.smoke)
     if "c" in parts:

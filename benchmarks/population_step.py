@@ -102,8 +102,9 @@ def exactness(cfg, data) -> str:
 
 
 def population_rows(data_path: Path, device: str, smoke: bool, ks: tuple[int, ...], clock=None,
-                    values: dict | None = None, repeats: int = 1, steps: int | None = None) -> list[tuple[str, str]]:
-    """(label, value) rows of part (d); a K starts only while `clock` (benchmarks/gpu.py's Clock, None: no bound)
+                    values: dict | None = None, repeats: int = 1, steps: int | None = None):
+    """(label, value) rows of part (d), yielded as each is measured (a call stopped at its time limit keeps the rows
+    so far); a K starts only while `clock` (benchmarks/gpu.py's Clock, None: no bound)
     has 30 s left. `values`: config knobs set on the [base] (with_values); each K's paths are timed `repeats` times,
     interleaved, and the fastest kept (the machine's other load only adds time); `steps` timed steps per K
     (None: POPULATION_STEPS, 2 with `smoke`)."""
@@ -121,31 +122,31 @@ def population_rows(data_path: Path, device: str, smoke: bool, ks: tuple[int, ..
     flops = 3 * 2 * sum(a * b for a, b in zip(widths[:-1], widths[1:]))  # forward + backward matmuls per sample
     peak = tp.matmul_rate(dev, 128 if smoke else 8192)
     alone = alone_step_seconds(cfg, data, steps)
-    rows = [("(d) population: config", f"studies/full.toml [base], MLP {'-'.join(map(str, widths))}, batch {batch}, "
-                                       f"amp {cfg.train.amp and dev.type == 'cuda'}, {len(data.text):,} captions"),
-            ("(d) one run alone (the loop's step)", f"{alone * 1e3:.1f} ms/step = {batch / alone:,.0f} samples/s = "
-                                                    f"{batch * flops / alone / 1e9 / peak:.2f} of the matmul rate")]
-    rows.append(("(d) stacked = alone on this device", exactness(cfg, data)))
+    yield ("(d) population: config", f"studies/full.toml [base], MLP {'-'.join(map(str, widths))}, batch {batch}, "
+                                     f"amp {cfg.train.amp and dev.type == 'cuda'}, {len(data.text):,} captions")
+    yield ("(d) one run alone (the loop's step)", f"{alone * 1e3:.1f} ms/step = {batch / alone:,.0f} samples/s = "
+                                                  f"{batch * flops / alone / 1e9 / peak:.2f} of the matmul rate")
     for k in ks:
         if clock is not None and not clock.fits(30):
-            rows.append((f"(d) population K={k}", f"skipped: {clock.left():.0f} s left of the budget"))
+            yield (f"(d) population K={k}", f"skipped: {clock.left():.0f} s left of the budget")
             continue
         try:
             timed = _time_paths(cfg, data, k, steps, repeats)
         except Exception as exc:  # noqa: BLE001 - out of memory at a large K is a measurement
-            rows.append((f"(d) population K={k}", f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
+            yield (f"(d) population K={k}", f"failed: {type(exc).__name__}: {str(exc)[:120]}")
             break
-        optimiser = {label: min(optimiser_seconds(cfg, data, k, steps, path) for _ in range(max(1, repeats)))
-                     for label, path in OPTIMISER_PATHS.items()}
-        rows.append((f"(d) population K={k}, the optimiser part of a step",
-                     ", ".join(f"{label} {s * 1e3:.2f} ms" for label, s in optimiser.items())))
         for label, (seconds, peak_bytes) in timed.items():
             rate = k * batch / seconds
             memory = f"; peak {peak_bytes / 2**30:.2f} GiB" if dev.type == "cuda" else ""
-            rows.append((f"(d) population K={k}, {label} optimiser",
-                         f"{seconds * 1e3:.2f} ms/step, {rate:,.0f} samples/s summed ({rate / (batch / alone):.2f}x "
-                         f"one alone) = {rate * flops / 1e9 / peak:.3f} of the matmul rate{memory}"))
-    return rows
+            yield (f"(d) population K={k}, {label} optimiser",
+                   f"{seconds * 1e3:.2f} ms/step, {rate:,.0f} samples/s summed ({rate / (batch / alone):.2f}x "
+                   f"one alone) = {rate * flops / 1e9 / peak:.3f} of the matmul rate{memory}")
+        optimiser = {label: min(optimiser_seconds(cfg, data, k, steps, path) for _ in range(max(1, repeats)))
+                     for label, path in OPTIMISER_PATHS.items()}
+        yield (f"(d) population K={k}, the optimiser part of a step",
+               ", ".join(f"{label} {s * 1e3:.2f} ms" for label, s in optimiser.items()))
+    if clock is None or clock.fits(30):  # two members' epoch stacked and alone: after the rates, which say more
+        yield ("(d) stacked = alone on this device", exactness(cfg, data))
 
 
 def _time_paths(cfg, data, k: int, steps: int, repeats: int) -> dict[str, tuple[float, int]]:
@@ -231,10 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         sizes["n_images"] = 100
     with tempfile.TemporaryDirectory(prefix="population-step-") as tmp:
         train, _, _ = write_synthetic(Path(tmp), **sizes, seed=0)
-        rows = population_rows(train, "cpu" if args.smoke else args.device, args.smoke,
-                               (1, 2) if args.smoke else tuple(args.ks), None, values, args.repeats,
-                               2 if args.smoke else args.steps)
-    print("\n".join(["| measurement | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]))
+        print("| measurement | value |\n|---|---|", flush=True)
+        for k, v in population_rows(train, "cpu" if args.smoke else args.device, args.smoke,
+                                    (1, 2) if args.smoke else tuple(args.ks), None, values, args.repeats,
+                                    2 if args.smoke else args.steps):
+            print(f"| {k} | {v} |", flush=True)  # each row as it is measured
     return 0
 
 
