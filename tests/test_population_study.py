@@ -331,7 +331,10 @@ def test_ctrl_c_mid_population_fails_and_retries_every_member(state, synthetic, 
     assert proc.returncode == 130, err.decode()[-2000:]
     got = trials(state, "intpop")
     failed = [t for t in got if t.state.name == "FAIL"]
-    assert len(failed) >= 2 and len([t for t in got if t.state.name == "WAITING"]) == len(failed)  # each retried
+    # each sampled trial retried; a claim the interrupt cut short (no parameters sampled yet) may be told FAIL at once,
+    # with nothing to retry
+    waiting = len([t for t in got if t.state.name == "WAITING"])
+    assert len(failed) >= 2 and len([t for t in failed if t.params]) <= waiting <= len(failed)
     _, by_name = runs(state, "intpop")
     # the members training when Ctrl-C came are KILLED; a trial claimed but not yet started may have no run
     states = [by_name[f"trial-{t.number}"].info.status for t in failed if f"trial-{t.number}" in by_name]

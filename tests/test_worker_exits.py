@@ -201,3 +201,34 @@ def test_an_interrupt_that_cut_an_import_short_still_ends_in_one_line(state, syn
     assert main([*command.split(), *base]) == 130
     assert_nothing_running(state, name)
     assert runs(state, name)[f"study-{name}"] == "FINISHED", capsys.readouterr().err
+
+
+def test_a_stop_inside_the_samplers_ask_leaves_no_trial_running(state, synthetic, tmp_path):
+    """SIGINT while Optuna's ask() samples (its trial row already made): the stop waits until the claim holds the
+    trial, which is then failed; before, ask() was cut short and its trial stayed RUNNING with no heartbeat, for good
+    (Optuna never counts such a trial as stale)."""
+    import os
+    import signal
+    import time
+
+    from latentsweep.search.cli.main import build_parser
+    from latentsweep.search.cli.study import make_spec
+    from latentsweep.search.process import interrupt_on
+    from latentsweep.search.study.studyfile import load_study_file
+    from latentsweep.search.study.worker import claim_trial, dispose_study, load_or_create
+    from latentsweep.search.tracking import make_tracker
+
+    class Interrupted(optuna.samplers.RandomSampler):
+        def before_trial(self, study, trial):  # inside ask(), after its trial row was made
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the handler runs here unless the signal is held back
+
+    sf = study_file(tmp_path, "askint", n_trials=2)
+    args = build_parser().parse_args(["study", "run", str(sf), "--data", str(synthetic), "--state-dir", str(state)])
+    spec = make_spec(args)
+    study = load_or_create(load_study_file(sf), spec, make_tracker(spec.tracking_uri, spec.artifact_root))
+    study.sampler = Interrupted()
+    with pytest.raises(KeyboardInterrupt), interrupt_on(signal.SIGINT):
+        claim_trial(study, spec.n_trials)
+    assert [t.state.name for t in study.trials] == ["FAIL"]
+    dispose_study(study)

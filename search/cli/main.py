@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 
 from latentsweep.search.process import (
-    STOP_SIGNALS, configure_process, end_quickly, exit_code, interrupt_on, process_started,
+    STOP_SIGNALS, configure_process, end_quickly, exit_code, exit_now, interrupt_on, process_started, stopped_by,
 )
 from latentsweep.search.progress import print_error, report_error
 
@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         end_quickly()
+        if stopped_by() is not None:  # 128 + the signal's number, whatever the interpreter's teardown would make it
+            exit_now(code)
     return code
 
 

@@ -11,7 +11,7 @@ import optuna
 from optuna.trial import TrialState
 
 from latentsweep.search.failures import Kind, StudyHalted, classify, release_interrupted
-from latentsweep.search.process import raise_if_interrupted
+from latentsweep.search.process import raise_if_interrupted, stops_deferred
 from latentsweep.search.redact import redact_url
 from latentsweep.search.study.budget import JobBudget
 from latentsweep.search.study.contract import (ENQUEUED_ATTR, ERROR_ATTR, HALT_ATTR, OBJECTIVE_ATTR, OWNER_ATTR,
@@ -35,8 +35,8 @@ from latentsweep.trainers.core.progress import say
 
 
 # The budget counts finished trials: complete, pruned, and failed for good (ERROR_ATTR: a config that cannot train or
-# does not fit in memory, or a bug). Trials failed by the machine, a store, an interrupt or a dead worker are retried
-# instead, so they do not count (latentsweep.search.failures says which is which).
+# does not fit in memory, or a bug). Trials failed by the machine, a store, an interrupt or a dead worker are retried,
+# so they do not count (latentsweep.search.failures says which is which).
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)
 # A worker with nothing to claim while others' trials still run re-checks this often (capped by the heartbeat
 # interval): one of those trials may die and need its retry run. A few cheap queries; 5 s keeps the idle tail short.
@@ -64,8 +64,8 @@ class RunSpec:
     gpus: tuple[str, ...] = ()  # the GPUs local workers share (CUDA_VISIBLE_DEVICES entries; search/study/devices.py)
     per_gpu: int = 1  # local workers per GPU
     cuda_visible: str | None = None  # the GPU this spawned worker sees (set before its first CUDA call); None: as is
-    # trials each worker trains side by side: a number, or "auto" (search/study/population.py's population_size:
-    # sized on the worker's GPU, 1 on a CPU); 1 (the default, devices.machine_defaults) is the one-trial worker_loop
+    # trials each worker trains side by side: a number, or "auto" (population.py's population_size: sized on the
+    # worker's GPU, 1 on a CPU); 1, the default (devices.machine_defaults), is the one-trial worker_loop
     population: int | str = 1
     # at creation, queue earlier studies' best configs on the same data; None: as $LATENTSWEEP_WARM_START says
     warm_start: bool | None = None
@@ -198,22 +198,22 @@ def counted(study: optuna.Study, extra: tuple[TrialState, ...] = ()) -> int:
 
 def claim_trial(study: optuna.Study, n_trials: int) -> optuna.Trial | None:
     """Under the budget lock: fail dead workers' trials (they get retried), then ask for a trial if budget remains.
-
     The new trial's first heartbeat is recorded before the lock is released: Optuna never counts a RUNNING trial
-    without any heartbeat as stale, so a worker killed before its heartbeat thread started would block the budget.
-    """
-    storage = storage_of(study)
-    with budget_lock(storage, study.study_name):
+    without any heartbeat as stale, so a worker killed before its heartbeat thread started would block the budget."""
+    with budget_lock(storage_of(study), study.study_name):
         optuna.storages.fail_stale_trials(study)
         fail_dead_local(study)
         if counted(study, (TrialState.RUNNING,)) >= n_trials:
             return None
-        trial = study.ask()
+        trial = None
         try:
-            storage.record_heartbeat(trial_id(trial))
+            with stops_deferred():  # a stop inside ask() would leave its new trial RUNNING, unowned, for good
+                trial = study.ask()
+            storage_of(study).record_heartbeat(trial_id(trial))
             trial.set_user_attr(OWNER_ATTR, worker_id())
         except BaseException:
-            study.tell(trial, state=TrialState.FAIL)  # without a heartbeat it would never go stale
+            if trial is not None:  # told FAIL: without a heartbeat it would never go stale
+                study.tell(trial, state=TrialState.FAIL)
             raise
         return trial
 

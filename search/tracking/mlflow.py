@@ -47,7 +47,7 @@ from latentsweep.search.tracking.base import (
     summary_entries,
     trial_tags,
 )
-from latentsweep.search.process import signals_blocked
+from latentsweep.search.process import stops_deferred
 from latentsweep.search.redact import redact_url
 from latentsweep.search.tracking.paths import artifact_location, default_artifact_root
 from latentsweep.search.tracking.schema import seed_store
@@ -56,9 +56,9 @@ from latentsweep.trainers.core.errors import ConfigError, LatentsweepError
 # MLflow parses every search filter with sqlparse, whose one lexer is built at its first use. A stop signal (our
 # handlers raise KeyboardInterrupt) arriving while it is built leaves it without its rules, and every later filter
 # of that process then fails as "Invalid clause(s) in filter string: 't', 'a', 'g', ..." (seen closing the runs of a
-# worker stopped by SIGTERM 0.3 s into a trial). Built here, before this module's first filter, with the stop
-# signals held back until it is whole.
-with signals_blocked():
+# worker stopped by SIGTERM 0.3 s into a trial). Built here, before this module's first filter, a stop signal
+# deferred until it is whole.
+with stops_deferred():
     Lexer.get_default_instance()
 
 
