@@ -159,7 +159,8 @@ class MlflowTracker:
     def log(self, run_id: str, *, metrics: dict[str, float] | None = None, step: int = 0,
             params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None) -> None:
         """Metrics at `step`, params and tags in one batched call. What it raises is classified by the caller
-        (latentsweep.search.failures): an outage stops the worker in one line and the trial is retried; anything else is a bug."""
+        (latentsweep.search.failures): an outage stops the worker in one line and the trial is retried; anything else
+        is a bug."""
         now = _now_ms()
         self._log_batch(run_id, params=clean_items(params or {}, PARAM_VALUE_MAX),
                         tags=clean_items(tags or {}, TAG_VALUE_MAX),
