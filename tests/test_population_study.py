@@ -186,6 +186,7 @@ def test_the_machine_decides_workers_gpus_and_population(monkeypatch):
     import latentsweep.search.study.devices as devices
     from latentsweep.search.study.devices import machine_defaults
     monkeypatch.setattr(devices, "max_workers", lambda: 1000)  # memory for any count: the cores decide
+    monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: [])  # cards' memory unread (no nvidia-smi): no cap
     assert machine_defaults(0, None, None, None, cpus=16) == (1, None, None, 1)  # CPU: one worker, one trial
     assert machine_defaults(1, None, None, None, cpus=16) == ("auto", "all", 8, 1)  # one GPU, 16 cores: 8 on it
     assert machine_defaults(4, None, None, None, cpus=32) == ("auto", "all", 4, 1)  # 2 cores a worker
@@ -197,6 +198,23 @@ def test_the_machine_decides_workers_gpus_and_population(monkeypatch):
     assert machine_defaults(2, "auto", None, None, "auto") == ("auto", None, None, "auto")
     monkeypatch.setattr(devices, "max_workers", lambda: 6)  # memory for 6 workers: 3 on each of 2 GPUs
     assert machine_defaults(2, None, None, None, cpus=64) == ("auto", "all", 3, 1)
+    monkeypatch.setattr(devices, "max_workers", lambda: 1000)
+    monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: [80 << 30, 8 << 30])  # the smaller card holds 4
+    assert machine_defaults(2, None, None, None, cpus=64) == ("auto", "all", 4, 1)
+    monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: [1 << 30])  # too small for one: still one a GPU
+    assert machine_defaults(1, None, None, None, cpus=64) == ("auto", "all", 1, 1)
+
+
+def test_the_cards_memory_is_read_without_cuda_or_is_unknown(monkeypatch, tmp_path):
+    """nvidia-smi's MiB per card; no nvidia-smi on the PATH (a CPU machine, another vendor): unknown, no cap."""
+    from latentsweep.search.study.devices import gpu_memory_bytes
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 81559\necho 8192\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpu_memory_bytes() == [81559 << 20, 8192 << 20]
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert gpu_memory_bytes() == []
 
 
 def test_a_cuda_machine_uses_every_gpu_and_says_so_in_one_line(monkeypatch, tmp_path):
@@ -205,6 +223,7 @@ def test_a_cuda_machine_uses_every_gpu_and_says_so_in_one_line(monkeypatch, tmp_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(devices, "usable_cores", lambda: 8)
+    monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: [80 << 30, 80 << 30])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))  # no MPS daemon listens there
     plan = plan_workers(None, None, None)

@@ -6,6 +6,7 @@ import argparse
 import fcntl
 import os
 import re
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -36,6 +37,10 @@ WORKER_START_BYTES = 300 * 2**20
 # finished 9 trials of studies/full.toml in 90 s and 22 under MPS, one worker 7 (docs/gpu.md, 2026-11-28). 8 is
 # the most measured.
 MAX_DEFAULT_PER_GPU = 8
+# A worker's GPU memory at challenge size, rounded up: its CUDA context (about 0.5 GiB) and a trial's allocations
+# with the training file on the card (0.78 GiB peak for full.toml's base MLP, docs/gpu.md's part (d) on an H200).
+WORKER_GPU_BYTES = 2 * 2**30
+NVIDIA_SMI_TIMEOUT_S = 10  # nvidia-smi answers in well under a second; a hung driver must not hang the plan
 # Where NVIDIA's MPS control daemon listens (its default; CUDA_MPS_PIPE_DIRECTORY moves it): workers on one GPU
 # under MPS run their kernels side by side instead of time-sharing the card.
 MPS_PIPE_ENV, MPS_PIPE_DEFAULT = "CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"
@@ -98,9 +103,22 @@ def check_workers(name: str, value: int, auto: bool = True) -> int:
 
 def default_per_gpu(count: int, cpus: int) -> int:
     """Worker slots per GPU when no device option is given: the machine's cores shared by its `count` GPUs, one slot
-    per CPU_THREADS_PER_WORKER of them, 1 to MAX_DEFAULT_PER_GPU."""
+    per CPU_THREADS_PER_WORKER of them, 1 to MAX_DEFAULT_PER_GPU, no more than the machine's memory can start
+    (max_workers) nor the smallest GPU's memory holds (WORKER_GPU_BYTES each)."""
+    by_card = min(gpu_memory_bytes() or [MAX_DEFAULT_PER_GPU * WORKER_GPU_BYTES]) // WORKER_GPU_BYTES
     return max(1, min(MAX_DEFAULT_PER_GPU, cpus // CPU_THREADS_PER_WORKER // max(count, 1),
-                       max_workers() // max(count, 1)))
+                       max_workers() // max(count, 1), by_card))
+
+
+def gpu_memory_bytes() -> list[int]:
+    """Each visible GPU's memory, from nvidia-smi (NVML; this process's CUDA stays uninitialised, so the workers can
+    still be pinned); empty when it cannot be read (no nvidia-smi, another vendor's card)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=True).stdout
+        return [int(line) * 2**20 for line in out.split()]  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return []
 
 
 def machine_defaults(count: int, workers: int | str | None, gpus: str | None, per_gpu: int | None,
