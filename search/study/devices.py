@@ -162,7 +162,8 @@ def describe_plan(plan: WorkerPlan, population: int | str, slot: str | None = No
         return f"using GPU {slot}: a free slot of {len(plan.gpus)} GPU(s) x --per-gpu {plan.per_gpu}, {tail}"
     if plan.machine:
         return (f"using every GPU: {len(plan.gpus)} ({','.join(plan.gpus)}), {plan.workers} worker(s) "
-                f"({plan.per_gpu} per GPU: one per {CPU_THREADS_PER_WORKER} cores, at most {MAX_DEFAULT_PER_GPU}), "
+                f"({plan.per_gpu} per GPU: one per {CPU_THREADS_PER_WORKER} cores, at most {MAX_DEFAULT_PER_GPU}, "
+                f"{WORKER_GPU_BYTES >> 30} GiB of the GPU each), "
                 f"{tail}{mps_note(plan)}; --workers 1 trains one trial at a time")
     how = " (--workers auto)" if plan.auto else ""
     if plan.gpus:
