@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "latentsweep"]
@@ -46,6 +47,9 @@ SMOKE_DATA = {"n_images": 100, "captions_per_image": 5, "n_test": 20, "dim_text"
 STOP_GRACE_S = 15  # after the window: in-flight trials may finish, then the run is stopped (they do not count)
 LEAD_S = 15  # the study's --timeout is the window and this: its workers' start-up (population sizing) counts in it
 START_UP_S = 45  # the most a run's start-up (imports, the challenge-size file) may take before the window
+# Trials finishing after this many seconds of an arm count as its steady rate too: by then the workers have started
+# and the first trials (enqueued, not prunable before others reach a rung) are behind them (docs/gpu.md, H200).
+STEADY_AFTER_S = 30
 
 
 class Clock:
@@ -161,21 +165,34 @@ def stop_group(proc: subprocess.Popen, wait_s: float) -> None:
             continue
 
 
-def finished_within(state: Path, window: float) -> tuple[int, int, int]:
-    """(complete + pruned, failed, largest population) of study `full`'s trials finished within `window` s of its
-    first trial's start."""
+class Finished(NamedTuple):
+    """An arm's trials counted from its first trial's start."""
+    ok: int  # COMPLETE or PRUNED within the window
+    failed: int  # FAIL within the window
+    size: int  # the largest population a trial trained in
+    steady: int  # COMPLETE or PRUNED after STEADY_AFTER_S (the workers' start-up and first trials behind them)
+    epoch_s: float | None  # the median seconds of a training epoch of the trials that recorded one
+
+
+def finished_within(storage: str, window: float) -> Finished:
+    """The trials of study `full` in `storage` (an Optuna URL) counted within `window` s of its first trial's start."""
+    import statistics
+
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    trials = optuna.load_study(study_name="full", storage=f"sqlite:///{state / 'optuna.db'}").trials
+    trials = optuna.load_study(study_name="full", storage=storage).trials
     started = [t.datetime_start for t in trials if t.datetime_start]
     if not started:
-        return 0, 0, 0
+        return Finished(0, 0, 0, 0, None)
     t0 = min(started)
-    done = [t for t in trials if t.datetime_complete and (t.datetime_complete - t0).total_seconds() <= window]
+    ends = {t.number: (t.datetime_complete - t0).total_seconds() for t in trials if t.datetime_complete}
+    done = [t for t in trials if ends.get(t.number, window + 1) <= window]
+    ok = [t for t in done if t.state.name in ("COMPLETE", "PRUNED")]
     sizes = [(t.user_attrs.get("latentsweep.population") or {}).get("size", 1) for t in trials]
-    return (sum(t.state.name in ("COMPLETE", "PRUNED") for t in done), sum(t.state.name == "FAIL" for t in done),
-            max(sizes, default=0))
+    epochs = [t.user_attrs["timing"]["train_s"] for t in done if (t.user_attrs.get("timing") or {}).get("train_s")]
+    return Finished(len(ok), sum(t.state.name == "FAIL" for t in done), max(sizes, default=0),
+                    sum(ends[t.number] > STEADY_AFTER_S for t in ok), statistics.median(epochs) if epochs else None)
 
 
 def trials_per_minute(data: Path, arm: str, window: float, work: Path) -> tuple[str, float]:
@@ -190,12 +207,15 @@ def trials_per_minute(data: Path, arm: str, window: float, work: Path) -> tuple[
             stop_group(proc, window + LEAD_S + STOP_GRACE_S + START_UP_S)  # start-up (imports, data) before the window
     if not (state / "optuna.db").is_file():
         return f"failed (exit {proc.returncode}): {log.read_text()[-300:]!r}", 0.0
-    ok, failed, size = finished_within(state, window)
+    got = finished_within(f"sqlite:///{state / 'optuna.db'}", window)
     plan = re.findall(r"^(using .*)$", log.read_text(), re.M)
-    extra = (f", {failed} failed" if failed else "") + (f"; plan: {plan[0][:160]}" if plan else "")
-    rate = ok / window * 60
-    return (f"{rate:.1f} trials/min ({ok} complete or pruned in {window:.0f} s, largest population {size}{extra}; "
-            f"wall {time.monotonic() - start:.0f} s)"), rate
+    extra = (f", {got.failed} failed" if got.failed else "") + (f"; plan: {plan[0][:160]}" if plan else "")
+    rate = got.ok / window * 60
+    steady = got.steady / max(window - STEADY_AFTER_S, 1) * 60
+    epoch = f", median epoch {got.epoch_s:.2f} s" if got.epoch_s is not None else ""
+    return (f"{rate:.1f} trials/min ({got.ok} complete or pruned in {window:.0f} s; {steady:.1f}/min after "
+            f"{STEADY_AFTER_S} s{epoch}; largest population {got.size}{extra}; wall {time.monotonic() - start:.0f} s)"
+            ), rate
 
 
 def arm_rows(data: Path, arms: list[str], window: float, work: Path, clock: Clock, smoke: bool) \

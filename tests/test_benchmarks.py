@@ -61,3 +61,29 @@ def test_smoke_runs_in_a_temp_dir(script, tmp_path):
     # the file) and the empty MLflow store new ones are copied from (latentsweep.search.tracking.schema)
     caches = ("torchinductor", "latentsweep-data-", "latentsweep-mlflow-")
     assert [p.name for p in tmp.iterdir() if not p.name.startswith(caches)] == []
+
+
+def test_gpu_benchmark_counts_trials_from_the_first_start(tmp_path, monkeypatch):
+    """benchmarks/gpu.py's part (b) counts COMPLETE or PRUNED trials ended within the window of the first trial's
+    start, those after STEADY_AFTER_S apart, FAIL ones on their own, and the median epoch of those that timed one."""
+    import datetime as dt
+
+    import optuna
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu
+
+    storage = f"sqlite:///{tmp_path / 'o.db'}"
+    study = optuna.create_study(study_name="full", storage=storage, direction="maximize")
+    t0 = dt.datetime(2026, 11, 28, 6, 0, 0)
+    # (state, start s, end s, epoch s): one ends before 30 s, two after it, one FAIL, one past the 90-s window
+    for state, start, end, epoch in [("COMPLETE", 0, 20, 1.0), ("PRUNED", 5, 40, 3.0), ("PRUNED", 10, 80, 2.0),
+                                     ("FAIL", 12, 60, None), ("COMPLETE", 15, 95, 9.0)]:
+        study.add_trial(optuna.trial.FrozenTrial(
+            number=0, trial_id=0, state=optuna.trial.TrialState[state], value=0.5 if state != "FAIL" else None,
+            values=None, datetime_start=t0 + dt.timedelta(seconds=start),
+            datetime_complete=t0 + dt.timedelta(seconds=end), params={}, distributions={},
+            user_attrs={"timing": {"train_s": epoch}} if epoch else {}, system_attrs={}, intermediate_values={}))
+    got = gpu.finished_within(storage, 90)
+    assert (got.ok, got.failed, got.steady, got.size, got.epoch_s) == (3, 1, 2, 1, 2.0)
+    assert gpu.finished_within(storage, 30).ok == 1
