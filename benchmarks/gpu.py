@@ -187,7 +187,7 @@ def finished_within(storage: str, window: float) -> Finished:
         return Finished(0, 0, 0, 0, None)
     t0 = min(started)
     ends = {t.number: (t.datetime_complete - t0).total_seconds() for t in trials if t.datetime_complete}
-    done = [t for t in trials if ends.get(t.number, window + 1) <= window]
+    done = [t for t in trials if t.number in ends and ends[t.number] <= window]
     ok = [t for t in done if t.state.name in ("COMPLETE", "PRUNED")]
     sizes = [(t.user_attrs.get("latentsweep.population") or {}).get("size", 1) for t in trials]
     epochs = [t.user_attrs["timing"]["train_s"] for t in done if (t.user_attrs.get("timing") or {}).get("train_s")]

@@ -10,7 +10,7 @@ from pathlib import Path
 from latentsweep.search.cli import presets, study_inspect
 from latentsweep.search.cli.study_inspect import liveness_args, stores_args
 from latentsweep.search.study.devices import (
-    AUTO, GPUS_ENV, PER_GPU_ENV, WorkerPlan, claim_slot, count_arg, describe_plan, pin_process, plan_workers_env,
+    GPUS_ENV, PER_GPU_ENV, WorkerPlan, claim_slot, count_arg, describe_plan, pin_process, plan_workers_env,
     workers_arg,
 )
 from latentsweep.search.study.preflight import no_new_empty_state_dir, preflight
@@ -81,7 +81,7 @@ def gpu_args(p, each: str) -> None:
                         f"none: nothing pinned)")
     p.add_argument("--per-gpu", type=count_arg, metavar="M", default=None,
                    help=f"workers per GPU of --gpus (default ${PER_GPU_ENV}, else 1)")
-    p.add_argument("--population", type=workers_arg, default=None, metavar="N|auto",
+    p.add_argument("--population", type=workers_arg, default=1, metavar="N|auto",
                    help="trials each worker trains side by side, each its own trial and run (default 1; auto: sized "
                         "on the worker's GPU, 1 on a CPU)")
 
@@ -98,7 +98,7 @@ def make_spec(args, study_file=None, plan: WorkerPlan | None = None):
                       name=args.name, state=args.state_dir, storage=args.storage, tracking_uri=args.tracking_uri,
                       artifact_root=args.artifact_root, heartbeat=args.heartbeat, grace=args.grace,
                       progress=not args.quiet and is_terminal(), verbose=args.verbose,
-                      population=1 if getattr(args, "population", None) is None else args.population,
+                      population=getattr(args, "population", 1),
                       warm_start=getattr(args, "warm_start", None), warm_from=tuple(getattr(args, "warm_from", ())))
     return spec if plan is None else replace(spec, gpus=plan.gpus, per_gpu=plan.per_gpu)
 

@@ -105,7 +105,8 @@ def default_per_gpu(count: int, cpus: int) -> int:
     """Worker slots per GPU when no device option is given: the machine's cores shared by its `count` GPUs, one slot
     per CPU_THREADS_PER_WORKER of them, 1 to MAX_DEFAULT_PER_GPU, no more than the machine's memory can start
     (max_workers) nor the smallest GPU's memory holds (WORKER_GPU_BYTES each)."""
-    by_card = min(gpu_memory_bytes() or [MAX_DEFAULT_PER_GPU * WORKER_GPU_BYTES]) // WORKER_GPU_BYTES
+    cards = gpu_memory_bytes()
+    by_card = min(cards) // WORKER_GPU_BYTES if cards else MAX_DEFAULT_PER_GPU  # unread: no cap by the cards
     return max(1, min(MAX_DEFAULT_PER_GPU, cpus // CPU_THREADS_PER_WORKER // max(count, 1),
                        max_workers() // max(count, 1), by_card))
 
