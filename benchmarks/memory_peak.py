@@ -2,7 +2,7 @@
 float arrays' bytes.
 
 Usage: python benchmarks/memory_peak.py [--dir DIR] [--before REV] [--study FILE] [--json OUT]
-       python benchmarks/memory_peak.py --one-budget 300 [--dir DIR] [--before REV]   # `run --time 300`, by step
+       python benchmarks/memory_peak.py --one-budget 300 [--dir DIR] [--before REV] [--keep STATE]  # `run --time 300`
        python benchmarks/memory_peak.py --pick-state STATE [--pick-study full] [--dir DIR] [--before REV]  # the pick
        python benchmarks/memory_peak.py --smoke    # the same commands on a tiny file in a temp dir (no goal check)
 The challenge-size train.npz (25,000 images x 5 captions, 1024 -> 1536, latentsweep.trainers.data.synthetic; with
@@ -44,6 +44,7 @@ GOAL_RATIO = 2.0  # issue 20: peak RSS of training <= 2x the float arrays
 JOB_GOAL_RATIO = 2.5  # issue 38: peak RSS of `run --time` at challenge size <= 2.5x the float arrays
 TEST_CAPTIONS = {"full": 5_000, "smoke": 50}  # the one-budget job's test file (docs/trial-costs.md's real-size file)
 SAMPLE_S = 0.02  # the one-budget child's RSS sampling period
+WHERE_FRAMES = 4  # frames of each thread recorded at a step's new peak (its `where`)
 JOB_SMOKE_S = 20  # --smoke's `run --time` (tests only: below the product's 60-s minimum)
 PICK_BUDGET_S = 900  # --pick-state: the pick's deadline (a `run --time 1200` leaves it 150-600 s)
 PICK_FLOOR_ALPHA = 0.1  # --pick-state: the floor's ridge strength (the one the challenge-size file's floor chose)
@@ -199,6 +200,22 @@ def child_trace(out: str, argv: list[str]) -> int:
     return traced(out, main)
 
 
+def _where(stacks: dict[int, list[str]]) -> list[str]:
+    """The innermost WHERE_FRAMES latentsweep frames (file:line function) of each thread running a step: what held
+    the memory at a step's new peak."""
+    frames = sys._current_frames()
+    out = []
+    for ident, labels in list(stacks.items()):
+        frame, mine = frames.get(ident), []
+        while frame is not None and len(mine) < WHERE_FRAMES and labels:
+            code = frame.f_code
+            if "latentsweep" in code.co_filename or "/trainers/" in code.co_filename or "/search/" in code.co_filename:
+                mine.append(f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}")
+            frame = frame.f_back
+        out += mine
+    return out
+
+
 def traced(out: str, run) -> int:
     """run() with STEPS labelled and this process's RSS sampled every SAMPLE_S; {label: peak} written to `out`."""
     import threading
@@ -214,7 +231,7 @@ def traced(out: str, run) -> int:
             now = {**_status(), "t": time.monotonic() - start}
             peak = peaks.setdefault(label, {**now, "first_s": now["t"]})
             if now["VmRSS"] > peak["VmRSS"]:
-                peak.update(now)
+                peak.update(now, where=_where(stacks))
 
     _label_steps(stacks)
     sampler = threading.Thread(target=sample, daemon=True)
@@ -311,7 +328,8 @@ def steps_table(result: dict, floats: int) -> str:
     for label, p in sorted(result["steps"].items(), key=lambda kv: kv[1]["first_s"]):
         rows.append(f"| {label} | {p['VmRSS'] / 1e9:.2f} GB ({p['VmRSS'] / floats:.2f}x) | "
                     f"{p['RssAnon'] / 1e9:.2f} | {p['RssFile'] / 1e9:.2f} | {p['t']:.0f} |")
-    return "\n".join(rows)
+    label, top = max(result["steps"].items(), key=lambda kv: kv[1]["VmRSS"])
+    return "\n".join(rows + [f"\nat the peak ({label}): " + " < ".join(top.get("where", []))])
 
 
 def export_revision(rev: str, directory: Path) -> Path:
@@ -351,13 +369,16 @@ def job_main(args, tmp: Path) -> int:
         results[f"before ({args.before})"] = one_budget(export_revision(args.before, tmp), data, seconds,
                                                         tmp / "before", env)
     print("this tree:", flush=True)
-    results["after" if args.before else "this tree"] = one_budget(ROOT, data, seconds, tmp / "after", env)
+    results["after" if args.before else "this tree"] = one_budget(ROOT, data, seconds,
+                                                                  tmp / ("after" if args.before else "this"), env)
     for label, r in results.items():
         verdict = "met" if r["peak_rss"] <= goal else "missed"
         print(f"\n{label}: `run --time {seconds}` peak {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / floats:.2f}x "
               f"the floats in {r['wall_s']:.0f} s (goal {JOB_GOAL_RATIO:g}x: {verdict})\n{steps_table(r, floats)}")
     if args.json:
         args.json.write_text(json.dumps({"float_bytes": floats, "results": results}, indent=2))
+    if args.keep:  # the job's state (its study, checkpoints and picks), for --pick-state
+        shutil.copytree(tmp / ("after" if args.before else "this") / "state", args.keep, dirs_exist_ok=True)
     return 0 if args.smoke or results[list(results)[-1]]["peak_rss"] <= goal else 1
 
 
@@ -379,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pick-file", default="full.toml",
                         help="--pick-state: its study file under studies/ (the judge's split; default full.toml)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--keep", type=Path, metavar="STATE", help="--one-budget: copy the job's state here")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny file in a temp dir: every command runs, the goal is not checked")
     args = parser.parse_args(argv)
