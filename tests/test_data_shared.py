@@ -4,6 +4,7 @@ reads its file once (its pre-flight check and its trials share the read)."""
 from __future__ import annotations
 
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -52,3 +53,25 @@ def test_a_study_run_reads_its_train_file_once(tmp_path, reads):
     assert main(["study", "run", str(sf), "--data", str(train), "--state-dir", str(tmp_path / "state"),
                  "--quiet"]) == 0
     assert reads == [str(train)]
+
+
+def _rss_file() -> int:
+    """This process's resident bytes of mapped files (RssFile of /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_mapped_sets_pages_are_handed_back_and_read_again_unchanged(tmp_path, reads):
+    """After a search every page of the mapped data is resident; `hand_back_pages` (a pick's first step) hands them
+    back, and a later read gets the same values from the file."""
+    path, _, _ = write_synthetic(tmp_path / "d", 2_000, dim_text=512, dim_image=768, n_test=0)
+    load_train_shared(path)  # the parse, which writes the cache and maps it
+    data = load_train_shared(path)
+    assert isinstance(data.text, np.memmap)
+    before = float(np.asarray(data.text).sum()) + float(np.asarray(data.image).sum())  # every page read
+    resident = _rss_file()
+    data.hand_back_pages()
+    mapped = data.text.nbytes + data.image.nbytes  # 26 MB
+    assert resident - _rss_file() > 0.8 * mapped
+    assert float(np.asarray(data.text).sum()) + float(np.asarray(data.image).sum()) == before

@@ -317,6 +317,34 @@ def test_queries_made_block_by_block_give_the_same_ranks_and_metrics():
     assert got[150] == got[201] == 70              # the worst rank, as for a held tensor
 
 
+def test_row_queries_rank_gallery_by_gallery_as_the_held_array():
+    """A RowQueries (rows made when a gallery ranks them, e.g. an ensemble's sums) gives the leaderboard ranks and
+    metrics of the held array exactly, degenerate rows included, asks only for rows it was given (each once), and
+    np.asarray makes the whole array."""
+    rng = np.random.default_rng(12)
+    image = rng.standard_normal((70, 16)).astype(np.float32)
+    cap2img = rng.integers(0, 70, size=230)
+    pred = image[cap2img] + rng.standard_normal((230, 16)).astype(np.float32)
+    pred[150] = 0.0
+    pred[201, 3] = np.nan
+    asked = []
+
+    def take(rows):
+        asked.append(rows.copy())
+        return pred[rows]
+
+    lazy = M.RowQueries(len(pred), pred.shape[1], take)
+    assert M.evaluate_leaderboard(lazy, image, cap2img, gallery_size=25, seed=3) == \
+        M.evaluate_leaderboard(pred, image, cap2img, gallery_size=25, seed=3)
+    got, mrr = M.leaderboard_ranks(lazy, image, cap2img, gallery_size=25, seed=3)
+    want, want_mrr = M.leaderboard_ranks(pred, image, cap2img, gallery_size=25, seed=3)
+    np.testing.assert_array_equal(got, want)
+    assert mrr == want_mrr and got[150] == got[201] == 25
+    asked_rows = np.concatenate(asked)
+    assert np.array_equal(np.sort(asked_rows[:len(pred)]), np.arange(len(pred)))  # the first pass: each row once
+    np.testing.assert_array_equal(np.asarray(lazy), pred)
+
+
 def test_rank_against_counts_strictly_higher_counted_columns_only():
     """The one rank rule, on scores with exact ties and a column mask, against a loop by the definition."""
     gen = torch.Generator().manual_seed(0)

@@ -17,7 +17,7 @@ from latentsweep.trainers.core.heap import release_free_heap
 from latentsweep.trainers.data.rows import Rows
 from latentsweep.trainers.data.splits import captions_and_local_images
 from latentsweep.trainers.core.errors import LatentsweepError
-from latentsweep.trainers.eval.metrics import GALLERY_SIZE, evaluate_leaderboard
+from latentsweep.trainers.eval.metrics import GALLERY_SIZE, RowQueries, evaluate_leaderboard
 from latentsweep.trainers.train.tasks import predict
 
 # Salt of the select/report split of the val images: must differ from any data.salt so that the halves do not
@@ -117,35 +117,17 @@ def l2n_(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def add_rows(into: np.ndarray, out: np.ndarray, rows: np.ndarray | None, weight: np.float32 | None = None) -> None:
-    """into += out[rows] (or weight * out[rows]), ROW_STEP rows at a time: no [len(rows), D] gathered copy; rows
-    None: every row of out."""
-    for start in range(0, len(into), ROW_STEP):
-        part = out[start:start + ROW_STEP] if rows is None else out[rows[start:start + ROW_STEP]]
-        into[start:start + ROW_STEP] += part if weight is None else weight * part
-
-
-def combine(outputs: list[np.ndarray], weights, normalised: bool = False, rows: np.ndarray | None = None,
-            into: np.ndarray | None = None) -> np.ndarray:
-    """Weighted mean of the members' L2-normalised outputs [N, D], then L2-normalised: float32 [N, D]. With
-    `normalised` the outputs are already (ensemble.l2n's values) and may be read at `rows` only, the sum made in
-    `into` (an [len(rows), D] float32 buffer) if given: no copy of any member."""
+def combine(outputs: list[np.ndarray], weights) -> np.ndarray:
+    """Weighted mean of the members' L2-normalised outputs [N, D], then L2-normalised: float32 [N, D] (`member_rows`
+    makes the same rows of already normalised outputs without the [N, D] sum)."""
     weights = np.asarray(weights, np.float64)
     if len(outputs) != len(weights) or not len(outputs):
         raise ValueError(f"combine: {len(outputs)} outputs but {len(weights)} weights")
-    if not normalised:
-        total = np.zeros_like(np.asarray(outputs[0], np.float32))
-        for out, w in zip(outputs, weights):
-            if w:
-                total += np.float32(w) * l2n(out)
-        return l2n(total)
-    n = len(outputs[0]) if rows is None else len(rows)
-    total = np.zeros((n, outputs[0].shape[1]), np.float32) if into is None else into
-    total[...] = 0
+    total = np.zeros_like(np.asarray(outputs[0], np.float32))
     for out, w in zip(outputs, weights):
         if w:
-            add_rows(total, out, rows, np.float32(w))
-    return l2n_(total)
+            total += np.float32(w) * l2n(out)
+    return l2n(total)
 
 
 def half_scorer(half: Half, image: np.ndarray, seed: int = 0) -> Callable[[np.ndarray], dict[str, float]]:
@@ -158,34 +140,52 @@ def half_scorer(half: Half, image: np.ndarray, seed: int = 0) -> Callable[[np.nd
     return score
 
 
-def greedy_counts(outputs: list[np.ndarray], mrr_of: Callable[[np.ndarray], float], size: int,
-                  rows: np.ndarray | None = None, buf: np.ndarray | None = None) -> np.ndarray:
+def member_rows(outputs: list[np.ndarray], picks, rows: np.ndarray | None = None, weights=None,
+                normalise: bool = True) -> RowQueries:
+    """The combined rows of `outputs[picks]` as a RowQueries over `rows` (all rows when None): a gallery's rows are
+    made when it is ranked, so no [len(rows), D] sum is held. Without `weights` the picks' rows are summed in their
+    order ((p1 + p2) + ...: a running sum's order); with them, zeros plus weight * rows for each non-zero weight (in
+    `combine`'s order); `normalise`: each summed row L2-normalised (`l2n_`). One pick unnormalised is that member's
+    rows as they are. The same float32 operations row by row as summing whole arrays, so the same values."""
+    picks = list(picks)
+
+    def take(positions: np.ndarray) -> np.ndarray:
+        at = positions if rows is None else rows[positions]
+        if weights is None:
+            total = np.take(outputs[picks[0]], at, axis=0)
+            for i in picks[1:]:
+                total += np.take(outputs[i], at, axis=0)
+        else:
+            total = np.zeros((len(at), outputs[0].shape[1]), np.float32)
+            for i, w in zip(picks, weights):
+                if w:
+                    total += np.float32(w) * np.take(outputs[i], at, axis=0)
+        return l2n_(total) if normalise else total
+
+    n = len(outputs[0]) if rows is None else len(rows)
+    return RowQueries(n, outputs[0].shape[1], take)
+
+
+def greedy_counts(outputs: list[np.ndarray], mrr_of: Callable[[RowQueries], float], size: int,
+                  rows: np.ndarray | None = None) -> np.ndarray:
     """Caruana et al. (2004) forward selection with replacement; returns how often each member was picked (int [M]).
 
     Starts from the best single member, then at each step adds the member whose addition gives the highest MRR of
     the combined output, up to `size` picks; stops early when no addition improves the MRR strictly.
     outputs: each member's L2-normalised predictions [Q, D] (the library, already pruned), chosen on their rows
-    `rows` only (all when None). Each trial's sum is made in one [len(rows), D] buffer by adding the picks in their
-    order and the trial member (the same values as a running sum plus the member), so the choice holds one buffer,
-    not a running sum beside it nor a gathered copy of each member (`buf`: that buffer, or a float32 array with at
-    least that many rows, made here when None).
+    `rows` only (all when None). Each trial's sum is the picks in their order plus the trial member, made gallery by
+    gallery as it is scored (`member_rows`: the same values as a running sum plus the member), so the choice holds
+    no [len(rows), D] array: neither a running sum nor a gathered copy of a member.
     """
     if size < 1:
         raise LatentsweepError(f"--size must be >= 1, got {size}")
-    n = len(outputs[0]) if rows is None else len(rows)
-    buf = np.empty((n, outputs[0].shape[1]), np.float32) if buf is None else buf[:n]
-    singles = [mrr_of(_gathered(out, rows, buf)) for out in outputs]
+    singles = [mrr_of(member_rows(outputs, [i], rows, normalise=False)) for i in range(len(outputs))]
     best = int(np.argmax(singles))
     counts = np.zeros(len(outputs), np.int64)
     counts[best] = 1
     picks, current = [best], singles[best]
     for _ in range(size - 1):
-        trials = []
-        for member in range(len(outputs)):
-            _filled(buf, outputs[picks[0]], rows)
-            for i in (*picks[1:], member):  # ((p1 + p2) + ...) + member: the running sum's order
-                add_rows(buf, outputs[i], rows)
-            trials.append(mrr_of(l2n_(buf)))
+        trials = [mrr_of(member_rows(outputs, [*picks, member], rows)) for member in range(len(outputs))]
         pick = int(np.argmax(trials))
         if trials[pick] <= current:
             break
@@ -195,27 +195,11 @@ def greedy_counts(outputs: list[np.ndarray], mrr_of: Callable[[np.ndarray], floa
     return counts
 
 
-def _gathered(out: np.ndarray, rows: np.ndarray | None, buf: np.ndarray | None) -> np.ndarray:
-    """out[rows] in `buf`, or out itself when rows is None (nothing copied)."""
-    if rows is None:
-        return out
-    return np.take(out, rows, axis=0, out=buf, mode="clip")  # mode clip: written straight into buf (no buffering)
-
-
-def _filled(buf: np.ndarray, out: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-    """out[rows] (or out) copied into `buf`."""
-    if rows is None:
-        np.copyto(buf, out)
-        return buf
-    return _gathered(out, rows, buf)
-
-
-def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[np.ndarray], float],
-                   size: int, rows: np.ndarray | None = None, normalised: bool = False,
-                   buf: np.ndarray | None = None) -> np.ndarray:
+def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[RowQueries], float],
+                   size: int, rows: np.ndarray | None = None, normalised: bool = False) -> np.ndarray:
     """Member weights [M] (sum 1) chosen on `outputs` only (out-of-fold predictions, or the select half's), at their
     rows `rows` (all when None); `normalised`: the outputs are L2-normalised already (`l2n_`), else normalised copies
-    are made here; `buf`: a float32 buffer of at least len(rows) rows for the gathered rows and greedy's sums.
+    are made here. `mrr_of` scores a RowQueries (`member_rows`; `np.asarray` makes its array).
 
     greedy: pick counts of `greedy_counts` / their sum. mean: uniform. weighted: proportional to each member's
     MRR on those outputs (not a softmax: members of one study score within a few points of each other, so
@@ -228,17 +212,16 @@ def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[np.
         return np.ones(1)
     normed = outputs if normalised else [l2n(out) for out in outputs]
     if method == "greedy":
-        raw = greedy_counts(normed, mrr_of, size, rows, buf).astype(np.float64)
+        raw = greedy_counts(normed, mrr_of, size, rows).astype(np.float64)
     elif method == "mean":
         raw = np.ones(len(outputs))
     else:
-        if rows is not None:
-            buf = np.empty((len(rows), normed[0].shape[1]), np.float32) if buf is None else buf[:len(rows)]
-        raw = np.array([max(mrr_of(_gathered(out, rows, buf)), 0.0) for out in normed])
+        raw = np.array([max(mrr_of(member_rows(normed, [i], rows, normalise=False)), 0.0)
+                        for i in range(len(normed))])
         if raw.sum() <= 0:
             raw = np.ones(len(outputs))
     return raw / raw.sum()
 
 
-__all__ = ["Half", "split_halves", "l2n", "l2n_", "add_rows", "combine", "half_scorer", "predict_all",
-           "predict_combined", "caption_rows", "greedy_counts", "method_weights", "METHODS", "HALF_SALT"]
+__all__ = ["Half", "split_halves", "l2n", "l2n_", "combine", "half_scorer", "predict_all",
+           "predict_combined", "caption_rows", "greedy_counts", "member_rows", "method_weights", "METHODS", "HALF_SALT"]

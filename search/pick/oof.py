@@ -93,13 +93,10 @@ def nested_select(oof: list[np.ndarray], folds: Folds, image_emb: np.ndarray, me
     caption of the TrainSet, each made by the fold model that did not train on the caption's image.
 
     Each member's figures as given (its score on each fold, the best single chosen on the other folds) are taken
-    first, one member's fold rows at a time; then the members are L2-normalised once (`ensemble.l2n_`: in place
-    with `in_place`, which the caller's arrays then hold, else in copies), and every choice and ensemble reads the
-    rows of its fold from them into one [Nc, Di] buffer (`ensemble.greedy_counts`, `ensemble.combine`): the same
-    values as normalising copies of each fold's rows, without them (each 0.12-0.15 GB a member at challenge size)."""
-    n = len(oof[0])
-    buf = np.empty((n, oof[0].shape[1]), np.float32)  # [Nc, Di]: every fold's rows are a prefix of it
-
+    first; then the members are L2-normalised once (`ensemble.l2n_`: in place with `in_place`, which the caller's
+    arrays then hold, else in copies), and every choice and ensemble reads the rows of its fold from them, gallery by
+    gallery as they are ranked (`ensemble.member_rows`): the same values as normalising and summing copies of each
+    fold's rows, without them (each 0.12-0.15 GB a member at challenge size) or a buffer of their sums."""
     def scorers(g: int):  # (in: the other folds' captions and scorer, out: fold g's), made when needed (galleries)
         others = folds.images(set(range(folds.n)) - {g})
         return (images_scorer(others, image_emb, folds.cap2img, seed),
@@ -109,21 +106,21 @@ def nested_select(oof: list[np.ndarray], folds: Folds, image_emb: np.ndarray, me
     given_in, given_out = [], []
     for g in range(folds.n):
         (in_caps, in_score), (out_caps, out_score) = scorers(g)
-        given_in.append([caps_score(o, in_caps, in_score, buf) for o in oof])
-        given_out.append([caps_score(o, out_caps, out_score, buf) for o in oof])
+        given_in.append([caps_score(o, in_caps, in_score) for o in oof])
+        given_out.append([caps_score(o, out_caps, out_score) for o in oof])
     normed = [ensemble.l2n_(o if in_place else np.array(o, np.float32)) for o in oof]
     release_free_heap()  # the scorers' freed blocks, under the choices to come
     every, score = images_scorer(np.arange(len(folds.fold_of)), image_emb, folds.cap2img, seed)
-    weights = _weights(normed, every, score, method, size, buf)
+    weights = _weights(normed, every, score, method, size)
     del every, score  # the whole gallery's copy (a fifth of a member at challenge size)
     uniform = np.full(len(oof), 1.0 / len(oof))
     per_fold = {"mean": [], "ensemble": [], "nested_ensemble": [], "nested_best": []}
     for g in range(folds.n):
         (in_caps, in_score), (out_caps, out_score) = scorers(g)
-        w_g = _weights(normed, in_caps, in_score, method, size, buf)
-        into = buf[:len(out_caps)]
+        w_g = _weights(normed, in_caps, in_score, method, size)
         for key, w in (("mean", uniform), ("ensemble", weights), ("nested_ensemble", w_g)):
-            per_fold[key].append(out_score(ensemble.combine(normed, w, True, out_caps, into))["mrr"])
+            rows = ensemble.member_rows(normed, range(len(normed)), out_caps, weights=w)
+            per_fold[key].append(out_score(rows)["mrr"])
         per_fold["nested_best"].append(given_out[g][int(np.argmax(given_in[g]))])
     ens, single = np.array(per_fold["nested_ensemble"]), np.array(per_fold["nested_best"])
     member_mrr = np.mean(given_out, axis=0)
@@ -131,20 +128,18 @@ def nested_select(oof: list[np.ndarray], folds: Folds, image_emb: np.ndarray, me
                         float(np.mean(per_fold["ensemble"])), ens - single, ens, single)
 
 
-def caps_score(out: np.ndarray, caps: np.ndarray, score, buf: np.ndarray) -> float:
-    """score's MRR of out's rows `caps` (ascending), gathered into a prefix of `buf` (out itself when caps is every
-    row: no copy)."""
+def caps_score(out: np.ndarray, caps: np.ndarray, score) -> float:
+    """score's MRR of out's rows `caps` (ascending), read gallery by gallery (out itself when caps is every row)."""
     if len(caps) == len(out):
         return score(out)["mrr"]
-    return score(np.take(out, caps, axis=0, out=buf[:len(caps)], mode="clip"))["mrr"]
+    return score(ensemble.member_rows([out], [0], caps, normalise=False))["mrr"]
 
 
-def _weights(normed: list[np.ndarray], caps: np.ndarray, score, method: str, size: int,
-             buf: np.ndarray) -> np.ndarray:
+def _weights(normed: list[np.ndarray], caps: np.ndarray, score, method: str, size: int) -> np.ndarray:
     """The weights chosen on the captions `caps` (ascending: every caption reads the arrays whole) of the
-    normalised members, their sums made in `buf`."""
+    normalised members."""
     rows = None if len(caps) == len(normed[0]) else caps
-    return ensemble.method_weights(method, normed, lambda p: score(p)["mrr"], size, rows, normalised=True, buf=buf)
+    return ensemble.method_weights(method, normed, lambda p: score(p)["mrr"], size, rows, normalised=True)
 
 
 __all__ = ["Folds", "OofSelection", "images_scorer", "nested_select"]

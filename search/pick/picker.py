@@ -49,6 +49,7 @@ def choose(opts: PickOptions, pool: list[Candidate], data, paths: Paths, device,
            clock: Clock) -> tuple[list[Candidate], Selection]:
     """(the candidates kept, the selection) by --selection: on the trials' own val predictions (val, no training),
     halves of the study's val split, or out-of-fold over fold jobs planned to fit the budget."""
+    data.hand_back_pages()  # a search read every page; a selection reads its val captions, fold jobs what they train on
     if opts.selection == "halves":
         check_agreement(pool, same_split=True)
         cands = list(pool[:opts.top])

@@ -17,6 +17,7 @@ from latentsweep.search.pick.ensemble import caption_rows, predict_all
 from latentsweep.search.pick.options import PickOptions
 from latentsweep.search.pick.plan import Clock, Plan
 from latentsweep.trainers.core.errors import DataError
+from latentsweep.trainers.core.heap import release_free_heap
 from latentsweep.trainers.core.progress import say
 from latentsweep.trainers.data.splits import captions_and_local_images, fold_assignment
 from latentsweep.trainers.train.tasks import split_images
@@ -151,6 +152,7 @@ def select_val(cands: list[Candidate], data, opts: PickOptions, device) -> Selec
     folds = oof_mod.Folds(fold_assignment(data.image_names[val_img], min(VAL_FOLDS, len(val_img))), local)
     res = oof_mod.nested_select(preds, folds, data.image[val_img], opts.method, opts.size, opts.seed, in_place=True)
     del preds
+    release_free_heap()  # the galleries' row blocks (under glibc's mmap threshold): 0.5-0.9 GB kept resident before
     return _crossfit_selection(cands, res, opts, "val", {"val_folds": folds.n, "val_images": len(val_img),
                                                          "val_captions": len(caps)})
 

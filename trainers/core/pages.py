@@ -14,6 +14,9 @@ import torch
 # madvise(2)'s MADV_PAGEOUT (Linux 5.4, linux/mman.h): reclaim the range's pages. Clean pages mapped from a file are
 # freed; anonymous pages are swapped out at most (kept without swap), so it never loses data on any memory.
 MADV_PAGEOUT = 21
+# madvise(2)'s MADV_RANDOM (linux/mman.h): no read-ahead on faults in the range. A scattered read of a fifth of the
+# rows otherwise reads the pages around each one back in with it (the kernel's read-around: every page, in effect).
+MADV_RANDOM = 1
 
 
 @functools.cache
@@ -26,9 +29,10 @@ def _madvise() -> Callable[..., int] | None:
         return None
 
 
-def page_out(buf: np.ndarray | torch.Tensor) -> None:
+def page_out(buf: np.ndarray | torch.Tensor, scattered: bool = False) -> None:
     """MADV_PAGEOUT on the whole pages inside a contiguous CPU array's bytes (never a neighbour's page at either
-    end); a no-op where madvise or the advice is missing (an older kernel answers EINVAL, ignored)."""
+    end); with `scattered`, MADV_RANDOM first: the rows read next are read without the pages around them. A no-op
+    where madvise or the advice is missing (an older kernel answers EINVAL, ignored)."""
     if isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu" or not buf.is_contiguous():
             return
@@ -40,8 +44,10 @@ def page_out(buf: np.ndarray | torch.Tensor) -> None:
     madvise = _madvise()
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     last = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
-    if madvise is not None and last > first:
-        madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_PAGEOUT)
+    if madvise is None or last <= first:
+        return
+    for advice in (MADV_RANDOM, MADV_PAGEOUT) if scattered else (MADV_PAGEOUT,):
+        madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), advice)
 
 
 __all__ = ["page_out"]

@@ -17,6 +17,7 @@ import numpy as np
 
 from latentsweep.trainers.core.errors import DataError
 from latentsweep.trainers.core.heap import release_free_heap
+from latentsweep.trainers.core.pages import page_out
 from latentsweep.trainers.data.npz import SPARSE_PREFIX, Npz, check_kind, read_cap2img
 from latentsweep.trainers.core.progress import say
 
@@ -33,6 +34,15 @@ class TrainSet:
     image_names: np.ndarray  # str [Ni]
     image_labels: np.ndarray | None = None  # bool [Ni, L]
     label_names: np.ndarray | None = None  # str [L]
+
+    def hand_back_pages(self) -> None:
+        """Hand the mapped float arrays' pages back (`load_train_shared`'s cache; a parsed copy is left as it is):
+        after a search the process held every page of them (0.67 GB at challenge size) while a pick reads only the
+        val captions, scattered rows read from then on without the pages around them (`page_out`'s `scattered`);
+        what it reads again comes back from the page cache or the file."""
+        for array in (self.text, self.image):
+            if isinstance(array, np.memmap):
+                page_out(array, scattered=True)
 
 
 @dataclass(frozen=True)

@@ -17,34 +17,27 @@ Protocols:
   * leaderboard_from_ordered: the real test protocol, captions in id order cut into consecutive chunks of
     `gallery_size`; each caption is ranked against the images of its own chunk (used by submission scoring).
 
-Inputs may be numpy arrays or torch tensors; work happens in float32 torch on the device of the prediction tensor
-(numpy inputs run on the CPU), chunked over queries so that memory stays bounded. The queries may also be a
-`Queries`, made one block at a time (a model's predictions of a chunk of captions), so that evaluation never holds
-them all: at challenge size the val predictions are [25,000 x 1536], 0.15 GB. Only the gallery side is scaled: dividing
-a query's similarity row by its (positive) norm cannot change which items are strictly higher, so the queries are used
-as they are (saving a copy of the largest input), and each block's similarities are divided column by column by the
-gallery's norms, which gives the cosine without a normalised copy of the gallery. The leaderboard similarities are
-read out of the same blocks as the global ones, so `evaluate` gets both protocols from one matmul pass;
-`evaluate_leaderboard` alone ranks each gallery's captions against its own images only (S / G of the arithmetic).
+Inputs are numpy arrays or torch tensors, ranked in float32 on the prediction's device in chunks of queries, or a
+`Queries` made a block at a time (`RowQueries`: any rows, a gallery's), never held whole ([25,000 x 1536], 0.15 GB).
+Only the gallery is scaled: a query row's positive norm cannot change which items are strictly higher, so similarity
+blocks are divided by the gallery's norms (no normalised copies). `evaluate` reads both protocols from one matmul
+pass; `evaluate_leaderboard` alone ranks each gallery's captions against its own images only (S / G of the work).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
-# Queries per similarity block: a block holds chunk x G float32, 128 x 25000 = 13 MB at full challenge scale. At 1024
-# rows a challenge-size `train` peaked 0.1 GB higher (glibc kept the larger freed blocks in its heap) for about 4% less
-# time; at 256 a 1-trial study peaked 0.015-0.027 GB higher than at 128, for 3-7% less validation time (under 1% of a
-# trial; benchmarks/memory_peak.py).
+# Queries per similarity block (chunk x G float32: 13 MB at 128 x 25,000). At 1024 a challenge-size `train` peaked
+# 0.1 GB higher for 4% less time, at 256 a 1-trial study 0.015-0.027 GB higher for 3-7% less validation time
+# (benchmarks/memory_peak.py; glibc keeps larger freed blocks in its heap).
 DEFAULT_CHUNK = 128
 # Recall cut-offs and the NDCG depth reported for the challenge (MRR is the leaderboard metric).
 RECALL_AT = (1, 5, 10, 50)
 NDCG_DEPTH = 100
-# The challenge's gallery size (test captions are scored in chunks of 100).
-GALLERY_SIZE = 100
-
+GALLERY_SIZE = 100  # the challenge's gallery size (test captions are scored in chunks of 100)
 METRIC_KEYS = ("mrr", "r1", "r5", "r10", "r50", "ndcg100", "median_rank", "p75_rank")
 
 
@@ -60,6 +53,21 @@ class Queries:
     def __getitem__(self, rows: slice) -> torch.Tensor:
         start, stop, _ = rows.indices(self.shape[0])
         return self._make(start, stop).float()
+
+
+class RowQueries(Queries):
+    """Queries made from any rows: `take(rows)` (int64 [b]) gives those rows [b, dim] (an ensemble's sums, made for
+    the gallery being ranked: no [n, dim] array held); `np.asarray` of it makes every row."""
+
+    def __init__(self, n: int, dim: int, take: Callable[[np.ndarray], np.ndarray | torch.Tensor]):
+        super().__init__(n, dim, torch.device("cpu"), lambda start, stop: self.take(np.arange(start, stop)))
+        self._take = take
+
+    def take(self, rows: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(self._take(np.asarray(rows, np.int64))).float()
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.asarray(self[0:self.shape[0]].numpy(), dtype)
 
 
 def _as_tensor(x, device=None) -> torch.Tensor:
@@ -281,7 +289,7 @@ def evaluate_leaderboard(pred, image, cap2img, gallery_size: int = GALLERY_SIZE,
     Ranks gallery by gallery (`_leaderboard_ranks`); a `Queries` input, made in caption order, is ranked in the global
     pass's blocks instead (as much arithmetic as the global protocol). `evaluate` gives both protocols in one pass.
     """
-    if isinstance(pred, Queries):  # made block by block in caption order: ranked in those blocks
+    if isinstance(pred, Queries) and not isinstance(pred, RowQueries):  # made in caption order: ranked so
         _, lb, views, owner = _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, "evaluate_leaderboard")
     else:
         lb, views, owner = _leaderboard_ranks(pred, image, cap2img, gallery_size, seed, chunk)
@@ -305,7 +313,7 @@ def _leaderboard_ranks(pred, image, cap2img, gallery_size: int, seed: int, chunk
         for start in range(0, len(members), step):
             caps = members[start:start + step]
             rows = torch.from_numpy(caps).to(p.device)
-            block = p.index_select(0, rows)                           # [n, D]
+            block = p.take(caps) if isinstance(p, RowQueries) else p.index_select(0, rows)  # [n, D]
             sims = (block @ gallery.T).div_(norms)                    # [n, S]
             true = sims.gather(1, torch.from_numpy(where.column[caps]).to(p.device)[:, None])  # [n, 1], same row
             bad = ~_usable(block)[1] | ~g_ok[torch.from_numpy(c2i[caps]).to(p.device)]
@@ -359,7 +367,7 @@ def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GA
     return summarize(out.cpu().numpy())
 
 
-__all__ = ["Queries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "leaderboard_ranks", "evaluate",
+__all__ = ["Queries", "RowQueries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "leaderboard_ranks", "evaluate",
            "leaderboard_galleries", "caption_galleries", "CaptionGalleries", "leaderboard_from_ordered", "METRIC_KEYS",
            "GALLERY_SIZE", "DEFAULT_CHUNK"]
 
