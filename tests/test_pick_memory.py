@@ -130,6 +130,39 @@ def test_an_ensemble_is_predicted_one_member_at_a_time_with_the_same_values():
     assert len(wrapped) == 3
 
 
+class _Counted(torch.nn.Module):
+    """A linear translator recording how many caption rows each call predicts."""
+
+    def __init__(self, dim_in: int, dim_out: int, seen: list[int]):
+        super().__init__()
+        self.inner, self.seen = torch.nn.Linear(dim_in, dim_out), seen
+
+    def forward(self, x):
+        self.seen.append(len(x))
+        return {"pred": self.inner(x)}
+
+
+@pytest.mark.parametrize("n_models", [1, 2])
+def test_the_judge_scores_gallery_by_gallery_as_the_held_predictions(tmp_path, n_models):
+    """A judge's score (the keeper's, beside a trial; the gate's) predicts the val captions as each gallery is ranked:
+    every caption once, never all of them in one call, and the same Score as the held predictions give."""
+    from latentsweep.search.pick.judge import make_judge
+
+    path, _, _ = write_synthetic(tmp_path, 1_000, dim_text=24, dim_image=16)  # about 200 val images: 2 galleries
+    data = load_train(path)
+    judge = make_judge(Config(), data)
+    torch.manual_seed(0)
+    seen: list[int] = []
+    models = [_Counted(data.text.shape[1], data.image.shape[1], seen) for _ in range(n_models)]
+    weights = [0.75, 0.25][:n_models]
+    got = judge.score_models(models, weights, "cpu")
+    assert sum(seen) == n_models * len(judge.caps) and max(seen) < len(judge.caps)
+    held = ensemble.predict_all(models, judge.text, "cpu")
+    want = judge.score(held[0] if n_models == 1 else ensemble.combine(held, weights))
+    assert got.mrr == pytest.approx(want.mrr, abs=1e-12)
+    np.testing.assert_allclose(got.per_image, want.per_image, atol=1e-12)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     path, _, _ = write_synthetic(tmp_path_factory.mktemp("knnmem"), 150, dim_text=24, dim_image=16)

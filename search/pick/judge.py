@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from latentsweep.search.pick.ensemble import caption_rows, predict_all, predict_combined
+from latentsweep.search.pick.ensemble import caption_rows, predicted_rows
 from latentsweep.trainers.models.closed_form import held_out_rr, moments, solve
 from latentsweep.trainers.config.tree import Config
 from latentsweep.trainers.data.sets import TrainSet
@@ -76,9 +76,8 @@ class Judge:
         """MRR of the weighted ensemble of `models` (one model: weight 1) on the val captions."""
         kept = [(m, float(w)) for m, w in zip(models, weights) if w > 0]
         x = caption_rows(self.captions, self.caps, device)  # the val captions read in place, a block at a time
-        if len(kept) == 1:
-            return self.score(predict_all([kept[0][0]], x, device)[0])
-        return self.score(predict_combined([m for m, _ in kept], [w for _, w in kept], x, device))
+        # predicted gallery by gallery as they are ranked: no [Nq, Di] array held (0.15 GB at challenge size)
+        return self.score(predicted_rows([m for m, _ in kept], [w for _, w in kept], x, device, self.gallery.shape[1]))
 
     def score_floor(self, data: TrainSet, alpha: float) -> Score:
         """MRR of the closed-form ridge at strength `alpha` (the floor's) fit on the train part only: the floor as a
