@@ -44,7 +44,10 @@ class AllImagesInfoNCE(Loss):
         keep_bank[arange, batch["bank_idx"]] = False
         keep = torch.cat([torch.eye(b, dtype=torch.bool, device=p.device), keep_bank], dim=1)  # [B, B + Ni]
         tau = temperature()
-        loss = masked_ce(p @ torch.cat([y, bank]).T / tau, keep, arange, self.cfg.label_smoothing)
+        # [B, B + Ni] as two products: p @ cat([y, bank]).T copied the bank every step ([B + Ni, D], 0.13 GB at
+        # challenge size) and kept the copy for the backward; the logits are the same bit for bit on the CPU
+        logits = torch.cat([p @ y.T, p @ bank.T], dim=1)
+        loss = masked_ce(logits / tau, keep, arange, self.cfg.label_smoothing)
         if self.cfg.symmetric:
             first, inverse = unique_images(batch["img"])
             loss = 0.5 * (loss + multipos_i2c(p @ y[first].T / tau, inverse, self.cfg.label_smoothing))
