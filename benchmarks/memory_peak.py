@@ -45,6 +45,7 @@ JOB_GOAL_RATIO = 2.5  # issue 38: peak RSS of `run --time` at challenge size <= 
 TEST_CAPTIONS = {"full": 5_000, "smoke": 50}  # the one-budget job's test file (docs/trial-costs.md's real-size file)
 SAMPLE_S = 0.02  # the one-budget child's RSS sampling period
 WHERE_FRAMES = 4  # frames of each thread recorded at a step's new peak (its `where`)
+OUR_PATHS = ("latentsweep", "/trainers/", "/search/")  # a frame of the measured package (this tree or --before's)
 JOB_SMOKE_S = 20  # --smoke's `run --time` (tests only: below the product's 60-s minimum)
 PICK_BUDGET_S = 900  # --pick-state: the pick's deadline (a `run --time 1200` leaves it 150-600 s)
 PICK_FLOOR_ALPHA = 0.1  # --pick-state: the floor's ridge strength (the one the challenge-size file's floor chose)
@@ -209,7 +210,7 @@ def _where(stacks: dict[int, list[str]]) -> list[str]:
         frame, mine = frames.get(ident), []
         while frame is not None and len(mine) < WHERE_FRAMES and labels:
             code = frame.f_code
-            if "latentsweep" in code.co_filename or "/trainers/" in code.co_filename or "/search/" in code.co_filename:
+            if any(part in code.co_filename for part in OUR_PATHS):
                 mine.append(f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}")
             frame = frame.f_back
         out += mine

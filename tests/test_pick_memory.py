@@ -1,6 +1,7 @@
 """What the pick and the knn model hold at challenge size, as behaviour: the selection reads its members in place
-(no [Nc, D] array besides them) and chooses what copies of every fold's rows choose; the knn model's keys and images are
-the loaded data's memory, in a trial and, once shared, in a pick; ensembles are made one member at a time."""
+(no [Nc, D] array besides them) and chooses what copies of every fold's rows choose; the knn model's keys and images
+are the loaded data's memory, in a trial and, once shared, in a pick; ensembles are made one member at a time, and a
+judge's score one gallery at a time."""
 from __future__ import annotations
 
 import tracemalloc

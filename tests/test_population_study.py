@@ -182,27 +182,30 @@ def test_population_one_and_a_cpu_default_are_the_one_trial_worker(state, synthe
     assert "using every GPU" not in capsys.readouterr().err
 
 
-def test_the_machine_decides_workers_gpus_and_population(monkeypatch):
+def test_the_machine_decides_workers_and_gpus_and_the_option_the_population(monkeypatch):
     import latentsweep.search.study.devices as devices
     from latentsweep.search.study.devices import machine_defaults
     monkeypatch.setattr(devices, "max_workers", lambda: 1000)  # memory for any count: the cores decide
     monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: [])  # cards' memory unread (no nvidia-smi): no cap
-    assert machine_defaults(0, None, None, None, cpus=16) == (1, None, None, 1)  # CPU: one worker, one trial
-    assert machine_defaults(1, None, None, None, cpus=16) == ("auto", "all", 8, 1)  # one GPU, 16 cores: 8 on it
-    assert machine_defaults(4, None, None, None, cpus=32) == ("auto", "all", 4, 1)  # 2 cores a worker
-    assert machine_defaults(1, None, None, None, cpus=64) == ("auto", "all", 8, 1)  # at most the 8 measured
-    assert machine_defaults(8, None, None, None, cpus=4) == ("auto", "all", 1, 1)  # at least one a GPU
-    assert machine_defaults(4, 1, None, None, 1) == (1, None, None, 1)  # --workers 1: the old behaviour
-    assert machine_defaults(4, None, "1", None) == (1, "1", None, 1)  # --gpus alone: one worker on it
-    assert machine_defaults(4, None, None, 2) == (1, None, 2, 1)  # --per-gpu alone is the user's (needs --gpus)
-    assert machine_defaults(2, "auto", None, None, "auto") == ("auto", None, None, "auto")
+    assert machine_defaults(0, None, None, None, cpus=16) == (1, None, None)  # CPU: one worker, one trial
+    assert machine_defaults(1, None, None, None, cpus=16) == ("auto", "all", 8)  # one GPU, 16 cores: 8 on it
+    assert machine_defaults(4, None, None, None, cpus=32) == ("auto", "all", 4)  # 2 cores a worker
+    assert machine_defaults(1, None, None, None, cpus=64) == ("auto", "all", 8)  # at most the 8 measured
+    assert machine_defaults(8, None, None, None, cpus=4) == ("auto", "all", 1)  # at least one a GPU
+    assert machine_defaults(4, 1, None, None, 1) == (1, None, None)  # --workers 1: the old behaviour
+    assert machine_defaults(4, None, "1", None) == (1, "1", None)  # --gpus alone: one worker on it
+    assert machine_defaults(4, None, None, 2) == (1, None, 2)  # --per-gpu alone is the user's (needs --gpus)
+    assert machine_defaults(2, "auto", None, None) == ("auto", None, None)
     monkeypatch.setattr(devices, "max_workers", lambda: 6)  # memory for 6 workers: 3 on each of 2 GPUs
-    assert machine_defaults(2, None, None, None, cpus=64) == ("auto", "all", 3, 1)
+    assert machine_defaults(2, None, None, None, cpus=64) == ("auto", "all", 3)
     monkeypatch.setattr(devices, "max_workers", lambda: 1000)
     monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: [80 << 30, 8 << 30])  # the smaller card holds 4
-    assert machine_defaults(2, None, None, None, cpus=64) == ("auto", "all", 4, 1)
+    assert machine_defaults(2, None, None, None, cpus=64) == ("auto", "all", 4)
     monkeypatch.setattr(devices, "gpu_memory_bytes", lambda: [1 << 30])  # too small for one: still one a GPU
-    assert machine_defaults(1, None, None, None, cpus=64) == ("auto", "all", 1, 1)
+    assert machine_defaults(1, None, None, None, cpus=64) == ("auto", "all", 1)
+    from latentsweep.search.cli.main import build_parser  # one trial at a time unless --population is given
+    assert build_parser("study").parse_args(["study", "run", "s.toml"]).population == 1
+    assert build_parser("run").parse_args(["run", "s.toml", "--time", "60"]).population == 1
 
 
 def test_the_cards_memory_is_read_without_cuda_or_is_unknown(monkeypatch, tmp_path):

@@ -236,5 +236,5 @@ def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[Row
     return raw / raw.sum()
 
 
-__all__ = ["Half", "split_halves", "l2n", "l2n_", "combine", "half_scorer", "predict_all",
-           "predict_combined", "predicted_rows", "caption_rows", "greedy_counts", "member_rows", "method_weights", "METHODS", "HALF_SALT"]
+__all__ = ["Half", "split_halves", "l2n", "l2n_", "combine", "half_scorer", "predict_all", "predict_combined",
+           "predicted_rows", "caption_rows", "greedy_counts", "member_rows", "method_weights", "METHODS", "HALF_SALT"]

@@ -77,7 +77,8 @@ class Judge:
         kept = [(m, float(w)) for m, w in zip(models, weights) if w > 0]
         x = caption_rows(self.captions, self.caps, device)  # the val captions read in place, a block at a time
         # predicted gallery by gallery as they are ranked: no [Nq, Di] array held (0.15 GB at challenge size)
-        return self.score(predicted_rows([m for m, _ in kept], [w for _, w in kept], x, device, self.gallery.shape[1]))
+        kept_models, kept_weights = (list(column) for column in zip(*kept))
+        return self.score(predicted_rows(kept_models, kept_weights, x, device, self.gallery.shape[1]))
 
     def score_floor(self, data: TrainSet, alpha: float) -> Score:
         """MRR of the closed-form ridge at strength `alpha` (the floor's) fit on the train part only: the floor as a

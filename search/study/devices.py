@@ -123,17 +123,16 @@ def gpu_memory_bytes() -> list[int]:
 
 
 def machine_defaults(count: int, workers: int | str | None, gpus: str | None, per_gpu: int | None,
-                     population: int | str | None = None, cpus: int = 1) -> tuple[int | str, str | None,
-                                                                                  int | None, int | str]:
-    """(workers, gpus, per_gpu, population) of `study run|run` from the CUDA devices seen, the cores and the options
-    given (None: not given). With no device option on a machine with GPUs: every GPU, default_per_gpu workers on
-    each; on a CPU machine one worker, as before. A device option given (--workers, --gpus, --per-gpu) is the
-    user's plan, kept as it is. The population is 1 unless given: `auto` trained fewer trials of full.toml's space
-    at challenge size than one trial at a time (its trials rarely share a shape; docs/gpu.md)."""
-    population = 1 if population is None else population
+                     cpus: int = 1) -> tuple[int | str, str | None, int | None]:
+    """(workers, gpus, per_gpu) of `study run|run` from the CUDA devices seen, the cores and the options given (None:
+    not given). With no device option on a machine with GPUs: every GPU, default_per_gpu workers on each; on a CPU
+    machine one worker, as before. A device option given (--workers, --gpus, --per-gpu) is the user's plan, kept as
+    it is. Each worker trains one trial at a time unless --population is given (its default, 1, is the option's:
+    `auto` trained fewer trials of full.toml's space at challenge size than one trial at a time, its trials rarely
+    sharing a shape; docs/gpu.md)."""
     if workers is None and gpus is None and per_gpu is None:
-        return (AUTO, ALL, default_per_gpu(count, cpus), population) if count > 0 else (1, None, None, population)
-    return (1 if workers is None else workers), gpus, per_gpu, population
+        return (AUTO, ALL, default_per_gpu(count, cpus)) if count > 0 else (1, None, None)
+    return (1 if workers is None else workers), gpus, per_gpu
 
 
 def mps_running() -> bool:
@@ -234,7 +233,7 @@ def plan_workers(workers: int | str | None, gpus: str | None, per_gpu: int | Non
         raise LatentsweepError(f"--workers must be >= 1 or auto, got {workers}")
     count = torch.cuda.device_count()
     machine = count > 0 and workers is None and gpus is None and per_gpu is None
-    workers, gpus, per_gpu, _ = machine_defaults(count, workers, gpus, per_gpu, cpus=usable_cores())
+    workers, gpus, per_gpu = machine_defaults(count, workers, gpus, per_gpu, cpus=usable_cores())
     auto = workers == AUTO
     if gpus is None and auto and count > 0:
         gpus = ALL

@@ -367,9 +367,9 @@ def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GA
     return summarize(out.cpu().numpy())
 
 
-__all__ = ["Queries", "RowQueries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard", "leaderboard_ranks", "evaluate",
-           "leaderboard_galleries", "caption_galleries", "CaptionGalleries", "leaderboard_from_ordered", "METRIC_KEYS",
-           "GALLERY_SIZE", "DEFAULT_CHUNK"]
+__all__ = ["Queries", "RowQueries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard",
+           "leaderboard_ranks", "evaluate", "leaderboard_galleries", "caption_galleries", "CaptionGalleries",
+           "leaderboard_from_ordered", "METRIC_KEYS", "GALLERY_SIZE", "DEFAULT_CHUNK"]
 
 
 def label_retrieval(emb, labels, k: int = 10, chunk: int = DEFAULT_CHUNK) -> dict[str, float]:
