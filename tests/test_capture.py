@@ -213,6 +213,8 @@ def test_a_captured_step_computes_the_eager_step(data):
 @pytest.mark.parametrize("values", [
     {"loss.triplet.weight": 1.0, "loss.triplet.max_violation": True, "loss.triplet.warmup_epochs": 1},
     {"loss.multipos_infonce.weight": 1.0, "loss.agreement.weight": 0.5},  # graph breaks at torch.unique
+    {"loss.all_images_infonce.weight": 1.0, "loss.all_images_infonce.symmetric": False,
+     "temperature.mode": "learnable"},  # the bank's autograd.Function (losses/bank.py: BankCE), its in-place backward
 ])
 def test_captured_recipes_compute_the_eager_step(values, data):
     _assert_same_step(values, data, "aot_eager")

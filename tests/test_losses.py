@@ -15,6 +15,8 @@ from latentsweep.trainers.train.checkpoint import CenteredModel, atomic_torch_sa
 from latentsweep.trainers.config.tree import Config, LossCfg, with_values
 from latentsweep.trainers.core.errors import ConfigError
 from latentsweep.trainers.losses import LOSSES, Criterion, EpochContext, Temperature
+from latentsweep.trainers.losses.bank import BankCE
+from latentsweep.trainers.losses.base import masked_ce
 from latentsweep.trainers.losses.multilabel import MultiLabelTriplet, draw_fixed_positives, negative_mask, positive_mask
 from latentsweep.trainers.losses.queue import QueueInfoNCE
 from latentsweep.trainers.models.zoo import ModelContext, build_model
@@ -353,6 +355,49 @@ def test_all_images_infonce_equals_the_queue_holding_each_image_once():
         assert torch.allclose(exact, queue(out, batch, tau)["queue_infonce"], atol=1e-6)
         if smoothing == 0.0:  # and it is the plain cross-entropy over the 7 images, target = the caption's image
             assert torch.allclose(exact, F.cross_entropy(pred @ images.T / 0.07, img), atol=1e-6)
+
+
+def _masked_ce_form(p, y, bank, idx, tau, smoothing):
+    """The all-images loss as it was written before BankCE: masked_ce over cat([p @ y.T, p @ bank.T]) / tau."""
+    rows = torch.arange(len(p))
+    keep_bank = torch.ones(len(p), len(bank), dtype=torch.bool)
+    keep_bank[rows, idx] = False
+    keep = torch.cat([torch.eye(len(p), dtype=torch.bool), keep_bank], dim=1)
+    return masked_ce(torch.cat([p @ y.T, p @ bank.T], dim=1) / tau, keep, rows, smoothing)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("learnable", [False, True])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_bank_ce_gives_the_masked_ce_form_its_value_and_gradients(smoothing, learnable, mixed):
+    """BankCE (one kept [B, Ni] block) against the masked_ce form it replaced: the loss and the gradients of the
+    predictions, the targets and a learnable temperature, to float rounding; with a mixed target (mixup) too."""
+    torch.manual_seed(3)
+    bank = unit(torch.randn(53, D))
+    idx = torch.randint(0, len(bank), (17,))
+    y = (unit(bank[idx] + 0.3 * torch.randn(len(idx), D)) if mixed else bank[idx].clone()).requires_grad_(True)
+    raw = torch.randn(len(idx), D, requires_grad=True)
+    tau = torch.tensor(0.07, requires_grad=learnable)
+    wrt = [raw, y] + ([tau] if learnable else [])
+    fused = BankCE.apply(unit(raw), y, bank, idx, tau, smoothing)
+    plain = _masked_ce_form(unit(raw), y, bank, idx, tau, smoothing)
+    assert torch.allclose(fused, plain, rtol=1e-6, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(fused, wrt), torch.autograd.grad(plain, wrt)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_bank_ce_keeps_one_batch_by_bank_block_for_the_backward():
+    """What autograd keeps for the backward between the forward and it: one [B, Ni] block (the softmax), where the
+    masked_ce form kept more than three (the product, its scaled and masked copies, the log-softmax)."""
+    bank, idx = unit(torch.randn(300, D)), torch.randint(0, 300, (20,))
+    raw, tau = torch.randn(20, D, requires_grad=True), torch.tensor(0.05, requires_grad=True)
+    for form, most in ((BankCE.apply, 1), (_masked_ce_form, None)):
+        blocks = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: blocks.append(t.numel()) or t, lambda t: t):
+            loss = form(unit(raw), bank[idx], bank, idx, tau, 0.0)
+        big = sum(n >= 20 * 300 for n in blocks)
+        assert big == most if most is not None else big > 3
+        loss.backward()
 
 
 def test_all_images_infonce_symmetric_adds_the_multipositive_image_to_caption_term():

@@ -28,7 +28,7 @@ from latentsweep.trainers.config.registry import Registry
 
 # Fill value for masked logits: finite (not -inf) so that 0 * log_softmax stays 0 in the label-smoothing sum, and far
 # below any real logit (|cos| / tau <= 1e4 for the smallest allowed tau, 1e-4).
-_MASKED = -1e9
+MASKED = -1e9
 # The float32 tensors of the current criterion call that are L2-normalised already (`unit` returns them as is).
 _KNOWN_UNIT: contextvars.ContextVar[tuple[torch.Tensor, ...]] = contextvars.ContextVar("known_unit", default=())
 
@@ -168,7 +168,7 @@ def masked_ce(logits: torch.Tensor, keep: torch.Tensor, target: torch.Tensor, sm
     Label smoothing (as in torch: eps spread uniformly, target gets 1 - eps + eps / C) is spread only over the kept
     columns, so masked false negatives receive no probability mass. The target column must be kept.
     """
-    logp = logits.masked_fill(~keep, _MASKED).log_softmax(dim=-1)
+    logp = logits.masked_fill(~keep, MASKED).log_softmax(dim=-1)
     nll = -logp.gather(1, target[:, None]).squeeze(1)
     if smoothing == 0.0:
         return nll.mean()
