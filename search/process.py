@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import gc
 import logging
 import math
@@ -50,10 +51,11 @@ def quiet_mlflow() -> None:
 
 
 def configure_process() -> None:
-    """Everything a latentsweep process sets once at its start: quiet libraries, and figures drawn without a display
-    (headless workers, CI). A library the command has not imported (the CLI imports only the command's module) is
-    set through the environment or not at all: importing matplotlib and Optuna only to configure them cost `train`
-    45 MB of RSS (benchmarks/memory_peak.py)."""
+    """Everything a latentsweep process sets once at its start: quiet libraries, figures drawn without a display
+    (headless workers, CI), and SIGUSR1 as a request for the Python stacks of all its threads (faulthandler). A
+    library the command has not imported (the CLI imports only the command's module) is set through the environment
+    or not at all: importing matplotlib and Optuna only to configure them cost `train` 45 MB of RSS
+    (benchmarks/memory_peak.py)."""
     if "matplotlib" in sys.modules:
         sys.modules["matplotlib"].use("Agg")
     else:
@@ -61,6 +63,10 @@ def configure_process() -> None:
     if "optuna" in sys.modules:
         quiet_optuna()
     quiet_mlflow()
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: a job that seems hung writes every thread's stack to stderr
+        # (no file behind stderr, as in a notebook or a captured test: nothing to write to, so not asked)
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
 
 
 # Signals received inside the outermost interrupt_on block, in order. Their KeyboardInterrupt can be lost: raised while

@@ -121,3 +121,22 @@ def _interrupt_writes(client, run, db, rng) -> None:
             except KeyboardInterrupt as exc:
                 release_interrupted(exc)
                 assert not write_lock_held(db), f"interrupt {i} left the store's write lock held"
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_process_goes_on():
+    """A latentsweep process (configure_process: the CLI's main, a spawned worker) answers `kill -USR1` with the
+    Python stack of each of its threads on stderr (faulthandler), and keeps running: how a job that seems hung is
+    looked into (the test of a worker killed mid-population sends it before stopping a job that overran)."""
+    import subprocess
+
+    code = ("import os, signal, threading, time\n"
+            "from latentsweep.search.process import configure_process\n"
+            "configure_process()\n"
+            "def parked(): time.sleep(30)\n"
+            "threading.Thread(target=parked, name='parked', daemon=True).start()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "time.sleep(0.2)\n"
+            "print('still running')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "still running", done.stderr
+    assert "Current thread" in done.stderr and "in parked" in done.stderr  # the main thread's and the other's

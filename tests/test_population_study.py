@@ -4,6 +4,7 @@ a failing member fails alone; join fills the budget exactly; the defaults a mach
 GPU). Real Optuna on SQLite, real MLflow on SQLite, the trainers' own population step."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -313,17 +314,33 @@ def members_running(proc: subprocess.Popen, state: Path, name: str, k: int = 2) 
 
 
 def ended(proc: subprocess.Popen, timeout: float) -> tuple[bytes, bytes]:
-    """proc.communicate(timeout): on a timeout the job is stopped with its workers (SIGTERM, then SIGKILL), so a failed
-    test leaves no process behind (one left from a timed-out run held its workers' store connections)."""
+    """proc.communicate(timeout): on a timeout the job and its spawned workers first write their threads' stacks to
+    stderr (SIGUSR1, search/process.py configure_process), which the failure shows; then the job is stopped with its
+    workers (SIGTERM, then SIGKILL), so a failed test leaves no process behind (one left from a timed-out run held its
+    workers' store connections)."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _ask_stacks(proc)
         proc.terminate()
         try:
-            proc.communicate(timeout=30)
+            _, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        raise
+            _, err = proc.communicate()
+        raise AssertionError(f"the job ran past {timeout:.0f} s; its stacks then:\n{err.decode()[-12000:]}") from None
+
+
+def _ask_stacks(proc: subprocess.Popen) -> None:
+    """SIGUSR1 to the job and its spawned workers (not multiprocessing's resource tracker, which has no handler)."""
+    import psutil
+
+    job = psutil.Process(proc.pid)
+    for p in [job, *job.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            if p.pid == proc.pid or "spawn_main" in " ".join(p.cmdline()):
+                p.send_signal(signal.SIGUSR1)
+    time.sleep(2)  # faulthandler writes at once; the pipe is read by communicate
 
 
 @pytest.mark.slow
