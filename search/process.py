@@ -52,7 +52,7 @@ def quiet_mlflow() -> None:
 
 def configure_process() -> None:
     """Everything a latentsweep process sets once at its start: quiet libraries, figures drawn without a display
-    (headless workers, CI), and SIGUSR1 as a request for the Python stacks of all its threads (faulthandler). A
+    (headless workers, CI), and the Python stacks of all its threads on a crash and on SIGUSR1 (faulthandler). A
     library the command has not imported (the CLI imports only the command's module) is set through the environment
     or not at all: importing matplotlib and Optuna only to configure them cost `train` 45 MB of RSS
     (benchmarks/memory_peak.py)."""
@@ -63,9 +63,12 @@ def configure_process() -> None:
     if "optuna" in sys.modules:
         quiet_optuna()
     quiet_mlflow()
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: a job that seems hung writes every thread's stack to stderr
-        # (no file behind stderr, as in a notebook or a captured test: nothing to write to, so not asked)
-        with contextlib.suppress(AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last
+    # (no file behind stderr, as in a notebook or a captured test: nothing to write to, so not asked)
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last
+        # a crash in native code (a write into the sealed train set, trainers/core/pages.py) dies with the Python
+        # stacks of every thread, not a bare "Segmentation fault"
+        faulthandler.enable(file=sys.stderr.fileno(), all_threads=True)
+        if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: a job that seems hung writes every thread's stack
             faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
 
 

@@ -61,9 +61,26 @@ def test_a_second_process_maps_the_file_instead_of_parsing_it(small, cache):
     assert isinstance(second.text, np.memmap) and second.fingerprint == first.fingerprint
     for name in ("caption_ids", "text", "image", "cap2img", "image_names"):
         np.testing.assert_array_equal(getattr(second, name), getattr(first, name))
-    torch.as_tensor(second.text)[0] += 1.0  # a write stays in this process (copy-on-write), never in the cache
+
+
+def test_a_write_into_the_mapped_set_is_a_crash_with_its_stack(small, cache, tmp_path):
+    """The mapping is sealed read-only (pages.seal): a write would land in a private page that the next pages.drop
+    throws away, so it is stopped where it happens, and the cache is unchanged."""
+    import subprocess
+
+    first = cache.load_train_shared(small)  # writes the cache the child maps
+    code = (f"from latentsweep.search.process import configure_process; configure_process()\n"
+            f"from latentsweep.trainers.data.sets import load_train_shared\n"
+            f"import torch\n"
+            f"data = load_train_shared({str(small)!r})\n"
+            f"torch.as_tensor(data.text)[0] += 1.0\n")
+    env = {**__import__("os").environ, cache.CACHE_ENV: str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -11, done.stderr
+    assert "Segmentation fault" in done.stderr and 'File "<string>", line 5' in done.stderr
     cache._last_read.clear()
-    assert np.array_equal(cache.load_train_shared(small).text, first.text)
+    assert cache.reads["mapped"] == 0 and np.array_equal(cache.load_train_shared(small).text, first.text)
+    assert cache.reads["mapped"] == 1
 
 
 def test_a_changed_file_is_parsed_again(small, cache, tmp_path):

@@ -1,5 +1,6 @@
-"""Handing a mapped file's pages back once read (madvise MADV_PAGEOUT): the process no longer holds them (the page
-cache may, as after a plain read), and reads them from the file again if it reads them again."""
+"""Handing a mapped file's pages back once read: MADV_PAGEOUT (the page cache may drop them too) and, for the train
+set's sealed read-only mapping, MADV_DONTNEED after each read (the page cache keeps them): the process no longer holds
+them, and maps them again if it reads them again."""
 from __future__ import annotations
 
 import ctypes
@@ -17,6 +18,10 @@ MADV_PAGEOUT = 21
 # madvise(2)'s MADV_RANDOM (linux/mman.h): no read-ahead on faults in the range. A scattered read of a fifth of the
 # rows otherwise reads the pages around each one back in with it (the kernel's read-around: every page, in effect).
 MADV_RANDOM = 1
+# mprotect(2)'s PROT_READ (sys/mman.h).
+PROT_READ = 1
+# The attribute `seal` sets on a sealed np.memmap (an instance attribute: a view or copy of it is never sealed).
+_SEALED = "_latentsweep_sealed"
 
 
 @functools.cache
@@ -50,4 +55,46 @@ def page_out(buf: np.ndarray | torch.Tensor, scattered: bool = False) -> None:
         madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), advice)
 
 
-__all__ = ["page_out"]
+def seal(array: np.ndarray) -> bool:
+    """Make a file-mapped array's mapping read-only (mprotect PROT_READ) and mapped a 4 KB page at a time
+    (MADV_NOHUGEPAGE); whether it is sealed now (only an np.memmap with its mapping, on Linux).
+
+    Why: `drop` hands a sealed mapping's pages back after every read. A write would land in a private copy of its
+    page that a drop would lose, so a write is made impossible instead (a crash, with the Python stack where
+    faulthandler is on). Where the page cache holds a file in huge pages, one row read maps the 2 MB around it: a
+    batch of 512 scattered rows then maps most of the 0.41 GB of challenge-size training captions, a page at a time
+    about 32 MB (the kernel's fault-around, 64 KB a read)."""
+    mm = getattr(array, "_mmap", None)
+    madvise, mprotect = _madvise(), _libc_mprotect()
+    if mm is None or madvise is None or mprotect is None or not array.flags.c_contiguous:
+        return False
+    start = array.ctypes.data - array.offset % mmap.ALLOCATIONGRANULARITY  # np.memmap maps from that multiple
+    if mprotect(ctypes.c_void_p(start), ctypes.c_size_t(len(mm)), PROT_READ) != 0:
+        return False
+    try:
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
+    except (AttributeError, OSError):  # an older kernel or platform: rows map as the page cache holds them
+        pass
+    setattr(array, _SEALED, True)
+    return True
+
+
+def drop(array: np.ndarray | None) -> None:
+    """MADV_DONTNEED on the whole of a sealed mapping (`seal`): the process stops holding the pages it read (the
+    page cache keeps them; a read maps them again, a minor fault, no disk). A no-op for any other array. Safe beside
+    a reader in another thread, which maps its page again."""
+    if array is not None and getattr(array, _SEALED, False):
+        array._mmap.madvise(mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc_mprotect() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).mprotect
+    except (OSError, AttributeError):
+        return None
+
+
+__all__ = ["drop", "page_out", "seal"]

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
+
+from latentsweep.trainers.core.pages import drop
 
 # Columns per block of a column statistic: a [N, 128] float32 block of 112,500 challenge-size training captions
 # is 58 MB, against 460 MB for the whole [N, 1024] copy.
@@ -13,10 +16,14 @@ STAT_COLUMNS = 128
 class Rows:
     """base[index] ([N, D]) without the copy: `rows[idx]` gathers the rows a batch needs (a [len(idx), D] tensor
     equal to base[index][idx]). On the CPU `base` may share the loaded numpy array's memory, so the task holds
-    only its index [N] besides the data: at challenge size 8 bytes per caption instead of 4 KB."""
+    only its index [N] besides the data: at challenge size 8 bytes per caption instead of 4 KB. `mapped`: the loaded
+    array `base` shares, whose pages are handed back after each read (`latentsweep.trainers.core.pages.drop`: a
+    no-op unless the array is the train set's sealed mapping), so an epoch's scattered reads leave the process
+    holding one read's pages, not every page of the captions (0.41 GB at challenge size)."""
 
-    def __init__(self, base: torch.Tensor, index: torch.Tensor):
+    def __init__(self, base: torch.Tensor, index: torch.Tensor, mapped: np.ndarray | None = None):
         self.base, self.index = base, index  # [M, D], int64 [N] on base's device
+        self.mapped = mapped if base.device.type == "cpu" else None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -35,11 +42,15 @@ class Rows:
 
     def __getitem__(self, idx) -> torch.Tensor:
         """The rows at positions `idx` (slice or int64 tensor) of the subset, as a new [n, D] tensor."""
-        return self.base[self.index[idx]]
+        return self._read(self.base[self.index[idx]])
 
     def materialize(self) -> torch.Tensor:
         """The whole subset, [N, D] (a copy: for the callers that need every row at once)."""
-        return self.base[self.index]
+        return self._read(self.base[self.index])
+
+    def _read(self, rows: torch.Tensor) -> torch.Tensor:
+        drop(self.mapped)
+        return rows
 
     def column_stat(self, stat: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """stat(subset) for a per-column statistic ([N, D] -> [D], e.g. mean over dim 0), one block of columns at a
@@ -49,7 +60,8 @@ class Rows:
         if self.base.device.type != "cpu":
             return stat(self.materialize())
         width = self.base.shape[1]
-        return torch.cat([stat(self.base[self.index, c:c + STAT_COLUMNS]) for c in range(0, width, STAT_COLUMNS)])
+        return torch.cat([stat(self._read(self.base[self.index, c:c + STAT_COLUMNS]))
+                          for c in range(0, width, STAT_COLUMNS)])
 
 
 def column_stat(x: torch.Tensor | Rows, stat: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

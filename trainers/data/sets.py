@@ -17,7 +17,7 @@ import numpy as np
 
 from latentsweep.trainers.core.errors import DataError
 from latentsweep.trainers.core.heap import release_free_heap
-from latentsweep.trainers.core.pages import page_out
+from latentsweep.trainers.core.pages import page_out, seal
 from latentsweep.trainers.data.npz import SPARSE_PREFIX, Npz, check_kind, read_cap2img
 from latentsweep.trainers.core.progress import say
 
@@ -209,6 +209,9 @@ def _open_cached(folder: Path, path: str, fp: str) -> TrainSet | None:
     except (OSError, ValueError, KeyError, TypeError):  # absent, half-removed or not ours: parse the npz instead
         return None
     os.utime(folder / "done.json")  # recently used: the last to be evicted
+    for name in _MAPPED:  # read-only from here on: pages.drop hands their pages back after each read
+        if arrays[name] is not None:
+            seal(arrays[name])
     return TrainSet(path, fp, arrays["caption_ids"], None, arrays["text"], arrays["image"], arrays["cap2img"],
                     arrays["image_names"], arrays["image_labels"], arrays["label_names"])
 

@@ -7,6 +7,7 @@ import torch
 
 from latentsweep.trainers.data.sets import TrainSet
 from latentsweep.trainers.core.heap import release_free_heap
+from latentsweep.trainers.core.pages import drop
 from latentsweep.trainers.eval.metrics import GALLERY_SIZE, caption_galleries, leaderboard_galleries, rank_against
 from latentsweep.trainers.models.ridge import ALPHAS, Moments, Ridge, solve
 from latentsweep.trainers.data.splits import captions_of, split_by_hash
@@ -32,6 +33,7 @@ def moments(data: TrainSet, caps: np.ndarray, block: int = BLOCK) -> Moments:
     inv_t = torch.from_numpy(inv.reshape(-1).astype(np.int64))
     for start in range(0, len(caps), block):
         x = torch.from_numpy(np.ascontiguousarray(data.text[caps[start:start + block]], np.float32))  # [b, Dx]
+        drop(data.text)  # the block's pages (a mapped train set's): every caption is read once here
         # float32 products of one block (4x faster than float64 on CPU), summed over blocks in float64
         xx += (x.T @ x).double()
         per_image.index_add_(0, inv_t[start:start + block], x)
@@ -84,6 +86,7 @@ def held_out_rr(ridge: Ridge, text: np.ndarray, image: np.ndarray, cap2img: np.n
         if len(rows) == 0:
             continue
         xc = torch.from_numpy(np.ascontiguousarray(text[caps[rows]], np.float32)) - mx  # [n, Dx]
+        drop(text)
         sims = xc @ through[b].T + offset[b]  # [n, S]: cosine up to each query's norm
         target = torch.from_numpy(where.column[rows])[:, None]  # [n, 1]
         rank = rank_against(sims, sims.gather(1, target))
