@@ -5,6 +5,7 @@ judge's score one gallery at a time."""
 from __future__ import annotations
 
 import tracemalloc
+import weakref
 
 import numpy as np
 import pytest
@@ -67,29 +68,44 @@ def naive_nested(outs, folds: oof.Folds, image, size):
     return weights, np.array(gains), np.mean(members, axis=0)
 
 
-def test_the_selection_holds_no_copy_of_a_member():
-    """The out-of-fold selection normalises its members in place and reads each gallery's rows from them as it is
-    ranked: its numpy allocations peak below one member's bytes (the galleries' images and a gallery's rows; a
-    buffer of every fold's rows was 1.5x, a normalised or gathered copy per member per fold 8.3x, 0.12-0.15 GB each
-    at challenge size), and it chooses exactly what a selection on copies of every fold's rows chooses."""
-    image, cap2img, outs = members()
+def test_the_selection_holds_one_member_at_a_time_and_their_similarities():
+    """The out-of-fold selection reads its members one at a time (here a generator makes each as it is read) and
+    keeps only their similarities in each image set's galleries ((folds + 1) x 100 floats a caption and member: 0.39
+    of a member's rows at 1,536 dims, as at challenge size): every member is let go before the next is made, its numpy
+    allocations peak below the similarities plus one member and its galleries (holding the members was 3 members
+    more), and it chooses exactly what a selection on copies of every fold's rows chooses."""
+    image, cap2img, outs = members(n_images=1000, dim=1536)
     folds = oof.Folds(np.arange(len(image)) % 5, cap2img)
     weights, gains, member_mrr = naive_nested(outs, folds, image, 6)
-    given = [o.copy() for o in outs]
+    made, alive_at_each = [], []
+
+    def one_at_a_time():
+        for out in outs:
+            alive_at_each.append(sum(ref() is not None for ref in made))
+            member = out.copy()
+            made.append(weakref.ref(member))
+            yield member
+            del member
+
     tracemalloc.start()
     try:
-        got = oof.nested_select(given, folds, image, "greedy", 6, in_place=True)
+        got = oof.nested_select(one_at_a_time(), folds, image, "greedy", 6, in_place=True)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 0.75 * outs[0].nbytes  # 0.54x: the galleries (a fifth of a member) and their blocks
+    assert alive_at_each == [0, 0, 0]
+    similarities = len(outs) * len(cap2img) * (folds.n + 1) * 100 * 4
+    assert similarities < 1.2 * outs[0].nbytes
+    assert peak < similarities + 1.5 * outs[0].nbytes  # a member, its galleries' images (a fifth) and a block
     np.testing.assert_array_equal(got.weights, weights)
     np.testing.assert_array_equal(got.fold_gains, gains)
     np.testing.assert_array_equal(got.member_mrr, member_mrr)
-    np.testing.assert_array_equal(given[1], ensemble.l2n(outs[1]))  # the members, normalised in place
     assert (got.weights > 0).sum() > 1  # independent noise: an ensemble was chosen, not one member
+    given = [o.copy() for o in outs]
+    in_place = oof.nested_select(given, folds, image, "greedy", 6, in_place=True)
+    np.testing.assert_array_equal(given[1], ensemble.l2n(outs[1]))  # the members, normalised in place
     copied = oof.nested_select([o.copy() for o in outs], folds, image, "greedy", 6)  # not in place: the same
-    np.testing.assert_array_equal(copied.fold_gains, got.fold_gains)
+    np.testing.assert_array_equal(copied.fold_gains, in_place.fold_gains)
 
 
 @pytest.mark.parametrize("rows", [None, "half"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -34,12 +34,17 @@ ROW_STEP = 1024
 def predict_all(models: list[torch.nn.Module], x: np.ndarray | Rows, device) -> list[np.ndarray]:
     """Each model's predictions [N, Di] (numpy float32) for caption embeddings x [N, Dt] (an array, or Rows of the
     loaded captions, gathered a block at a time: `caption_rows`)."""
+    return list(predict_each(models, x, device))
+
+
+def predict_each(models: list[torch.nn.Module], x: np.ndarray | Rows, device) -> Iterator[np.ndarray]:
+    """`predict_all`'s arrays made one at a time, as they are read (a reader that lets each go holds one)."""
     xt = x if isinstance(x, Rows) else torch.as_tensor(np.ascontiguousarray(x, np.float32), device=device)
-    out = []
     for model in models:
-        out.append(predict(model, xt).cpu().numpy())
+        out = predict(model, xt).cpu().numpy()
         release_free_heap()  # its blocks' freed chunks (25 MB each at challenge size), kept resident by glibc
-    return out
+        yield out
+        del out  # before the next model's: this frame would hold it until then
 
 
 def caption_rows(text: np.ndarray, caps: np.ndarray, device) -> np.ndarray | Rows:
@@ -179,26 +184,47 @@ def member_rows(outputs: list[np.ndarray], picks, rows: np.ndarray | None = None
     return RowQueries(n, outputs[0].shape[1], take)
 
 
+# A selection's score: the MRR of the members `picks` combined, summed in their order (weights None: a running sum, one
+# pick as it is) or weighted (zeros plus weight x member for each non-zero weight, `combine`'s order), ranked as the
+# leaderboard ranks. Made from member rows (`rows_score`) or from their gallery similarities (latentsweep.search.pick
+# .boards.Pool.score: the same ranks to float rounding, S floats a caption instead of D).
+Score = Callable[[Sequence[int], Sequence[float] | None], float]
+
+
+def rows_score(outputs: list[np.ndarray], mrr_of: Callable[[RowQueries], float],
+               rows: np.ndarray | None = None) -> Score:
+    """The Score of L2-normalised `outputs` at their rows `rows` (all when None), each combination made gallery by
+    gallery as `mrr_of` ranks it (`member_rows`, normalised unless it is one pick as it is)."""
+    def score(picks: Sequence[int], weights: Sequence[float] | None = None) -> float:
+        picks = list(picks)
+        return mrr_of(member_rows(outputs, picks, rows, weights, normalise=weights is not None or len(picks) > 1))
+
+    return score
+
+
 def greedy_counts(outputs: list[np.ndarray], mrr_of: Callable[[RowQueries], float], size: int,
                   rows: np.ndarray | None = None) -> np.ndarray:
-    """Caruana et al. (2004) forward selection with replacement; returns how often each member was picked (int [M]).
+    """`counts_by` on L2-normalised `outputs` [Q, D] at their rows `rows` (all when None): each trial's sum is made
+    gallery by gallery as it is scored (`member_rows`), so the choice holds no [len(rows), D] array."""
+    return counts_by(len(outputs), rows_score(outputs, mrr_of, rows), size)
+
+
+def counts_by(n: int, score: Score, size: int) -> np.ndarray:
+    """Caruana et al. (2004) forward selection with replacement over `n` members; returns how often each member was
+    picked (int [n]).
 
     Starts from the best single member, then at each step adds the member whose addition gives the highest MRR of
     the combined output, up to `size` picks; stops early when no addition improves the MRR strictly.
-    outputs: each member's L2-normalised predictions [Q, D] (the library, already pruned), chosen on their rows
-    `rows` only (all when None). Each trial's sum is the picks in their order plus the trial member, made gallery by
-    gallery as it is scored (`member_rows`: the same values as a running sum plus the member), so the choice holds
-    no [len(rows), D] array: neither a running sum nor a gathered copy of a member.
     """
     if size < 1:
         raise LatentsweepError(f"--size must be >= 1, got {size}")
-    singles = [mrr_of(member_rows(outputs, [i], rows, normalise=False)) for i in range(len(outputs))]
+    singles = [score([i], None) for i in range(n)]
     best = int(np.argmax(singles))
-    counts = np.zeros(len(outputs), np.int64)
+    counts = np.zeros(n, np.int64)
     counts[best] = 1
     picks, current = [best], singles[best]
     for _ in range(size - 1):
-        trials = [mrr_of(member_rows(outputs, [*picks, member], rows)) for member in range(len(outputs))]
+        trials = [score([*picks, member], None) for member in range(n)]
         pick = int(np.argmax(trials))
         if trials[pick] <= current:
             break
@@ -210,31 +236,42 @@ def greedy_counts(outputs: list[np.ndarray], mrr_of: Callable[[RowQueries], floa
 
 def method_weights(method: str, outputs: list[np.ndarray], mrr_of: Callable[[RowQueries], float],
                    size: int, rows: np.ndarray | None = None, normalised: bool = False) -> np.ndarray:
-    """Member weights [M] (sum 1) chosen on `outputs` only (out-of-fold predictions, or the select half's), at their
-    rows `rows` (all when None); `normalised`: the outputs are L2-normalised already (`l2n_`), else normalised copies
-    are made here. `mrr_of` scores a RowQueries (`member_rows`; `np.asarray` makes its array).
-
-    greedy: pick counts of `greedy_counts` / their sum. mean: uniform. weighted: proportional to each member's
-    MRR on those outputs (not a softmax: members of one study score within a few points of each other, so
-    proportional weights stay close to uniform, and a softmax would need a temperature that is one more knob fitted
-    on the same outputs).
-    """
-    if method not in METHODS:
-        raise LatentsweepError(f"--method must be one of {', '.join(METHODS)}, got '{method}'")
+    """`weights_by` on `outputs` (out-of-fold predictions, or the select half's) at their rows `rows` (all when
+    None); `normalised`: the outputs are L2-normalised already (`l2n_`), else normalised copies are made here.
+    `mrr_of` scores a RowQueries (`member_rows`; `np.asarray` makes its array)."""
+    check_method(method)
     if len(outputs) == 1 and size >= 1:  # weight 1 by every method: no normalised copy, no greedy step to score
         return np.ones(1)
     normed = outputs if normalised else [l2n(out) for out in outputs]
+    return weights_by(method, len(normed), rows_score(normed, mrr_of, rows), size)
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise LatentsweepError(f"--method must be one of {', '.join(METHODS)}, got '{method}'")
+
+
+def weights_by(method: str, n: int, score: Score, size: int) -> np.ndarray:
+    """Member weights [n] (sum 1) chosen by `score` alone.
+
+    greedy: pick counts of `counts_by` / their sum. mean: uniform. weighted: proportional to each member's MRR (not
+    a softmax: members of one study score within a few points of each other, so proportional weights stay close to
+    uniform, and a softmax would need a temperature that is one more knob fitted on the same outputs).
+    """
+    check_method(method)
+    if n == 1 and size >= 1:  # weight 1 by every method: no greedy step to score
+        return np.ones(1)
     if method == "greedy":
-        raw = greedy_counts(normed, mrr_of, size, rows).astype(np.float64)
+        raw = counts_by(n, score, size).astype(np.float64)
     elif method == "mean":
-        raw = np.ones(len(outputs))
+        raw = np.ones(n)
     else:
-        raw = np.array([max(mrr_of(member_rows(normed, [i], rows, normalise=False)), 0.0)
-                        for i in range(len(normed))])
+        raw = np.array([max(score([i], None), 0.0) for i in range(n)])
         if raw.sum() <= 0:
-            raw = np.ones(len(outputs))
+            raw = np.ones(n)
     return raw / raw.sum()
 
 
 __all__ = ["Half", "split_halves", "l2n", "l2n_", "combine", "half_scorer", "predict_all", "predict_combined",
-           "predicted_rows", "caption_rows", "greedy_counts", "member_rows", "method_weights", "METHODS", "HALF_SALT"]
+           "predicted_rows", "caption_rows", "greedy_counts", "member_rows", "method_weights", "METHODS", "HALF_SALT",
+           "Score", "counts_by", "rows_score", "weights_by", "check_method", "predict_each"]

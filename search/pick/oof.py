@@ -10,11 +10,11 @@ per-fold gains says whether a gain is real. Pure numpy on arrays; scores are the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
-from latentsweep.search.pick import ensemble
+from latentsweep.search.pick import boards, ensemble
 from latentsweep.trainers.core.heap import release_free_heap
 from latentsweep.trainers.data.splits import captions_and_local_images
 from latentsweep.trainers.eval.metrics import GALLERY_SIZE, evaluate_leaderboard
@@ -87,59 +87,43 @@ class OofSelection:
         return self.gain > spread
 
 
-def nested_select(oof: list[np.ndarray], folds: Folds, image_emb: np.ndarray, method: str, size: int,
+def nested_select(oof: Iterable[np.ndarray], folds: Folds, image_emb: np.ndarray, method: str, size: int,
                   seed: int = 0, in_place: bool = False) -> OofSelection:
     """Weights on all images, plus the nested per-fold gains. oof: each member's predictions [Nc, Di] for every
     caption of the TrainSet, each made by the fold model that did not train on the caption's image.
 
-    Each member's figures as given (its score on each fold, the best single chosen on the other folds) are taken
-    first; then the members are L2-normalised once (`ensemble.l2n_`: in place with `in_place`, which the caller's
-    arrays then hold, else in copies), and every choice and ensemble reads the rows of its fold from them, gallery by
-    gallery as they are ranked (`ensemble.member_rows`): the same values as normalising and summing copies of each
-    fold's rows, without them (each 0.12-0.15 GB a member at challenge size) or a buffer of their sums."""
-    def scorers(g: int):  # (in: the other folds' captions and scorer, out: fold g's), made when needed (galleries)
-        others = folds.images(set(range(folds.n)) - {g})
-        return (images_scorer(others, image_emb, folds.cap2img, seed),
-                images_scorer(folds.images({g}), image_emb, folds.cap2img, seed))
-
-    # [F, M]: each member's MRR as given on the other folds (for the nested best single) and on fold g
-    given_in, given_out = [], []
-    for g in range(folds.n):
-        (in_caps, in_score), (out_caps, out_score) = scorers(g)
-        given_in.append([caps_score(o, in_caps, in_score) for o in oof])
-        given_out.append([caps_score(o, out_caps, out_score) for o in oof])
-    normed = [ensemble.l2n_(o if in_place else np.array(o, np.float32)) for o in oof]
-    release_free_heap()  # the scorers' freed blocks, under the choices to come
-    every, score = images_scorer(np.arange(len(folds.fold_of)), image_emb, folds.cap2img, seed)
-    weights = _weights(normed, every, score, method, size)
-    del every, score  # the whole gallery's copy (a fifth of a member at challenge size)
-    uniform = np.full(len(oof), 1.0 / len(oof))
+    The members are read one at a time (a generator may make each as it is read): each is L2-normalised (in place
+    with `in_place`, which the caller's array then holds, else in a copy) and ranked once against the galleries of
+    every image set a figure is taken on (`boards.Board`: all images, each fold's, the other folds' of each), then
+    let go. Every choice and score reads those similarities: 6 x 100 floats a caption and member with 5 folds,
+    against 1,536 for a member's rows at challenge size (0.15 GB each for 25,000 val captions)."""
+    ensemble.check_method(method)
+    everything = boards.Board(np.arange(len(folds.fold_of)), image_emb, folds.cap2img, seed)
+    inner = [boards.Board(folds.images(set(range(folds.n)) - {g}), image_emb, folds.cap2img, seed)
+             for g in range(folds.n)]
+    outer = [boards.Board(folds.images({g}), image_emb, folds.cap2img, seed) for g in range(folds.n)]
+    for out in oof:
+        member = ensemble.l2n_(out if in_place else np.array(out, np.float32))
+        for board in (everything, *inner, *outer):
+            board.add(member)
+        del member, out
+        release_free_heap()  # the member's gallery blocks, under the next member's
+    n = len(everything)
+    # [F, M]: each member's MRR on the other folds (for the nested best single) and on fold g
+    given_in = [[board.score([i]) for i in range(n)] for board in inner]
+    given_out = [[board.score([i]) for i in range(n)] for board in outer]
+    weights = ensemble.weights_by(method, n, everything.score, size)
+    uniform = np.full(n, 1.0 / n)
     per_fold = {"mean": [], "ensemble": [], "nested_ensemble": [], "nested_best": []}
     for g in range(folds.n):
-        (in_caps, in_score), (out_caps, out_score) = scorers(g)
-        w_g = _weights(normed, in_caps, in_score, method, size)
+        w_g = ensemble.weights_by(method, n, inner[g].score, size)
         for key, w in (("mean", uniform), ("ensemble", weights), ("nested_ensemble", w_g)):
-            rows = ensemble.member_rows(normed, range(len(normed)), out_caps, weights=w)
-            per_fold[key].append(out_score(rows)["mrr"])
+            per_fold[key].append(outer[g].score(range(n), w))
         per_fold["nested_best"].append(given_out[g][int(np.argmax(given_in[g]))])
     ens, single = np.array(per_fold["nested_ensemble"]), np.array(per_fold["nested_best"])
     member_mrr = np.mean(given_out, axis=0)
     return OofSelection(weights, int(np.argmax(member_mrr)), member_mrr, float(np.mean(per_fold["mean"])),
                         float(np.mean(per_fold["ensemble"])), ens - single, ens, single)
-
-
-def caps_score(out: np.ndarray, caps: np.ndarray, score) -> float:
-    """score's MRR of out's rows `caps` (ascending), read gallery by gallery (out itself when caps is every row)."""
-    if len(caps) == len(out):
-        return score(out)["mrr"]
-    return score(ensemble.member_rows([out], [0], caps, normalise=False))["mrr"]
-
-
-def _weights(normed: list[np.ndarray], caps: np.ndarray, score, method: str, size: int) -> np.ndarray:
-    """The weights chosen on the captions `caps` (ascending: every caption reads the arrays whole) of the
-    normalised members."""
-    rows = None if len(caps) == len(normed[0]) else caps
-    return ensemble.method_weights(method, normed, lambda p: score(p)["mrr"], size, rows, normalised=True)
 
 
 __all__ = ["Folds", "OofSelection", "images_scorer", "nested_select"]

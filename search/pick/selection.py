@@ -13,7 +13,8 @@ import pandas as pd
 from latentsweep.search.pick import ensemble, jobs
 from latentsweep.search.pick import oof as oof_mod
 from latentsweep.search.pick.candidates import SPLIT_KEYS, Candidate
-from latentsweep.search.pick.ensemble import caption_rows, predict_all
+from latentsweep.search.pick.boards import Board
+from latentsweep.search.pick.ensemble import caption_rows, predict_all, predict_each
 from latentsweep.search.pick.options import PickOptions
 from latentsweep.search.pick.plan import Clock, Plan
 from latentsweep.trainers.core.errors import DataError
@@ -95,11 +96,12 @@ def screen(cands: list[Candidate], data, device, size: int, seed: int = 0) -> tu
     _, val_img = split_images(cands[0].cfg, data)
     if len(val_img) < 2:
         return cands, "by study rank"
-    caps, score = oof_mod.images_scorer(val_img, data.image, data.cap2img, seed)
-    preds = predict_all([c.model for c in cands], caption_rows(data.text, caps, device), device)
-    weights = ensemble.method_weights("greedy", [ensemble.l2n_(p) for p in preds], lambda p: score(p)["mrr"], size,
-                                      normalised=True)
-    del preds
+    caps, local = captions_and_local_images(data.cap2img, val_img)
+    board = Board(np.arange(len(val_img)), data.image[val_img], local, seed)  # images_scorer's galleries
+    for pred in predict_each([c.model for c in cands], caption_rows(data.text, caps, device), device):
+        board.add(ensemble.l2n_(pred))  # one member's [Nq, Di] at a time, its [Nq, 100] similarities kept
+        del pred
+    weights = ensemble.weights_by("greedy", len(cands), board.score, size)
     order = sorted(range(len(cands)), key=lambda i: (-weights[i], i))
     picked = ", ".join(f"{cands[i].name} {weights[i]:.2f}" for i in order if weights[i] > 0)
     return [cands[i] for i in order], f"greedy on the study's val split first ({picked}), then by study rank"
@@ -147,11 +149,10 @@ def select_val(cands: list[Candidate], data, opts: PickOptions, device) -> Selec
         raise DataError(f"{data.path}: the study's val split has {len(val_img)} image(s); the pick's selection needs "
                         f"at least {MIN_VAL_IMAGES} (more images, or a larger data.val_ratio)")
     caps, local = captions_and_local_images(data.cap2img, val_img)
-    # [Nval_caps, Di] each, normalised in place by the selection (which holds no other copy of them)
-    preds = predict_all([c.model for c in cands], caption_rows(data.text, caps, device), device)
     folds = oof_mod.Folds(fold_assignment(data.image_names[val_img], min(VAL_FOLDS, len(val_img))), local)
+    # [Nval_caps, Di] each, made as the selection reads it and let go once ranked (oof.nested_select)
+    preds = predict_each([c.model for c in cands], caption_rows(data.text, caps, device), device)
     res = oof_mod.nested_select(preds, folds, data.image[val_img], opts.method, opts.size, opts.seed, in_place=True)
-    del preds
     release_free_heap()  # the galleries' row blocks (under glibc's mmap threshold): 0.5-0.9 GB kept resident before
     return _crossfit_selection(cands, res, opts, "val", {"val_folds": folds.n, "val_images": len(val_img),
                                                          "val_captions": len(caps)})

@@ -3,10 +3,12 @@ set's sealed read-only mapping, MADV_DONTNEED after each read (the page cache ke
 them, and maps them again if it reads them again."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
 import sys
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -20,8 +22,8 @@ MADV_PAGEOUT = 21
 MADV_RANDOM = 1
 # mprotect(2)'s PROT_READ (sys/mman.h).
 PROT_READ = 1
-# The attribute `seal` sets on a sealed np.memmap (an instance attribute: a view or copy of it is never sealed).
-_SEALED = "_latentsweep_sealed"
+# The sealed mappings: (first byte, end, the np.memmap that owns it): a dead array's mapping is gone, never dropped.
+_sealed: list[tuple[int, int, weakref.ref]] = []
 
 
 @functools.cache
@@ -75,16 +77,29 @@ def seal(array: np.ndarray) -> bool:
         mm.madvise(mmap.MADV_NOHUGEPAGE)
     except (AttributeError, OSError):  # an older kernel or platform: rows map as the page cache holds them
         pass
-    setattr(array, _SEALED, True)
+    _sealed.append((start, start + len(mm), weakref.ref(array)))
     return True
 
 
-def drop(array: np.ndarray | None) -> None:
-    """MADV_DONTNEED on the whole of a sealed mapping (`seal`): the process stops holding the pages it read (the
-    page cache keeps them; a read maps them again, a minor fault, no disk). A no-op for any other array. Safe beside
-    a reader in another thread, which maps its page again."""
-    if array is not None and getattr(array, _SEALED, False):
-        array._mmap.madvise(mmap.MADV_DONTNEED)
+def drop(x: np.ndarray | torch.Tensor) -> None:
+    """MADV_DONTNEED on the whole of the sealed mapping (`seal`) that the CPU array or tensor `x` reads from: the
+    process stops holding the pages it read (the page cache keeps them; a read maps them again, a minor fault, no
+    disk). A no-op for memory of any other kind. Safe beside a reader in another thread, which maps its page again.
+    The mapping is found by address among those sealed whose array is still alive (so still mapped)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu" or torch.compiler.is_compiling():  # traced (torch.export, compile): no memory
+            return
+        address = x.data_ptr()
+    else:
+        address = x.__array_interface__["data"][0]
+    for start, stop, ref in list(_sealed):
+        array = ref()
+        if array is None:
+            with contextlib.suppress(ValueError):  # another thread's lookup removed it first
+                _sealed.remove((start, stop, ref))
+        elif start <= address < stop:
+            array._mmap.madvise(mmap.MADV_DONTNEED)
+            return
 
 
 @functools.cache

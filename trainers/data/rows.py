@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 import torch
 
 from latentsweep.trainers.core.pages import drop
@@ -16,14 +15,13 @@ STAT_COLUMNS = 128
 class Rows:
     """base[index] ([N, D]) without the copy: `rows[idx]` gathers the rows a batch needs (a [len(idx), D] tensor
     equal to base[index][idx]). On the CPU `base` may share the loaded numpy array's memory, so the task holds
-    only its index [N] besides the data: at challenge size 8 bytes per caption instead of 4 KB. `mapped`: the loaded
-    array `base` shares, whose pages are handed back after each read (`latentsweep.trainers.core.pages.drop`: a
-    no-op unless the array is the train set's sealed mapping), so an epoch's scattered reads leave the process
-    holding one read's pages, not every page of the captions (0.41 GB at challenge size)."""
+    only its index [N] besides the data: at challenge size 8 bytes per caption instead of 4 KB. After each read the
+    base's pages are handed back (`latentsweep.trainers.core.pages.drop`: only where it is the train set's sealed
+    mapping), so an epoch's scattered reads leave the process holding one read's pages, not every page of the
+    captions (0.41 GB at challenge size)."""
 
-    def __init__(self, base: torch.Tensor, index: torch.Tensor, mapped: np.ndarray | None = None):
+    def __init__(self, base: torch.Tensor, index: torch.Tensor):
         self.base, self.index = base, index  # [M, D], int64 [N] on base's device
-        self.mapped = mapped if base.device.type == "cpu" else None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -49,7 +47,7 @@ class Rows:
         return self._read(self.base[self.index])
 
     def _read(self, rows: torch.Tensor) -> torch.Tensor:
-        drop(self.mapped)
+        drop(self.base)
         return rows
 
     def column_stat(self, stat: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -51,8 +51,7 @@ class Queries:
         self.shape, self.device, self._make = torch.Size((n, dim)), torch.device(device), make
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
-        start, stop, _ = rows.indices(self.shape[0])
-        return self._make(start, stop).float()
+        return self._make(*rows.indices(self.shape[0])[:2]).float()  # (start, stop) of the slice
 
 
 class RowQueries(Queries):
@@ -92,7 +91,7 @@ def _usable(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return norm, torch.isfinite(norm) & (norm > 0)
 
 
-def _gallery_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gallery_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Gallery row norms [N] to divide similarities by, and their usable mask [N].
 
     An unusable row's norm is NaN: its similarities are NaN and compare False, so as a distractor it never outranks
@@ -103,8 +102,8 @@ def _gallery_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _normalise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2-normalised rows [N, D] (all-NaN where unusable, see `_gallery_norms`) and their usable mask [N]."""
-    norm, valid = _gallery_norms(x)
+    """L2-normalised rows [N, D] (all-NaN where unusable, see `gallery_norms`) and their usable mask [N]."""
+    norm, valid = gallery_norms(x)
     return x / norm[:, None], valid
 
 
@@ -117,7 +116,7 @@ def rank_against(scores: torch.Tensor, true: torch.Tensor, counted: torch.Tensor
 
 def _block_ranks(q, g, g_norm, g_ok, target, chunk, galleries=None, query_gallery=None):
     """Ranks of target[i] [Q] for queries q [Q, D] (tensor or Queries) against gallery g [G, D] with its norms g_norm
-    [G] (`_gallery_norms`), in blocks of `chunk` queries (each block of a Queries is made, ranked and dropped).
+    [G] (`gallery_norms`), in blocks of `chunk` queries (each block of a Queries is made, ranked and dropped).
 
     With galleries [B, S] (rows of g) and query_gallery [Q] (each query's gallery, which holds its target) it also
     returns the rank inside the query's S gallery columns, read from the same similarity block.
@@ -157,7 +156,7 @@ def ranks(queries, gallery, target, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
         raise ValueError(f"ranks: target out of range [0, {g.shape[0]})")
     if chunk < 1:
         raise ValueError(f"ranks: chunk must be >= 1, got {chunk}")
-    out, _ = _block_ranks(q, g, *_gallery_norms(g), torch.from_numpy(tgt).to(q.device), chunk)
+    out, _ = _block_ranks(q, g, *gallery_norms(g), torch.from_numpy(tgt).to(q.device), chunk)
     return out.cpu().numpy()
 
 
@@ -270,12 +269,12 @@ def _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, fn):
     galleries, owner, views = leaderboard_galleries(c2i, img.shape[0], gallery_size, seed)
     where = caption_galleries(galleries, owner, c2i, img.shape[0])
     dev = p.device
-    glob, lb = _block_ranks(p, img, *_gallery_norms(img), torch.from_numpy(c2i).to(dev), chunk,
+    glob, lb = _block_ranks(p, img, *gallery_norms(img), torch.from_numpy(c2i).to(dev), chunk,
                             torch.from_numpy(galleries).to(dev), torch.from_numpy(where.gallery).to(dev))
     return glob.cpu().numpy(), lb.cpu().numpy(), views, owner
 
 
-def _average_views(lb_ranks: np.ndarray, views: np.ndarray, owner: np.ndarray) -> dict[str, float]:
+def average_views(lb_ranks: np.ndarray, views: np.ndarray, owner: np.ndarray) -> dict[str, float]:
     """Summaries of each view (one caption per captioned image) averaged over the views."""
     per_view = [summarize(lb_ranks[view[owner]]) for view in views]
     return {k: float(np.mean([m[k] for m in per_view])) for k in METRIC_KEYS}
@@ -293,7 +292,7 @@ def evaluate_leaderboard(pred, image, cap2img, gallery_size: int = GALLERY_SIZE,
         _, lb, views, owner = _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, "evaluate_leaderboard")
     else:
         lb, views, owner = _leaderboard_ranks(pred, image, cap2img, gallery_size, seed, chunk)
-    return _average_views(lb, views, owner)
+    return average_views(lb, views, owner)
 
 
 def _leaderboard_ranks(pred, image, cap2img, gallery_size: int, seed: int, chunk: int):
@@ -304,7 +303,7 @@ def _leaderboard_ranks(pred, image, cap2img, gallery_size: int, seed: int, chunk
     p, img, c2i = _checked_inputs(pred, image, cap2img, chunk, "evaluate_leaderboard")
     galleries, owner, views = leaderboard_galleries(c2i, img.shape[0], gallery_size, seed)
     where = caption_galleries(galleries, owner, c2i, img.shape[0])
-    g_norm, g_ok = _gallery_norms(img)
+    g_norm, g_ok = gallery_norms(img)
     step = max(chunk, chunk * img.shape[0] // galleries.shape[1])     # a block holds what _block_ranks' does
     out = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
     for b, cols in enumerate(torch.from_numpy(galleries).to(p.device)):
@@ -326,7 +325,7 @@ def leaderboard_ranks(pred, image, cap2img, gallery_size: int = GALLERY_SIZE, se
     """(each caption's leaderboard rank, int64 [Q]; the leaderboard MRR): evaluate_leaderboard's ranks, for comparing
     two answers caption by caption on the same galleries."""
     lb, views, owner = _leaderboard_ranks(pred, image, cap2img, gallery_size, seed, chunk)
-    return lb, _average_views(lb, views, owner)["mrr"]
+    return lb, average_views(lb, views, owner)["mrr"]
 
 
 def evaluate(pred, image, cap2img, gallery_size: int = GALLERY_SIZE, seed: int = 0,
@@ -340,7 +339,7 @@ def evaluate_with_ranks(pred, image, cap2img, gallery_size: int = GALLERY_SIZE, 
                         chunk: int = DEFAULT_CHUNK) -> tuple[dict[str, float], np.ndarray]:
     """`evaluate`'s metrics and the global ranks [Q] they summarise (the rank plot's), from the same one pass."""
     glob, lb, views, owner = _protocol_ranks(pred, image, cap2img, gallery_size, seed, chunk, "evaluate")
-    out = _average_views(lb, views, owner)
+    out = average_views(lb, views, owner)
     out.update({f"{k}_global": v for k, v in summarize(glob).items()})
     return out, glob
 
@@ -358,7 +357,7 @@ def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GA
         raise ValueError(f"leaderboard_from_ordered: pred {tuple(p.shape)} and images {tuple(img.shape)} differ")
     if p.shape[0] == 0 or gallery_size < 1:
         raise ValueError(f"leaderboard_from_ordered: {p.shape[0]} captions, gallery_size {gallery_size}")
-    g_norm, g_ok = _gallery_norms(img)
+    g_norm, g_ok = gallery_norms(img)
     out = torch.empty(p.shape[0], dtype=torch.int64, device=p.device)
     for start in range(0, p.shape[0], gallery_size):                  # one small matmul per chunk of captions
         rows = slice(start, min(start + gallery_size, p.shape[0]))
@@ -369,7 +368,8 @@ def leaderboard_from_ordered(pred, image_of_each_caption, gallery_size: int = GA
 
 __all__ = ["Queries", "RowQueries", "ranks", "summarize", "evaluate_global", "evaluate_leaderboard",
            "leaderboard_ranks", "evaluate", "leaderboard_galleries", "caption_galleries", "CaptionGalleries",
-           "leaderboard_from_ordered", "METRIC_KEYS", "GALLERY_SIZE", "DEFAULT_CHUNK"]
+           "leaderboard_from_ordered", "METRIC_KEYS", "GALLERY_SIZE", "DEFAULT_CHUNK", "average_views",
+           "gallery_norms", "rank_against"]
 
 
 def label_retrieval(emb, labels, k: int = 10, chunk: int = DEFAULT_CHUNK) -> dict[str, float]:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from latentsweep.trainers.config.tree import Config
+from latentsweep.trainers.core.pages import drop
 from latentsweep.trainers.data.rows import STAT_COLUMNS
 from latentsweep.trainers.eval import metrics
 from latentsweep.trainers.eval.metrics import GALLERY_SIZE
@@ -215,6 +216,7 @@ class Keys:
     def at(self, pos: torch.Tensor) -> torch.Tensor:
         """Unit keys [n, Dt] at positions pos [n] (a new tensor, centred and normalised in place)."""
         x = self.base.index_select(0, self.rows[pos]).float().sub_(self.center).sub_(self.mean)
+        drop(self.base)  # a block's pages of the loaded captions: a pass over the keys holds one block, not 0.41 GB
         return x.div_(x.norm(dim=1, keepdim=True).clamp_min(_EPS))
 
     def block(self, start: int, stop: int) -> torch.Tensor:
@@ -236,6 +238,7 @@ class Values:
     def unit(self, idx: torch.Tensor) -> torch.Tensor:
         """Unit images [*idx.shape, Di] of image indices idx (any shape)."""
         x = self.base[self.rows[idx]].float()
+        drop(self.base)
         return x.div_(x.norm(dim=-1, keepdim=True).clamp_min(_EPS))
 
     def mean(self) -> torch.Tensor:
@@ -255,6 +258,7 @@ def _column_mean(base: torch.Tensor, rows: torch.Tensor, center: torch.Tensor,
     whole elsewhere (device memory)."""
     def part(cols: slice) -> torch.Tensor:
         x = base[rows, cols].float() - center[cols]
+        drop(base)
         return (x if norms is None else x / norms[:, None]).mean(dim=0)
 
     if not len(rows):
@@ -348,10 +352,7 @@ def build_seconds(cfg: Config, data, device: torch.device | str = "cpu") -> floa
     captions), every val caption against the N keys, and validation's cosines of the val captions against every val
     image (counted as pairs of Di / Dt keys' work). At challenge size (N = 100,000, 25,000 val captions) that is
     2.7e9 pairs, minutes on 2 cores, where the demo's are under a second."""
-    # latentsweep.trainers.train.tasks builds models: imported when needed, not at load time
-    from latentsweep.trainers.train.tasks import (
-        split_images,
-    )
+    from latentsweep.trainers.train.tasks import split_images  # it builds models: imported here, not at load time
 
     train_img, val_img = split_images(cfg, data)
     per_image = np.bincount(np.asarray(data.cap2img), minlength=len(data.image))

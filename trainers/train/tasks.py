@@ -158,17 +158,16 @@ class TranslateTask(Task):
         # The training captions stay where they are: all captions [Nc, Dt] (on the CPU the loaded array itself, no
         # copy) and the training ones' rows [N]; a batch gathers its rows. A copy was 0.46 GB at challenge size.
         text = torch.as_tensor(data.text, device=device)
-        self.x, self.img = self._caption_rows(data, text, train_img)  # [N, Dt] rows, [N] local train image
+        self.x, self.img = self._caption_rows(text, data.cap2img, train_img)  # [N, Dt] rows, [N] local train image
         # Raw images likewise ([Ni, Di] rows of the loaded [Ni_all, Di]).
-        self.images = Rows(torch.as_tensor(data.image, device=device), torch.as_tensor(train_img, device=device),
-                           mapped=data.image)
+        self.images = Rows(torch.as_tensor(data.image, device=device), torch.as_tensor(train_img, device=device))
         # The exact all-images loss reads every normalised training image each batch, so only then are they held
         # ([Ni, Di], 0.12 GB at challenge size); otherwise each batch normalises its own rows (the same values:
         # F.normalize works row by row).
         self.bank = "bank" in batch_keys(cfg)
         self.images_n = F.normalize(self.images.materialize(), dim=1) if self.bank else None
         # Val captions as rows of the loaded array too (a copy was 0.1 GB at challenge size).
-        self.val_x, self.val_img = self._caption_rows(data, text, val_img)  # [Nv, Dt] rows, [Nv]
+        self.val_x, self.val_img = self._caption_rows(text, data.cap2img, val_img)  # [Nv, Dt] rows, [Nv]
         self.val_images = torch.as_tensor(data.image[val_img], device=device)
         self.dim_in, self.dim_out = data.text.shape[1], data.image.shape[1]
         self.text_mean = (self.x.column_stat(lambda x: x.mean(0)) if cfg.data.center_text
@@ -178,12 +177,11 @@ class TranslateTask(Task):
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device),
                                   torch.bincount(self.img, minlength=len(self.images)).cumsum(0)])
 
-    def _caption_rows(self, data: TrainSet, text: torch.Tensor, images: np.ndarray) -> tuple[Rows, torch.Tensor]:
-        """(every caption of `images` as rows of `text` [N, Dt] (data.text on this device), each caption's image as
-        an index into `images` [N])."""
-        caps, local = captions_and_local_images(data.cap2img, images)
-        return (Rows(text, torch.as_tensor(caps, device=self.device), mapped=data.text),
-                torch.as_tensor(local, device=self.device))
+    def _caption_rows(self, text: torch.Tensor, cap2img: np.ndarray, images: np.ndarray) -> tuple[Rows, torch.Tensor]:
+        """(every caption of `images` as rows of `text` [N, Dt], each caption's image as an index into `images`
+        [N])."""
+        caps, local = captions_and_local_images(cap2img, images)
+        return Rows(text, torch.as_tensor(caps, device=self.device)), torch.as_tensor(local, device=self.device)
 
     def model_context(self) -> ModelContext:
         return ModelContext(self.dim_in, self.dim_out, fit=self._fit_set, rows=self._fit_rows, device=self.device)
