@@ -9,7 +9,7 @@ import torch
 from latentsweep.trainers.core import pages
 from latentsweep.trainers.data.rows import Rows
 
-pytestmark = pytest.mark.skipif(pages._madvise() is None, reason="madvise: Linux only")
+pytestmark = pytest.mark.skipif(pages._libc("madvise") is None, reason="madvise: Linux only")
 
 
 def _resident_kb(array: np.ndarray) -> int:

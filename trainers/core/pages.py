@@ -27,11 +27,12 @@ _sealed: list[tuple[int, int, weakref.ref]] = []
 
 
 @functools.cache
-def _madvise() -> Callable[..., int] | None:
+def _libc(name: str) -> Callable[..., int] | None:
+    """The C library's function `name` (madvise, mprotect) on Linux, else None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(None, use_errno=True).madvise
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
 
@@ -48,7 +49,7 @@ def page_out(buf: np.ndarray | torch.Tensor, scattered: bool = False) -> None:
         if not buf.flags.c_contiguous:
             return
         start, size = buf.__array_interface__["data"][0], buf.nbytes
-    madvise = _madvise()
+    madvise = _libc("madvise")
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     last = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
     if madvise is None or last <= first:
@@ -67,7 +68,7 @@ def seal(array: np.ndarray) -> bool:
     batch of 512 scattered rows then maps most of the 0.41 GB of challenge-size training captions, a page at a time
     about 32 MB (the kernel's fault-around, 64 KB a read)."""
     mm = getattr(array, "_mmap", None)
-    madvise, mprotect = _madvise(), _libc_mprotect()
+    madvise, mprotect = _libc("madvise"), _libc("mprotect")
     if mm is None or madvise is None or mprotect is None or not array.flags.c_contiguous:
         return False
     start = array.ctypes.data - array.offset % mmap.ALLOCATIONGRANULARITY  # np.memmap maps from that multiple
@@ -100,16 +101,6 @@ def drop(x: np.ndarray | torch.Tensor) -> None:
         elif start <= address < stop:
             array._mmap.madvise(mmap.MADV_DONTNEED)
             return
-
-
-@functools.cache
-def _libc_mprotect() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).mprotect
-    except (OSError, AttributeError):
-        return None
 
 
 __all__ = ["drop", "page_out", "seal"]
