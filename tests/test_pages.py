@@ -70,3 +70,21 @@ def test_a_dead_arrays_mapping_is_forgotten(tmp_path):
     del array
     pages.drop(np.zeros(4))  # a lookup prunes the dead ones
     assert ours[0] not in pages._sealed and all(ref() is not None for _, _, ref in pages._sealed)
+
+
+def test_a_long_gather_reads_a_block_at_a_time_to_the_same_values(tmp_path):
+    """More rows than one read (rows.GATHER_ROWS): the whole subset and a column statistic are the same values as one
+    gather of a copy, and the mapping's pages are handed back after each read (none held at the end)."""
+    from latentsweep.trainers.data import rows as rows_mod
+
+    values = np.random.default_rng(1).standard_normal((3 * rows_mod.GATHER_ROWS + 17, 64)).astype(np.float32)
+    np.save(tmp_path / "wide.npy", values)
+    array = np.load(tmp_path / "wide.npy", mmap_mode="c")
+    assert pages.seal(array)
+    index = torch.from_numpy(np.flatnonzero(np.arange(len(values)) % 7 != 3))
+    rows = Rows(torch.as_tensor(array), index)
+    copy = torch.from_numpy(values)[index]
+    assert len(index) > rows_mod.GATHER_ROWS and torch.equal(rows.materialize(), copy)
+    assert torch.equal(rows.column_stat(lambda x: x.mean(0)), copy.mean(0))
+    assert torch.equal(rows_mod.gather(torch.as_tensor(array), index, slice(3, 9)), copy[:, 3:9])
+    assert _resident_kb(array) < 1_000

@@ -10,6 +10,9 @@ from latentsweep.trainers.core.pages import drop
 # Columns per block of a column statistic: a [N, 128] float32 block of 112,500 challenge-size training captions
 # is 58 MB, against 460 MB for the whole [N, 1024] copy.
 STAT_COLUMNS = 128
+# Rows per read of `gather`: 4,096 rows of 1,024 float32 are 16 MB (with the kernel's fault-around, at most 0.25 GB
+# of a mapping's pages a read).
+GATHER_ROWS = 4096
 
 
 class Rows:
@@ -40,15 +43,11 @@ class Rows:
 
     def __getitem__(self, idx) -> torch.Tensor:
         """The rows at positions `idx` (slice or int64 tensor) of the subset, as a new [n, D] tensor."""
-        return self._read(self.base[self.index[idx]])
+        return gather(self.base, self.index[idx])
 
     def materialize(self) -> torch.Tensor:
         """The whole subset, [N, D] (a copy: for the callers that need every row at once)."""
-        return self._read(self.base[self.index])
-
-    def _read(self, rows: torch.Tensor) -> torch.Tensor:
-        drop(self.base)
-        return rows
+        return gather(self.base, self.index)
 
     def column_stat(self, stat: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """stat(subset) for a per-column statistic ([N, D] -> [D], e.g. mean over dim 0), one block of columns at a
@@ -58,8 +57,24 @@ class Rows:
         if self.base.device.type != "cpu":
             return stat(self.materialize())
         width = self.base.shape[1]
-        return torch.cat([stat(self._read(self.base[self.index, c:c + STAT_COLUMNS]))
+        return torch.cat([stat(gather(self.base, self.index, slice(c, c + STAT_COLUMNS)))
                           for c in range(0, width, STAT_COLUMNS)])
+
+
+def gather(base: torch.Tensor, index: torch.Tensor, cols: slice = slice(None)) -> torch.Tensor:
+    """base[index, cols] ([N, c], a new tensor), read GATHER_ROWS rows at a time on the CPU with the pages of each
+    read handed back (`latentsweep.trainers.core.pages.drop`, where base is the train set's sealed mapping): the
+    same values, without every page of the base resident at once (a column block reads a slice of every row, so
+    all 0.41 GB of the challenge-size training captions' pages). Whole, in one read, on other devices."""
+    if base.device.type != "cpu" or len(index) <= GATHER_ROWS:
+        out = base[index, cols]
+        drop(base)
+        return out
+    out = torch.empty((len(index), base[:0, cols].shape[1]), dtype=base.dtype)
+    for start in range(0, len(index), GATHER_ROWS):
+        out[start:start + GATHER_ROWS] = base[index[start:start + GATHER_ROWS], cols]
+        drop(base)
+    return out
 
 
 def column_stat(x: torch.Tensor | Rows, stat: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
