@@ -32,7 +32,9 @@ class Board:
         self.galleries, self.owner, self.views = leaderboard_galleries(local, len(self.images), size, seed)
         self.where = caption_galleries(self.galleries, self.owner, local, len(self.images))
         self.column = torch.from_numpy(self.where.column)[:, None]  # [n, 1] each caption's image in its gallery
-        _, usable = gallery_norms(self._gallery())
+        gallery = torch.from_numpy(np.ascontiguousarray(image_emb[self.images], np.float32))  # [Ni, D] a copy
+        self.norms, usable = gallery_norms(gallery)  # [Ni] each image's, for every member's similarities
+        del gallery
         self.target_ok = usable[torch.from_numpy(local)]  # [n]
         self.sims: list[np.ndarray] = []  # per member float32 [n, S]
         self.finite: list[torch.Tensor] = []  # per member bool [n]
@@ -42,20 +44,17 @@ class Board:
         """Members added."""
         return len(self.sims)
 
-    def _gallery(self) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(self.image_emb[self.images], np.float32))  # [Ni, D] a copy
-
     def add(self, member: np.ndarray) -> None:
-        """Rank one member: its L2-normalised predictions [Q, D] (rows `caps` read a gallery at a time)."""
-        gallery = self._gallery()
-        norms, _ = gallery_norms(gallery)
+        """Rank one member: its L2-normalised predictions [Q, D] (rows `caps` and each gallery's images read a
+        gallery at a time)."""
         n, size = len(self.caps), self.galleries.shape[1]
         sims = np.empty((n, size), np.float32)
         finite, nonzero = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.bool)
-        for b, cols in enumerate(torch.from_numpy(self.galleries)):
+        for b, cols in enumerate(self.galleries):
             rows = self.where.order[self.where.bounds[b]:self.where.bounds[b + 1]]
             block = torch.from_numpy(np.take(member, self.caps[rows], axis=0))  # [m, D]
-            sims[rows] = (block @ gallery.index_select(0, cols).T).div_(norms[cols]).numpy()  # [m, S]
+            images = torch.from_numpy(np.ascontiguousarray(self.image_emb[self.images[cols]], np.float32))  # [S, D]
+            sims[rows] = (block @ images.T).div_(self.norms[torch.from_numpy(cols)]).numpy()  # [m, S]
             norm = torch.linalg.vector_norm(block, dim=1)
             finite[rows], nonzero[rows] = torch.isfinite(norm), norm > 0
         self.sims.append(sims)

@@ -187,7 +187,7 @@ def member_rows(outputs: list[np.ndarray], picks, rows: np.ndarray | None = None
 # A selection's score: the MRR of the members `picks` combined, summed in their order (weights None: a running sum, one
 # pick as it is) or weighted (zeros plus weight x member for each non-zero weight, `combine`'s order), ranked as the
 # leaderboard ranks. Made from member rows (`rows_score`) or from their gallery similarities (latentsweep.search.pick
-# .boards.Pool.score: the same ranks to float rounding, S floats a caption instead of D).
+# .boards.Board.score: the same ranks to float rounding, S floats a caption instead of D).
 Score = Callable[[Sequence[int], Sequence[float] | None], float]
 
 
