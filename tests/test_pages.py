@@ -88,3 +88,35 @@ def test_a_long_gather_reads_a_block_at_a_time_to_the_same_values(tmp_path):
     assert torch.equal(rows.column_stat(lambda x: x.mean(0)), copy.mean(0))
     assert torch.equal(rows_mod.gather(torch.as_tensor(array), index, slice(3, 9)), copy[:, 3:9])
     assert _resident_kb(array) < 1_000
+
+
+def test_a_save_maps_a_sealed_array_a_block_at_a_time(mapped, tmp_path):
+    """A checkpoint holding rows of the sealed set (the knn model's keys) is written through pages.Writer: the
+    mapping holds at most one block of it during any write and nothing after, and the file reads back equal."""
+    from latentsweep.trainers.train.checkpoint import _without_crc32, atomic_torch_save
+
+    values = np.random.default_rng(2).standard_normal((3 * pages.WRITE_BLOCK // 4096 + 5, 1024)).astype(np.float32)
+    np.save(tmp_path / "big.npy", values)
+    array = np.load(tmp_path / "big.npy", mmap_mode="c")
+    assert pages.seal(array)
+    seen: list[int] = []
+
+    class Watched:  # the file torch.save writes into, noting the mapping's resident size at every write
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, data):
+            seen.append(_resident_kb(array))
+            return self.fh.write(data)
+
+        def flush(self):
+            self.fh.flush()
+
+    with open(tmp_path / "ck.pt", "wb") as fh, _without_crc32():  # atomic_torch_save's save, into a watched file
+        torch.save({"keys": torch.as_tensor(array)}, pages.Writer(Watched(fh)))
+    assert len(seen) > 3 and max(seen) <= pages.WRITE_BLOCK // 1024 + 1_000
+    assert _resident_kb(array) < 1_000
+    atomic_torch_save({"keys": torch.as_tensor(array)}, tmp_path / "atomic.pt")
+    assert _resident_kb(array) < 1_000 and torch.serialization.get_crc32_options()  # the setting put back
+    for name in ("ck.pt", "atomic.pt"):
+        np.testing.assert_array_equal(torch.load(tmp_path / name, weights_only=True)["keys"].numpy(), values)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from latentsweep.trainers.config.tree import Config, from_dict, to_dict, upgrade_tree
+from latentsweep.trainers.core import pages
 from latentsweep.trainers.core.errors import LatentsweepError
 from latentsweep.trainers.core.io import atomic_write
 from latentsweep.trainers.models.zoo import ModelContext, build_model
@@ -42,9 +44,29 @@ class CenteredModel(nn.Module):
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    """torch.save through latentsweep.trainers.core.io.atomic_write: a crash never leaves a half-written checkpoint."""
-    with atomic_write(path, "wb") as fh:
-        torch.save(obj, fh)
+    """torch.save through latentsweep.trainers.core.io.atomic_write: a crash never leaves a half-written checkpoint;
+    and through pages.Writer: a knn model's training arrays, rows of the sealed train set, are written a block at a
+    time with their pages handed back after each, instead of mapped whole (0.5 GB at challenge size)."""
+    with atomic_write(path, "wb") as fh, _without_crc32():
+        torch.save(obj, pages.Writer(fh))
+
+
+@contextlib.contextmanager
+def _without_crc32():
+    """torch.save with no CRC-32 of its records, put back after. Why: the CRC pass reads a whole tensor before
+    writing it, which maps all of a knn model's training arrays at once (what pages.Writer avoids). Nothing is lost:
+    `_read` maps the file, which checks no CRC; atomic_write rules out a half-written file; torch.load reads such a
+    file whole too (torch.serialization.set_crc32_options). The lock: the setting is global to the process."""
+    with _CRC32_LOCK:
+        before = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            yield
+        finally:
+            torch.serialization.set_crc32_options(before)
+
+
+_CRC32_LOCK = threading.Lock()
 
 
 def checkpoint_payload(model: CenteredModel | dict, cfg: Config, dims: tuple[int, int], meta: dict,
