@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from latentsweep.trainers.core.pages import take
 from latentsweep.trainers.core.heap import release_free_heap
 from latentsweep.trainers.data.rows import Rows
 from latentsweep.trainers.data.splits import captions_and_local_images
@@ -51,7 +52,7 @@ def caption_rows(text: np.ndarray, caps: np.ndarray, device) -> np.ndarray | Row
     """The captions `caps` [Nq] of the loaded captions `text` [Nc, Dt], for predict_all: on the CPU as Rows read in
     place (a copy of a study's val captions is 0.1 GB at challenge size); a float32 copy elsewhere."""
     if torch.device(device).type != "cpu" or text.dtype != np.float32:
-        return np.asarray(text[caps], np.float32)
+        return np.asarray(take(text, caps), np.float32)
     return Rows(torch.as_tensor(text), torch.as_tensor(np.asarray(caps, np.int64)))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from latentsweep.trainers.core.pages import take
 from latentsweep.search.checks import check_folds
 from latentsweep.search.failures import raise_stop
 from latentsweep.search.pick.candidates import Candidate, make_candidate, share_data
@@ -47,7 +48,7 @@ def subset(data: TrainSet, images: np.ndarray) -> TrainSet:
     labels = None if data.image_labels is None else data.image_labels[images]
     return replace(data, fingerprint=subset_fingerprint(data, images), caption_ids=data.caption_ids[caps],
                    caption_text=None if data.caption_text is None else data.caption_text[caps],
-                   text=data.text[caps], image=data.image[images],
+                   text=take(data.text, caps), image=take(data.image, images),
                    cap2img=local, image_names=data.image_names[images], image_labels=labels)
 
 
@@ -178,7 +179,7 @@ def run_fold_jobs(cands: list[Candidate], data, n_folds: int, picks: Path, devic
             if ckpt is None:
                 break
             held = captions_of(data.cap2img, np.setdiff1d(np.arange(len(data.image)), job.images))
-            pred[held] = predict_all([loaded(ckpt, data, device)], data.text[held], device)[0]
+            pred[held] = predict_all([loaded(ckpt, data, device)], take(data.text, held), device)[0]
             ckpts.append((job.name, ckpt))
         if len(ckpts) < len(mine):
             say(f"latentsweep: budget: {cand.name} and the candidates after it leave the selection (their finished "

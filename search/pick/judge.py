@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from latentsweep.trainers.core.pages import take
 from latentsweep.search.pick.ensemble import caption_rows, predicted_rows
 from latentsweep.trainers.models.closed_form import held_out_rr, moments, solve
 from latentsweep.trainers.config.tree import Config
@@ -58,7 +59,7 @@ class Judge:
     @property
     def text(self) -> np.ndarray:
         """[Nq, Dt] the val captions (a copy, made for each use: 0.1 GB at challenge size)."""
-        return np.asarray(self.captions[self.caps], np.float32)
+        return np.asarray(take(self.captions, self.caps), np.float32)
 
     def per_image(self, rr: np.ndarray) -> np.ndarray:
         """[Nv] each val image's mean of its captions' reciprocal ranks `rr` [Nq]."""
@@ -103,7 +104,7 @@ def make_judge(base: Config, data: TrainSet) -> Judge | None:
         return None
     train_img, held_img = split_images(base, data)
     caps, local = captions_and_local_images(data.cap2img, held_img)
-    return Judge(train_img, held_img, data.text, caps, np.asarray(data.image[held_img]), local, base.eval.gallery_size,
+    return Judge(train_img, held_img, data.text, caps, np.asarray(take(data.image, held_img)), local, base.eval.gallery_size,
                  base.eval.seed)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from latentsweep.trainers.core.pages import take
 from latentsweep.search.pick import ensemble, jobs
 from latentsweep.search.pick import oof as oof_mod
 from latentsweep.search.pick.candidates import SPLIT_KEYS, Candidate
@@ -48,7 +49,7 @@ def select_halves(cands: list[Candidate], data, method: str, size: int, seed: in
     scores, outs = {}, {}
     for half in halves:
         fn = ensemble.half_scorer(half, data.image, seed)
-        outs[half.name] = out = predict_all([c.model for c in cands], data.text[half.captions], device)
+        outs[half.name] = out = predict_all([c.model for c in cands], take(data.text, half.captions), device)
         scores[half.name] = (fn, [fn(o) for o in out])
     sel_fn, sel_members = scores["select"]
     weights = ensemble.method_weights(method, outs["select"], lambda p: sel_fn(p)["mrr"], size)
@@ -152,7 +153,7 @@ def select_val(cands: list[Candidate], data, opts: PickOptions, device) -> Selec
     folds = oof_mod.Folds(fold_assignment(data.image_names[val_img], min(VAL_FOLDS, len(val_img))), local)
     # [Nval_caps, Di] each, made as the selection reads it and let go once ranked (oof.nested_select)
     preds = predict_each([c.model for c in cands], caption_rows(data.text, caps, device), device)
-    res = oof_mod.nested_select(preds, folds, data.image[val_img], opts.method, opts.size, opts.seed, in_place=True)
+    res = oof_mod.nested_select(preds, folds, take(data.image, val_img), opts.method, opts.size, opts.seed, in_place=True)
     release_free_heap()  # the galleries' row blocks (under glibc's mmap threshold): 0.5-0.9 GB kept resident before
     return _crossfit_selection(cands, res, opts, "val", {"val_folds": folds.n, "val_images": len(val_img),
                                                          "val_captions": len(caps)})

@@ -5,23 +5,19 @@ from typing import Callable
 
 import torch
 
-from latentsweep.trainers.core.pages import drop
+from latentsweep.trainers.core.pages import take
 
 # Columns per block of a column statistic: a [N, 128] float32 block of 112,500 challenge-size training captions
 # is 58 MB, against 460 MB for the whole [N, 1024] copy.
 STAT_COLUMNS = 128
-# Rows per read of `gather`: 4,096 rows of 1,024 float32 are 16 MB (with the kernel's fault-around, at most 0.25 GB
-# of a mapping's pages a read).
-GATHER_ROWS = 4096
 
 
 class Rows:
     """base[index] ([N, D]) without the copy: `rows[idx]` gathers the rows a batch needs (a [len(idx), D] tensor
     equal to base[index][idx]). On the CPU `base` may share the loaded numpy array's memory, so the task holds
-    only its index [N] besides the data: at challenge size 8 bytes per caption instead of 4 KB. After each read the
-    base's pages are handed back (`latentsweep.trainers.core.pages.drop`: only where it is the train set's sealed
-    mapping), so an epoch's scattered reads leave the process holding one read's pages, not every page of the
-    captions (0.41 GB at challenge size)."""
+    only its index [N] besides the data: at challenge size 8 bytes per caption instead of 4 KB. Where base is the
+    train set's sealed mapping, rows are read from its file (`latentsweep.trainers.core.pages.take`), so an epoch's
+    scattered reads map none of the captions' pages (a mapped read maps 2 MB around each row on Linux 6.18)."""
 
     def __init__(self, base: torch.Tensor, index: torch.Tensor):
         self.base, self.index = base, index  # [M, D], int64 [N] on base's device
@@ -62,19 +58,9 @@ class Rows:
 
 
 def gather(base: torch.Tensor, index: torch.Tensor, cols: slice = slice(None)) -> torch.Tensor:
-    """base[index, cols] ([N, c], a new tensor), read GATHER_ROWS rows at a time on the CPU with the pages of each
-    read handed back (`latentsweep.trainers.core.pages.drop`, where base is the train set's sealed mapping): the
-    same values, without every page of the base resident at once (a column block reads a slice of every row, so
-    all 0.41 GB of the challenge-size training captions' pages). Whole, in one read, on other devices."""
-    if base.device.type != "cpu" or len(index) <= GATHER_ROWS:
-        out = base[index, cols]
-        drop(base)
-        return out
-    out = torch.empty((len(index), base[:0, cols].shape[1]), dtype=base.dtype)
-    for start in range(0, len(index), GATHER_ROWS):
-        out[start:start + GATHER_ROWS] = base[index[start:start + GATHER_ROWS], cols]
-        drop(base)
-    return out
+    """base[index, cols] ([N, c], a new tensor): `latentsweep.trainers.core.pages.take`, which reads the train set's
+    sealed mapping from its file, so no read maps its pages (a column block reads a slice of every row)."""
+    return take(base, index, cols)
 
 
 def column_stat(x: torch.Tensor | Rows, stat: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

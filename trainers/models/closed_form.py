@@ -7,7 +7,7 @@ import torch
 
 from latentsweep.trainers.data.sets import TrainSet
 from latentsweep.trainers.core.heap import release_free_heap
-from latentsweep.trainers.core.pages import drop
+from latentsweep.trainers.core.pages import take
 from latentsweep.trainers.eval.metrics import GALLERY_SIZE, caption_galleries, leaderboard_galleries, rank_against
 from latentsweep.trainers.models.ridge import ALPHAS, Moments, Ridge, solve
 from latentsweep.trainers.data.splits import captions_of, split_by_hash
@@ -32,15 +32,14 @@ def moments(data: TrainSet, caps: np.ndarray, block: int = BLOCK) -> Moments:
     xx = torch.zeros(dx, dx, dtype=torch.float64)
     inv_t = torch.from_numpy(inv.reshape(-1).astype(np.int64))
     for start in range(0, len(caps), block):
-        x = torch.from_numpy(np.ascontiguousarray(data.text[caps[start:start + block]], np.float32))  # [b, Dx]
-        drop(data.text)  # the block's pages (a mapped train set's): every caption is read once here
+        x = torch.from_numpy(np.ascontiguousarray(take(data.text, caps[start:start + block]), np.float32))  # [b, Dx]
         # float32 products of one block (4x faster than float64 on CPU), summed over blocks in float64
         xx += (x.T @ x).double()
         per_image.index_add_(0, inv_t[start:start + block], x)
     counts = torch.from_numpy(np.bincount(inv.reshape(-1), minlength=len(imgs)).astype(np.float64))  # [Nu]
     sx, sy, xy = (torch.zeros(d, dtype=torch.float64) for d in (dx, dy, (dx, dy)))
     for start in range(0, len(imgs), block):
-        y = torch.from_numpy(np.ascontiguousarray(data.image[imgs[start:start + block]], np.float32))  # [b, Dy]
+        y = torch.from_numpy(np.ascontiguousarray(take(data.image, imgs[start:start + block]), np.float32))  # [b, Dy]
         sx += per_image[start:start + block].double().sum(0)  # summed here: 5x fewer rows than the captions
         sy += counts[start:start + block] @ y.double()
         xy += (per_image[start:start + block].T @ y).double()
@@ -85,8 +84,7 @@ def held_out_rr(ridge: Ridge, text: np.ndarray, image: np.ndarray, cap2img: np.n
         rows = where.order[where.bounds[b]:where.bounds[b + 1]]
         if len(rows) == 0:
             continue
-        xc = torch.from_numpy(np.ascontiguousarray(text[caps[rows]], np.float32)) - mx  # [n, Dx]
-        drop(text)
+        xc = torch.from_numpy(np.ascontiguousarray(take(text, caps[rows]), np.float32)) - mx  # [n, Dx]
         sims = xc @ through[b].T + offset[b]  # [n, S]: cosine up to each query's norm
         target = torch.from_numpy(where.column[rows])[:, None]  # [n, 1]
         rank = rank_against(sims, sims.gather(1, target))
@@ -105,7 +103,7 @@ def fit_ridge(data: TrainSet, seed: int = 0) -> tuple[Ridge, dict[float, float]]
     on_fit, on_held = moments(data, fit_caps), moments(data, held_caps)
     local = np.full(len(data.image), -1)
     local[held_img] = np.arange(len(held_img))
-    held_image, held_local = data.image[held_img], local[data.cap2img[held_caps]]
+    held_image, held_local = take(data.image, held_img), local[data.cap2img[held_caps]]
     scores = {alpha: held_out_mrr(solve(on_fit, alpha), data.text, held_image, held_local, seed, caps=held_caps)
               for alpha in ALPHAS}
     best = max(ALPHAS, key=lambda a: scores[a])

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from latentsweep.trainers.config.tree import Config
-from latentsweep.trainers.core.pages import drop
+from latentsweep.trainers.core.pages import take
 from latentsweep.trainers.data.rows import STAT_COLUMNS, gather
 from latentsweep.trainers.eval import metrics
 from latentsweep.trainers.eval.metrics import GALLERY_SIZE
@@ -134,11 +134,13 @@ class KernelTranslator(Translator):
         keys, values = self.keys(), self.values()
         q = l2_normalize(x - self.key_mean)  # [B, Dt]
         sim, idx = nearest(q, keys, self.k)  # [B, k'] each
-        out = [self.value_base.new_zeros(0, self.value_base.shape[1])]
-        for s, i in zip(sim.split(BLOCK), idx.split(BLOCK)):
+        # one output, filled block by block: a block's rows kept as they came would sit in glibc's heap between its
+        # 25 MB neighbour blocks, freed in turn, and hold 0.1-0.3 GB of their holes (docs/memory.md, "sixth round")
+        out = shift.new_empty(sim.shape[0], shift.shape[0])  # [B, Di]
+        for s, i, o in zip(sim.split(BLOCK), idx.split(BLOCK), out.split(BLOCK)):
             w = torch.softmax(s / self.tau, dim=1)  # [b, k']
-            out.append(torch.einsum("bk,bkd->bd", w, values.unit(keys.image[i])) - shift)  # [b, Di]
-        return torch.cat(out)
+            o.copy_(torch.einsum("bk,bkd->bd", w, values.unit(keys.image[i])) - shift)  # [b, Di]
+        return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -215,8 +217,7 @@ class Keys:
 
     def at(self, pos: torch.Tensor) -> torch.Tensor:
         """Unit keys [n, Dt] at positions pos [n] (a new tensor, centred and normalised in place)."""
-        x = self.base.index_select(0, self.rows[pos]).float().sub_(self.center).sub_(self.mean)
-        drop(self.base)  # a block's pages of the loaded captions: a pass over the keys holds one block, not 0.41 GB
+        x = take(self.base, self.rows[pos]).float().sub_(self.center).sub_(self.mean)  # read, never mapped (pages)
         return x.div_(x.norm(dim=1, keepdim=True).clamp_min(_EPS))
 
     def block(self, start: int, stop: int) -> torch.Tensor:
@@ -237,8 +238,7 @@ class Values:
 
     def unit(self, idx: torch.Tensor) -> torch.Tensor:
         """Unit images [*idx.shape, Di] of image indices idx (any shape)."""
-        x = self.base[self.rows[idx]].float()
-        drop(self.base)
+        x = take(self.base, self.rows[idx].reshape(-1)).view(*idx.shape, self.base.shape[1]).float()
         return x.div_(x.norm(dim=-1, keepdim=True).clamp_min(_EPS))
 
     def mean(self) -> torch.Tensor:

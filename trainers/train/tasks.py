@@ -17,6 +17,7 @@ from latentsweep.trainers.losses import EpochContext, batch_keys
 from latentsweep.trainers.losses.multilabel import draw_fixed_positives
 from latentsweep.trainers.models.model_context import FitRows, FitSet, ModelContext
 from latentsweep.trainers.config.registry import Registry
+from latentsweep.trainers.core.pages import take
 from latentsweep.trainers.data.rows import Rows
 from latentsweep.trainers.data.splits import captions_and_local_images, captions_of, kfold_by_image, split_by_hash
 
@@ -168,7 +169,7 @@ class TranslateTask(Task):
         self.images_n = F.normalize(self.images.materialize(), dim=1) if self.bank else None
         # Val captions as rows of the loaded array too (a copy was 0.1 GB at challenge size).
         self.val_x, self.val_img = self._caption_rows(text, data.cap2img, val_img)  # [Nv, Dt] rows, [Nv]
-        self.val_images = torch.as_tensor(data.image[val_img], device=device)
+        self.val_images = torch.as_tensor(take(data.image, val_img), device=device)
         self.dim_in, self.dim_out = data.text.shape[1], data.image.shape[1]
         self.text_mean = (self.x.column_stat(lambda x: x.mean(0)) if cfg.data.center_text
                           else torch.zeros(self.dim_in, device=device))
@@ -266,9 +267,9 @@ class MultiLabelTask(Task):
             raise DataError(f"{data.path}: data.task='multilabel' needs per-image labels (key images/labels)")
         self.cfg, self.device = cfg, device
         train_img, val_img = split_images(cfg, data)
-        self.x = torch.as_tensor(data.image[train_img], device=device)
+        self.x = torch.as_tensor(take(data.image, train_img), device=device)
         self.labels = torch.as_tensor(data.image_labels[train_img], device=device)
-        self.val_x = torch.as_tensor(data.image[val_img], device=device)
+        self.val_x = torch.as_tensor(take(data.image, val_img), device=device)
         self.val_labels = torch.as_tensor(data.image_labels[val_img], device=device)
         self.dim_in = data.image.shape[1]
         self.dim_out = cfg.model.out_dim or self.dim_in
