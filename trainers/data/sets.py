@@ -209,7 +209,7 @@ def _open_cached(folder: Path, path: str, fp: str) -> TrainSet | None:
     except (OSError, ValueError, KeyError, TypeError):  # absent, half-removed or not ours: parse the npz instead
         return None
     os.utime(folder / "done.json")  # recently used: the last to be evicted
-    for name in _MAPPED:  # read-only from here on: pages.drop hands their pages back after each read
+    for name in _MAPPED:  # read-only from here on; rows are read from the file (pages.take), never mapped
         if arrays[name] is not None:
             seal(arrays[name])
     return TrainSet(path, fp, arrays["caption_ids"], None, arrays["text"], arrays["image"], arrays["cap2img"],
