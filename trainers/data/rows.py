@@ -39,11 +39,11 @@ class Rows:
 
     def __getitem__(self, idx) -> torch.Tensor:
         """The rows at positions `idx` (slice or int64 tensor) of the subset, as a new [n, D] tensor."""
-        return gather(self.base, self.index[idx])
+        return take(self.base, self.index[idx])
 
     def materialize(self) -> torch.Tensor:
         """The whole subset, [N, D] (a copy: for the callers that need every row at once)."""
-        return gather(self.base, self.index)
+        return take(self.base, self.index)
 
     def column_stat(self, stat: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """stat(subset) for a per-column statistic ([N, D] -> [D], e.g. mean over dim 0), one block of columns at a
@@ -53,14 +53,8 @@ class Rows:
         if self.base.device.type != "cpu":
             return stat(self.materialize())
         width = self.base.shape[1]
-        return torch.cat([stat(gather(self.base, self.index, slice(c, c + STAT_COLUMNS)))
+        return torch.cat([stat(take(self.base, self.index, slice(c, c + STAT_COLUMNS)))
                           for c in range(0, width, STAT_COLUMNS)])
-
-
-def gather(base: torch.Tensor, index: torch.Tensor, cols: slice = slice(None)) -> torch.Tensor:
-    """base[index, cols] ([N, c], a new tensor): `latentsweep.trainers.core.pages.take`, which reads the train set's
-    sealed mapping from its file, so no read maps its pages (a column block reads a slice of every row)."""
-    return take(base, index, cols)
 
 
 def column_stat(x: torch.Tensor | Rows, stat: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from latentsweep.trainers.config.tree import Config
 from latentsweep.trainers.core.pages import take
-from latentsweep.trainers.data.rows import STAT_COLUMNS, gather
+from latentsweep.trainers.data.rows import STAT_COLUMNS
 from latentsweep.trainers.eval import metrics
 from latentsweep.trainers.eval.metrics import GALLERY_SIZE
 from latentsweep.trainers.models.knn_memo import MEMO_ROWS, RowMemo, row_hashes  # noqa: F401 - MEMO_ROWS: its API
@@ -246,7 +246,7 @@ class Values:
         latentsweep.trainers.data.rows.Rows.column_stat)."""
         if not len(self):
             return torch.zeros(self.base.shape[1], device=self.base.device)
-        norms = torch.cat([gather(self.base, self.rows[s:s + KEY_BLOCK]).float().norm(dim=1)
+        norms = torch.cat([take(self.base, self.rows[s:s + KEY_BLOCK]).float().norm(dim=1)
                            for s in range(0, len(self), KEY_BLOCK)]).clamp_min(_EPS)  # [Ni]
         return _column_mean(self.base, self.rows, torch.zeros(self.base.shape[1], device=self.base.device), norms)
 
@@ -257,7 +257,7 @@ def _column_mean(base: torch.Tensor, rows: torch.Tensor, center: torch.Tensor,
     where a column's mean depends only on that column's values (tests/test_rows.py), so no [N, Dt] copy is made;
     whole elsewhere (device memory)."""
     def part(cols: slice) -> torch.Tensor:
-        x = gather(base, rows, cols).float() - center[cols]  # a block of rows at a time, each's pages handed back
+        x = take(base, rows, cols).float() - center[cols]  # [N, c] read from the file where base is the sealed set
         return (x if norms is None else x / norms[:, None]).mean(dim=0)
 
     if not len(rows):
